@@ -1,0 +1,44 @@
+// Backend: one compute device (the CPU, or one CUDA GPU). It owns the memory of the tensors it
+// allocates and the device's execution resources (threads, streams).
+//
+// A backend is picked once at start-up; code above it holds a Backend& and dispatches on
+// device_type() in one place per op (see kv/attention.cc), not with #ifdefs.
+// Thread-safety: alloc() and copy() are thread-safe; compute entry points of a concrete backend
+// say their own rules (the CPU backend's parallel_for runs one caller at a time).
+#pragma once
+
+#include <cstddef>
+#include <string_view>
+
+#include "combs/backend/tensor.h"
+#include "combs/base/status.h"
+
+namespace combs {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  virtual DeviceType device_type() const = 0;
+  virtual std::string_view name() const = 0;
+
+  // Uninitialized memory for `shape` x `dtype` on this device. RESOURCE_EXHAUSTED when the device
+  // cannot provide it.
+  StatusOr<Tensor> alloc(Shape shape, DType dtype);
+  // Copies src into dst (same dtype and element count); either may be host memory.
+  virtual Status copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual Status zero(const Tensor& t) = 0;
+
+ protected:
+  // nullptr when out of memory.
+  virtual void* raw_alloc(size_t bytes) = 0;
+  virtual void raw_free(void* ptr) noexcept = 0;
+
+ private:
+  friend struct TensorStorage;
+};
+
+}  // namespace combs

@@ -1,0 +1,42 @@
+// The CPU backend: host memory (64-byte aligned, transparent huge pages for large buffers) and a
+// pool of worker threads for data-parallel kernels.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "combs/backend/backend.h"
+
+namespace combs {
+
+struct CpuBackendOptions {
+  int num_threads = 0;  // 0: one per hardware thread
+};
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(CpuBackendOptions options = {});
+  ~CpuBackend() override;
+
+  DeviceType device_type() const override { return DeviceType::kCpu; }
+  std::string_view name() const override { return "cpu"; }
+  Status copy(const Tensor& src, const Tensor& dst) override;
+  Status zero(const Tensor& t) override;
+
+  int num_threads() const;
+  // Runs fn(i) for every i in [0, n) on the worker threads and the calling thread, dynamically
+  // scheduled, and returns when all are done. fn must not throw. Calls from several threads are
+  // serialized; a call from inside fn runs inline on that thread.
+  void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
+
+ protected:
+  void* raw_alloc(size_t bytes) override;
+  void raw_free(void* ptr) noexcept override;
+
+ private:
+  class ThreadPool;
+  std::unique_ptr<ThreadPool> pool_;
+};
+
+}  // namespace combs

@@ -1,0 +1,127 @@
+// KVCache: per-sequence key/value storage that owns the attention computation
+// ("attention in cache"). For each layer the model runner hands over the new q, k and v and gets
+// the attention output back; the cache appends K/V, owns their layout, expands GQA heads and
+// applies the causal mask (bottom-right aligned, so chunked prefill at pos > 0 works; one decoded
+// token attends to everything and needs no mask).
+//
+// Activations are token-major, as the projections produce them:
+//   q, out: [n_new, n_q_heads, head_dim]      k, v: [n_new, n_kv_heads, head_dim]
+// each f32, f16 or bf16 (independently); K/V are stored in the cache's dtype; scores, softmax and
+// the weighted sum accumulate in f32.
+//
+// Lengths are tracked per layer: attention(layer, ..., pos) requires pos == layer_len(layer), and
+// seq_len() is the longest layer. A forward over all layers leaves them equal; a forward that
+// fails half-way is undone with popn(n_new).
+//
+// Errors (never aborts):
+//   INVALID_ARGUMENT     layer out of range; a shape, dtype, device or head-count mismatch
+//   FAILED_PRECONDITION  pos != layer_len(layer)
+//   RESOURCE_EXHAUSTED   pos + n_new > capacity(); the page pool has too few free pages
+// On error nothing changes (prepare, then apply).
+//
+// Thread-compatible: one thread uses a cache at a time; caches sharing a PagePool must be used
+// from one thread (the engine's scheduler thread).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "combs/backend/backend.h"
+#include "combs/base/status.h"
+#include "combs/kv/kv_layout.h"
+
+namespace combs {
+
+class KVCache;
+class PagePool;
+
+// Which attention computation runs. kFlash: fused, online softmax, reads K/V in place, never
+// materializes the [n_new, total] scores. kManual: the reference (gather, explicit scores, mask,
+// softmax, P@V).
+enum class AttentionImpl : uint8_t { kFlash, kManual };
+
+// COMBS_ATTN=flash|manual, default flash; read once per process.
+AttentionImpl default_attention_impl();
+
+// INVALID_ARGUMENT unless every field is positive and within sane bounds (layers <= 4096, heads
+// <= 4096, head_dim <= 4096).
+Status validate_kv_geometry(const KVGeometry& geometry);
+
+// One sequence of a batched attention call: its cache, the position of its first new token, and
+// how many new tokens it has. The sequences' tokens lie one after another in q, k, v and out.
+struct SeqAttention {
+  KVCache* cache = nullptr;
+  int64_t pos = 0;
+  int64_t n_new = 0;
+};
+
+// Batched attention-in-cache: appends each sequence's K/V into its own cache and computes the
+// attention of all sequences at once (the single-sequence KVCache::attention is the batch of one).
+// q, k, v, out: as for KVCache::attention, with n_new = the sum over seqs. out == nullptr appends
+// only. Checks everything before changing anything; on error no cache changes. A cache may appear
+// only once per call; all caches must share one backend and geometry.
+Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
+                       const Tensor& k, const Tensor& v, float scale, const Tensor* out,
+                       AttentionImpl impl = default_attention_impl());
+
+class KVCache {
+ public:
+  virtual ~KVCache() = default;
+  KVCache(const KVCache&) = delete;
+  KVCache& operator=(const KVCache&) = delete;
+
+  // Appends k, v at positions [pos, pos + n_new) of `layer` and writes the causal attention of q
+  // over positions [0, pos + n_new) into out (allocated by the caller). scale is the logit scale,
+  // usually 1/sqrt(head_dim).
+  Status attention(int layer, const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos,
+                   float scale, const Tensor& out);
+  // As above, returning a new f32 output tensor on the cache's backend.
+  StatusOr<Tensor> attention(int layer, const Tensor& q, const Tensor& k, const Tensor& v,
+                             int64_t pos, float scale);
+  // Appends k, v without attending (restoring a cache, filling one for a benchmark).
+  Status append(int layer, const Tensor& k, const Tensor& v, int64_t pos);
+
+  int64_t seq_len() const;
+  int64_t layer_len(int layer) const { return layer_len_[layer]; }
+  // Drops the last min(n, seq_len()) positions of every layer; returns how many were dropped.
+  virtual int64_t popn(int64_t n) = 0;
+  // Drops everything (and, for a paged cache, returns its pages to the pool).
+  virtual void reset() = 0;
+  // Pages the sequence holds; nullopt for a cache that is not paged.
+  virtual std::optional<int64_t> pages_used() const = 0;
+  // Most positions this cache can hold.
+  virtual int64_t capacity() const = 0;
+
+  const KVGeometry& geometry() const { return geometry_; }
+  Backend& backend() const { return *backend_; }
+
+ protected:
+  KVCache(Backend& backend, const KVGeometry& geometry);
+
+  // --- Hooks for attention_batch(): prepare (no side effects), then apply. ---
+  // The page pool new pages come from; nullptr for a cache that does not page.
+  virtual PagePool* pool() const { return nullptr; }
+  // Pages that growing to `end` positions takes from pool() (new pages and copy-on-write copies).
+  virtual int64_t pages_needed(int64_t end) const = 0;
+  // Makes positions [0, end) writable: allocates and unshares pages. Called only after
+  // pages_needed(end) pages were found free; cannot fail then.
+  virtual void reserve(int64_t end) = 0;
+  // Where layer `layer` lies.
+  virtual KVLayout layout(int layer) const = 0;
+
+  void truncate_layers(int64_t len);  // every layer_len = min(layer_len, len)
+  void grow_layers_to(int64_t len);   // every layer_len = len (a fork's copy of its parent)
+
+ private:
+  friend Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
+                                const Tensor& k, const Tensor& v, float scale, const Tensor* out,
+                                AttentionImpl impl);
+
+  Backend* backend_;
+  KVGeometry geometry_;
+  std::vector<int64_t> layer_len_;
+};
+
+}  // namespace combs

@@ -1,0 +1,60 @@
+// PagedKVCache: one sequence's page table into a shared PagePool (MLC / vLLM style).
+//
+// Growing takes pages from the pool as positions cross page boundaries; popn() returns pages that
+// become wholly unused; reset() and destruction return them all. fork() makes a second cache that
+// shares every full page by reference count and copies the partly filled last page; writing into a
+// page that is still shared (after a popn into it) first copies it (copy-on-write), so a sequence
+// never changes what another sees. Attention reads K/V in place in the pool's pages.
+// Thread-compatible (see kv_cache.h); the pool must outlive the cache.
+#pragma once
+
+#include <memory>
+#include <span>
+
+#include "combs/kv/kv_cache.h"
+#include "combs/kv/page_pool.h"
+
+namespace combs {
+
+class PagedKVCache final : public KVCache {
+ public:
+  // INVALID_ARGUMENT unless max_seq_len >= 1.
+  static StatusOr<std::unique_ptr<PagedKVCache>> create(PagePool& pool, int64_t max_seq_len);
+  ~PagedKVCache() override;
+
+  // A new cache holding the same positions, sharing this one's full pages. FAILED_PRECONDITION
+  // while layers have different lengths (mid-forward); RESOURCE_EXHAUSTED when the partly filled
+  // last page cannot be copied for want of a free page.
+  StatusOr<std::unique_ptr<PagedKVCache>> fork() const;
+
+  int64_t popn(int64_t n) override;
+  void reset() override;
+  std::optional<int64_t> pages_used() const override {
+    return static_cast<int64_t>(table_.size());
+  }
+  int64_t capacity() const override { return max_seq_len_; }
+
+  // Logical page -> physical page id.
+  std::span<const int32_t> page_table() const { return table_; }
+  // Pages of this cache that another cache also holds.
+  int64_t pages_shared() const;
+  PagePool& page_pool() const { return *pool_; }
+
+ protected:
+  PagePool* pool() const override { return pool_; }
+  int64_t pages_needed(int64_t end) const override;
+  void reserve(int64_t end) override;
+  KVLayout layout(int layer) const override { return pool_->layout(layer, table_.data()); }
+
+ private:
+  PagedKVCache(PagePool& pool, int64_t max_seq_len);
+  // Index of the first page that positions from seq_len() on would write into.
+  int64_t first_written_page(int64_t end) const;
+  void release_pages_from(int64_t keep);
+
+  PagePool* pool_;
+  int64_t max_seq_len_;
+  std::vector<int32_t> table_;
+};
+
+}  // namespace combs

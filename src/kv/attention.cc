@@ -1,0 +1,125 @@
+// attention_batch(): validation, page reservation (prepare, then apply) and the per-device
+// dispatch of the attention-in-cache call. Device choice happens here and nowhere else in kv/.
+#include <algorithm>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "combs/kv/kv_cache.h"
+#include "combs/kv/page_pool.h"
+#include "kv/cpu/attention_cpu.h"
+
+namespace combs {
+namespace {
+
+std::string describe(const char* name, const Tensor& t) {
+  return std::string(name) + " " + std::string(dtype_name(t.dtype())) + t.shape().to_string();
+}
+
+Status check_tokens(const char* name, const Tensor& t, int64_t n_tokens, int64_t heads,
+                    int64_t head_dim, DeviceType device) {
+  if (!t.defined()) return invalid_argument_error(std::string("attention: ") + name + " is missing");
+  if (t.rank() != 3 || t.dim(0) != n_tokens || t.dim(1) != heads || t.dim(2) != head_dim) {
+    return invalid_argument_error("attention: " + describe(name, t) + " should be [" +
+                                  std::to_string(n_tokens) + ", " + std::to_string(heads) + ", " +
+                                  std::to_string(head_dim) + "]");
+  }
+  if (t.device() != device) {
+    return invalid_argument_error(std::string("attention: ") + name +
+                                  " is not on the cache's device");
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
+                       const Tensor& k, const Tensor& v, float scale, const Tensor* out,
+                       AttentionImpl impl) {
+  if (seqs.empty()) return ok_status();
+  // ---- Check everything; change nothing. ----
+  KVCache* first = seqs[0].cache;
+  if (first == nullptr) return invalid_argument_error("attention: null cache in batch");
+  const KVGeometry& g = first->geometry();
+  Backend& backend = first->backend();
+  if (layer < 0 || layer >= g.num_layers) {
+    return invalid_argument_error("attention: layer " + std::to_string(layer) +
+                                  " out of range [0, " + std::to_string(g.num_layers) + ")");
+  }
+  int64_t n_tokens = 0;
+  std::unordered_set<const KVCache*> seen;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const SeqAttention& s = seqs[i];
+    const std::string which = "attention: sequence " + std::to_string(i);
+    if (s.cache == nullptr) return invalid_argument_error(which + ": null cache");
+    if (&s.cache->backend() != &backend || !(s.cache->geometry() == g)) {
+      return invalid_argument_error(which + ": cache has another backend or geometry than the first");
+    }
+    if (!seen.insert(s.cache).second) {
+      return invalid_argument_error(which + ": the same cache appears twice in one batch");
+    }
+    if (s.n_new < 0) return invalid_argument_error(which + ": negative n_new");
+    if (s.pos != s.cache->layer_len(layer)) {
+      return failed_precondition_error(which + ": pos " + std::to_string(s.pos) +
+                                       " != cached length " +
+                                       std::to_string(s.cache->layer_len(layer)) + " of layer " +
+                                       std::to_string(layer));
+    }
+    if (s.pos + s.n_new > s.cache->capacity()) {
+      return resource_exhausted_error(which + ": " + std::to_string(s.pos + s.n_new) +
+                                      " positions exceed the cache capacity of " +
+                                      std::to_string(s.cache->capacity()));
+    }
+    n_tokens += s.n_new;
+  }
+  COMBS_RETURN_IF_ERROR(check_tokens("k", k, n_tokens, g.n_kv_heads, g.head_dim, backend.device_type()));
+  COMBS_RETURN_IF_ERROR(check_tokens("v", v, n_tokens, g.n_kv_heads, g.head_dim, backend.device_type()));
+  if (out != nullptr) {
+    if (q.rank() != 3 || q.dim(1) < 1 || q.dim(1) % g.n_kv_heads != 0) {
+      return invalid_argument_error("attention: " + describe("q", q) +
+                                    " should be [n_new, n_q_heads, head_dim] with n_q_heads a "
+                                    "multiple of n_kv_heads = " + std::to_string(g.n_kv_heads));
+    }
+    COMBS_RETURN_IF_ERROR(check_tokens("q", q, n_tokens, q.dim(1), g.head_dim, backend.device_type()));
+    COMBS_RETURN_IF_ERROR(check_tokens("out", *out, n_tokens, q.dim(1), g.head_dim, backend.device_type()));
+  }
+  if (backend.device_type() != DeviceType::kCpu) {
+    return unimplemented_error("attention: no kernels for backend " + std::string(backend.name()));
+  }
+  // Pages: every pool must have what its caches need, all together.
+  std::vector<std::pair<PagePool*, int64_t>> demand;
+  for (const SeqAttention& s : seqs) {
+    PagePool* pool = s.cache->pool();
+    const int64_t n = pool ? s.cache->pages_needed(s.pos + s.n_new) : 0;
+    if (n == 0) continue;
+    auto it = std::find_if(demand.begin(), demand.end(), [&](auto& d) { return d.first == pool; });
+    if (it == demand.end()) demand.emplace_back(pool, n);
+    else it->second += n;
+  }
+  for (const auto& [pool, n] : demand) {
+    if (n > pool->num_free()) {
+      return resource_exhausted_error("attention: page pool exhausted: the batch needs " +
+                                      std::to_string(n) + " pages, " +
+                                      std::to_string(pool->num_free()) + " of " +
+                                      std::to_string(pool->num_pages()) + " are free");
+    }
+  }
+
+  // ---- Apply. ----
+  std::vector<cpu::SeqWork> work;
+  work.reserve(seqs.size());
+  int64_t row = 0;
+  for (const SeqAttention& s : seqs) {
+    s.cache->reserve(s.pos + s.n_new);
+    work.push_back({s.cache->layout(layer), row, s.pos, s.n_new});
+    row += s.n_new;
+  }
+  auto& cpu_backend = static_cast<CpuBackend&>(backend);
+  cpu::write_kv(cpu_backend, work, g.n_kv_heads, k, v);
+  for (const SeqAttention& s : seqs) s.cache->layer_len_[layer] = s.pos + s.n_new;
+  if (out != nullptr) cpu::attention(cpu_backend, work, g.n_kv_heads, q, *out, scale, impl);
+  return ok_status();
+}
+
+}  // namespace combs

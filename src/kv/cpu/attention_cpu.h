@@ -1,0 +1,32 @@
+// CPU kernels behind attention_batch(): writing K/V into a cache's layout and the two attention
+// paths. Internal to kv/; inputs are validated by attention_batch().
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "combs/backend/cpu/cpu_backend.h"
+#include "combs/kv/kv_cache.h"
+#include "combs/kv/kv_layout.h"
+
+namespace combs::cpu {
+
+// One sequence of a batch: where its K/V lie, and its rows in q/k/v/out.
+struct SeqWork {
+  KVLayout kv;
+  int64_t row = 0;    // first token row in q, k, v, out
+  int64_t pos = 0;    // absolute position of that token
+  int64_t n_new = 0;  // its number of new tokens
+};
+
+// Converts rows [row, row + n_new) of k and v ([T, n_kv, head_dim]) into the cache at
+// positions [pos, pos + n_new).
+void write_kv(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_heads, const Tensor& k,
+              const Tensor& v);
+
+// out[row + i, h] = softmax(scale * q[row + i, h] . K[0 .. pos + i]) @ V[0 .. pos + i], with KV head
+// h / (n_q / n_kv) (GQA). f32 accumulation.
+void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_heads,
+               const Tensor& q, const Tensor& out, float scale, AttentionImpl impl);
+
+}  // namespace combs::cpu

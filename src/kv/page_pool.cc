@@ -1,0 +1,95 @@
+#include "combs/kv/page_pool.h"
+
+#include <cassert>
+#include <limits>
+#include <string>
+
+#include "combs/kv/kv_cache.h"
+
+namespace combs {
+
+int64_t page_bytes(const KVGeometry& g, int page_size) {
+  return 2 * int64_t{g.num_layers} * g.n_kv_heads * page_size * g.head_dim *
+         static_cast<int64_t>(dtype_size(g.dtype));
+}
+
+int64_t pages_for_budget(const KVGeometry& g, int page_size, int64_t budget_bytes) {
+  const int64_t per_page = page_bytes(g, page_size);
+  return per_page > 0 && budget_bytes > 0 ? budget_bytes / per_page : 0;
+}
+
+StatusOr<std::unique_ptr<PagePool>> PagePool::create(Backend& backend,
+                                                     const PagePoolOptions& options) {
+  COMBS_RETURN_IF_ERROR(validate_kv_geometry(options.geometry));
+  if (options.page_size < 1 || options.page_size > (1 << 20)) {
+    return invalid_argument_error("page pool: page_size must be in [1, 1048576], got " +
+                                  std::to_string(options.page_size));
+  }
+  if (options.num_pages < 1 || options.num_pages > std::numeric_limits<int32_t>::max()) {
+    return invalid_argument_error("page pool: num_pages must be in [1, 2^31), got " +
+                                  std::to_string(options.num_pages) +
+                                  " (is the KV memory budget smaller than one page of " +
+                                  std::to_string(page_bytes(options.geometry, options.page_size)) +
+                                  " bytes?)");
+  }
+  std::unique_ptr<PagePool> pool(new PagePool(backend, options));
+  const KVGeometry& g = options.geometry;
+  const Shape arena{options.num_pages, g.n_kv_heads, options.page_size, g.head_dim};
+  for (int layer = 0; layer < g.num_layers; ++layer) {
+    COMBS_ASSIGN_OR_RETURN(Tensor k, backend.alloc(arena, g.dtype));
+    COMBS_ASSIGN_OR_RETURN(Tensor v, backend.alloc(arena, g.dtype));
+    pool->k_.push_back(std::move(k));
+    pool->v_.push_back(std::move(v));
+  }
+  return pool;
+}
+
+PagePool::PagePool(Backend& backend, const PagePoolOptions& options)
+    : backend_(&backend), options_(options), refcount_(options.num_pages, 0) {
+  free_.reserve(options.num_pages);
+  for (int64_t p = options.num_pages - 1; p >= 0; --p) free_.push_back(static_cast<int32_t>(p));
+}
+
+std::optional<int32_t> PagePool::alloc() {
+  if (free_.empty()) return std::nullopt;
+  const int32_t page = free_.back();
+  free_.pop_back();
+  assert(refcount_[page] == 0);
+  refcount_[page] = 1;
+  return page;
+}
+
+void PagePool::retain(int32_t page) {
+  assert(refcount_[page] > 0);
+  ++refcount_[page];
+}
+
+void PagePool::release(int32_t page) {
+  assert(refcount_[page] > 0);
+  if (--refcount_[page] == 0) free_.push_back(page);
+}
+
+void PagePool::copy_page(int32_t src, int32_t dst) {
+  for (int layer = 0; layer < geometry().num_layers; ++layer) {
+    for (const Tensor* arena : {&k_[layer], &v_[layer]}) {
+      // Same dtype and size by construction: cannot fail.
+      backend_->copy(arena->rows(src, src + 1), arena->rows(dst, dst + 1)).ignore();
+    }
+  }
+}
+
+KVLayout PagePool::layout(int layer, const int32_t* pages) const {
+  const KVGeometry& g = geometry();
+  KVLayout l;
+  l.k = k_[layer].data();
+  l.v = v_[layer].data();
+  l.page_table = pages;
+  l.page_size = options_.page_size;
+  l.head_stride = int64_t{options_.page_size} * g.head_dim;
+  l.page_stride = l.head_stride * g.n_kv_heads;
+  l.head_dim = g.head_dim;
+  l.dtype = g.dtype;
+  return l;
+}
+
+}  // namespace combs

@@ -1,0 +1,105 @@
+#include "combs/kv/paged_kv_cache.h"
+
+#include <algorithm>
+#include <string>
+
+namespace combs {
+
+StatusOr<std::unique_ptr<PagedKVCache>> PagedKVCache::create(PagePool& pool,
+                                                             int64_t max_seq_len) {
+  if (max_seq_len < 1) {
+    return invalid_argument_error("paged KV cache: max_seq_len must be >= 1, got " +
+                                  std::to_string(max_seq_len));
+  }
+  return std::unique_ptr<PagedKVCache>(new PagedKVCache(pool, max_seq_len));
+}
+
+PagedKVCache::PagedKVCache(PagePool& pool, int64_t max_seq_len)
+    : KVCache(pool.backend(), pool.geometry()), pool_(&pool), max_seq_len_(max_seq_len) {}
+
+PagedKVCache::~PagedKVCache() { release_pages_from(0); }
+
+int64_t PagedKVCache::first_written_page(int64_t end) const {
+  int64_t start = end;
+  for (int l = 0; l < geometry().num_layers; ++l) start = std::min(start, layer_len(l));
+  return start / pool_->page_size();
+}
+
+int64_t PagedKVCache::pages_needed(int64_t end) const {
+  const int64_t have = static_cast<int64_t>(table_.size());
+  int64_t needed = std::max<int64_t>(0, pages_for_tokens(end, pool_->page_size()) - have);
+  for (int64_t i = first_written_page(end); i < have; ++i) {
+    if (pool_->refcount(table_[i]) > 1) ++needed;  // copy-on-write
+  }
+  return needed;
+}
+
+void PagedKVCache::reserve(int64_t end) {
+  const int64_t have = static_cast<int64_t>(table_.size());
+  for (int64_t i = first_written_page(end); i < have; ++i) {
+    if (pool_->refcount(table_[i]) > 1) {
+      const int32_t copy = *pool_->alloc();  // counted by pages_needed
+      pool_->copy_page(table_[i], copy);
+      pool_->release(table_[i]);
+      table_[i] = copy;
+    }
+  }
+  while (static_cast<int64_t>(table_.size()) < pages_for_tokens(end, pool_->page_size())) {
+    table_.push_back(*pool_->alloc());
+  }
+}
+
+void PagedKVCache::release_pages_from(int64_t keep) {
+  // Last page first, so that the pool's LIFO hands them out again in table order.
+  while (static_cast<int64_t>(table_.size()) > keep) {
+    pool_->release(table_.back());
+    table_.pop_back();
+  }
+}
+
+int64_t PagedKVCache::popn(int64_t n) {
+  const int64_t len = seq_len();
+  n = std::clamp<int64_t>(n, 0, len);
+  truncate_layers(len - n);
+  release_pages_from(pages_for_tokens(len - n, pool_->page_size()));
+  return n;
+}
+
+void PagedKVCache::reset() {
+  truncate_layers(0);
+  release_pages_from(0);
+}
+
+int64_t PagedKVCache::pages_shared() const {
+  return std::count_if(table_.begin(), table_.end(),
+                       [this](int32_t p) { return pool_->refcount(p) > 1; });
+}
+
+StatusOr<std::unique_ptr<PagedKVCache>> PagedKVCache::fork() const {
+  const int64_t len = seq_len();
+  for (int l = 0; l < geometry().num_layers; ++l) {
+    if (layer_len(l) != len) {
+      return failed_precondition_error(
+          "fork: layers hold different lengths (a forward is in progress or failed half-way)");
+    }
+  }
+  std::unique_ptr<PagedKVCache> child(new PagedKVCache(*pool_, max_seq_len_));
+  const int64_t full = len / pool_->page_size();
+  const bool partial = len % pool_->page_size() != 0;
+  if (partial) {
+    std::optional<int32_t> copy = pool_->alloc();
+    if (!copy) {
+      return resource_exhausted_error("fork: no free page to copy the partly filled last page into");
+    }
+    pool_->copy_page(table_[full], *copy);
+    child->table_.assign(table_.begin(), table_.begin() + full);
+    child->table_.push_back(*copy);
+  } else {
+    child->table_.assign(table_.begin(), table_.begin() + full);
+  }
+  for (int64_t i = 0; i < full; ++i) pool_->retain(table_[i]);
+  child->grow_layers_to(len);
+  return child;
+}
+
+}  // namespace combs

@@ -1,0 +1,197 @@
+// combs-bench kv: decode-attention time, paged vs contiguous, for several batch sizes and
+// contexts, and the effective bandwidth (bytes of K/V read per second) against the memory
+// bandwidth measured in the same run with the same threads.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "combs/backend/cpu/cpu_backend.h"
+#include "combs/kv/contiguous_kv_cache.h"
+#include "combs/kv/paged_kv_cache.h"
+
+namespace combs::bench {
+namespace {
+
+// Median GB/s of summing a buffer much larger than the caches, split over the backend's threads.
+double measure_read_bandwidth(CpuBackend& backend, int64_t bytes, int reps) {
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(float));
+  auto buf = backend.alloc({n}, DType::kF32);
+  if (!buf.ok()) return 0.0;
+  float* data = buf->data_as<float>();
+  for (int64_t i = 0; i < n; ++i) data[i] = float(i & 1023);
+  const int64_t parts = backend.num_threads() * 4;
+  std::vector<float> sums(parts);
+  std::vector<double> rates;
+  for (int r = 0; r < reps + 1; ++r) {
+    const double t0 = now_seconds();
+    backend.parallel_for(parts, [&](int64_t p) {
+      const int64_t begin = n * p / parts, end = n * (p + 1) / parts;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = begin; i < end; ++i) s += data[i];
+      sums[p] = s;
+    });
+    const double dt = now_seconds() - t0;
+    if (r > 0) rates.push_back(double(bytes) / dt / 1e9);  // the first run warms up
+  }
+  return median(rates);
+}
+
+struct Setup {
+  int n_q, n_kv, head_dim, page_size;
+  DType dtype;
+  AttentionImpl impl;
+  int reps;
+};
+
+// Fills every cache to `ctx` positions, a page at a time round robin, so that the pages of
+// different sequences interleave in the pool as they do under continuous batching.
+Status fill(std::vector<KVCache*>& caches, int64_t ctx, const Setup& s, CpuBackend& backend,
+            int64_t chunk) {
+  COMBS_ASSIGN_OR_RETURN(Tensor kv, backend.alloc({chunk, s.n_kv, s.head_dim}, DType::kF32));
+  float* d = kv.data_as<float>();
+  uint32_t x = 12345;
+  for (int64_t i = 0; i < kv.numel(); ++i) {
+    x = x * 1664525u + 1013904223u;
+    d[i] = float(int32_t(x >> 8) % 2001 - 1000) * 1e-3f;
+  }
+  for (int64_t pos = 0; pos < ctx; pos += chunk) {
+    const int64_t n = std::min(chunk, ctx - pos);
+    for (KVCache* c : caches) COMBS_RETURN_IF_ERROR(c->append(0, kv.rows(0, n), kv.rows(0, n), pos));
+  }
+  return ok_status();
+}
+
+// Median seconds of one decode step (one new token per sequence) over all caches.
+StatusOr<double> time_decode(std::vector<KVCache*>& caches, int64_t ctx, const Setup& s,
+                             CpuBackend& backend) {
+  const int64_t b = static_cast<int64_t>(caches.size());
+  COMBS_ASSIGN_OR_RETURN(Tensor q, backend.alloc({b, s.n_q, s.head_dim}, DType::kF32));
+  COMBS_ASSIGN_OR_RETURN(Tensor kv, backend.alloc({b, s.n_kv, s.head_dim}, DType::kF32));
+  COMBS_ASSIGN_OR_RETURN(Tensor out, backend.alloc({b, s.n_q, s.head_dim}, DType::kF32));
+  for (int64_t i = 0; i < q.numel(); ++i) q.data_as<float>()[i] = std::sin(float(i));
+  for (int64_t i = 0; i < kv.numel(); ++i) kv.data_as<float>()[i] = std::cos(float(i));
+  std::vector<SeqAttention> seqs;
+  for (KVCache* c : caches) seqs.push_back({c, ctx, 1});
+  std::vector<double> times;
+  for (int r = 0; r < s.reps + 1; ++r) {
+    const double t0 = now_seconds();
+    COMBS_RETURN_IF_ERROR(attention_batch(seqs, 0, q, kv, kv, 1.0f / std::sqrt(float(s.head_dim)),
+                                          &out, s.impl));
+    const double dt = now_seconds() - t0;
+    if (r > 0) times.push_back(dt);  // the first run warms up
+    for (KVCache* c : caches) c->popn(1);
+  }
+  return median(times);
+}
+
+}  // namespace
+
+int run_kv(int argc, char** argv) {
+  Flags flags;
+  const std::map<std::string, std::string> known = {
+      {"seqs", "1,64"},     {"contexts", "512,2048,8192"}, {"heads", "32"}, {"kv-heads", "8"},
+      {"head-dim", "128"},  {"page-size", "16"},           {"dtype", "bf16"}, {"impl", "flash"},
+      {"threads", "0"},     {"reps", "9"},                 {"bandwidth-mib", "1024"}};
+  if (argc >= 3 && (!std::strcmp(argv[2], "--help") || !std::strcmp(argv[2], "-h"))) {
+    std::printf("combs-bench kv [--name value ...]; flags and defaults:\n");
+    for (const auto& [k, v] : known) std::printf("  --%-14s %s\n", k.c_str(), v.c_str());
+    return 0;
+  }
+  if (!flags.parse(argc, argv, 2, known)) return 2;
+  std::vector<long long> seqs, contexts;
+  long long heads, kv_heads, head_dim, page_size, threads, reps, bw_mib;
+  if (!flags.ints("seqs", &seqs) || !flags.ints("contexts", &contexts) ||
+      !flags.int1("heads", &heads) || !flags.int1("kv-heads", &kv_heads) ||
+      !flags.int1("head-dim", &head_dim) || !flags.int1("page-size", &page_size) ||
+      !flags.int1("threads", &threads) || !flags.int1("reps", &reps) ||
+      !flags.int1("bandwidth-mib", &bw_mib)) {
+    return 2;
+  }
+  Setup s{int(heads), int(kv_heads), int(head_dim), int(page_size), DType::kBF16,
+          AttentionImpl::kFlash, int(reps)};
+  if (!parse_dtype(flags.str("dtype"), &s.dtype)) {
+    std::fprintf(stderr, "combs-bench: --dtype must be f32, f16 or bf16\n");
+    return 2;
+  }
+  const std::string impl = flags.str("impl");
+  if (impl != "flash" && impl != "manual") {
+    std::fprintf(stderr, "combs-bench: --impl must be flash or manual\n");
+    return 2;
+  }
+  s.impl = impl == "manual" ? AttentionImpl::kManual : AttentionImpl::kFlash;
+  if (kv_heads < 1 || heads < kv_heads || heads % kv_heads || head_dim < 1 || page_size < 1 ||
+      reps < 1 || seqs.empty() || contexts.empty()) {
+    std::fprintf(stderr, "combs-bench: need heads a multiple of kv-heads, positive sizes\n");
+    return 2;
+  }
+
+  CpuBackend backend({int(threads)});
+  const double bandwidth = measure_read_bandwidth(backend, bw_mib << 20, int(reps));
+  std::printf("# combs-bench kv: %d threads, %lld q heads / %lld KV heads, head_dim %lld, %s K/V, "
+              "page size %lld, %s attention, median of %lld\n",
+              backend.num_threads(), heads, kv_heads, head_dim,
+              std::string(dtype_name(s.dtype)).c_str(), page_size, impl.c_str(), reps);
+  std::printf("# measured read bandwidth: %.1f GB/s (%lld MiB buffer)\n\n", bandwidth, bw_mib);
+  std::printf("| seqs | context | contiguous ms | paged ms | paged / contiguous | paged GB/s | "
+              "paged / bandwidth |\n|---|---|---|---|---|---|---|\n");
+  const KVGeometry g{1, s.n_kv, s.head_dim, s.dtype};
+  for (long long n : seqs) {
+    for (long long ctx : contexts) {
+      const int64_t cap = ctx + 1;
+      double t[2];
+      for (int paged = 0; paged < 2; ++paged) {
+        std::unique_ptr<PagePool> pool;
+        std::vector<std::unique_ptr<KVCache>> owned;
+        std::vector<KVCache*> caches;
+        for (long long i = 0; i < n; ++i) {
+          StatusOr<std::unique_ptr<KVCache>> c = Status(internal_error("unset"));
+          if (paged) {
+            if (!pool) {
+              PagePoolOptions o{g, s.page_size, n * pages_for_tokens(cap, s.page_size)};
+              auto p = PagePool::create(backend, o);
+              if (!p.ok()) {
+                std::fprintf(stderr, "combs-bench: %s\n", p.status().to_string().c_str());
+                return 1;
+              }
+              pool = std::move(p).value();
+            }
+            auto r = PagedKVCache::create(*pool, cap);
+            if (r.ok()) c = std::unique_ptr<KVCache>(std::move(r).value());
+            else c = r.status();
+          } else {
+            auto r = ContiguousKVCache::create(backend, g, cap);
+            if (r.ok()) c = std::unique_ptr<KVCache>(std::move(r).value());
+            else c = r.status();
+          }
+          if (!c.ok()) {
+            std::fprintf(stderr, "combs-bench: %s\n", c.status().to_string().c_str());
+            return 1;
+          }
+          caches.push_back(c->get());
+          owned.push_back(std::move(c).value());
+        }
+        Status st = fill(caches, ctx, s, backend, paged ? s.page_size : ctx);
+        StatusOr<double> dt = st.ok() ? time_decode(caches, ctx, s, backend) : StatusOr<double>(st);
+        if (!dt.ok()) {
+          std::fprintf(stderr, "combs-bench: %s\n", dt.status().to_string().c_str());
+          return 1;
+        }
+        t[paged] = *dt;
+      }
+      const double bytes = double(n) * double(cap) * double(s.n_kv) * double(s.head_dim) * 2.0 *
+                           double(dtype_size(s.dtype));
+      const double gbs = bytes / t[1] / 1e9;
+      std::printf("| %lld | %lld | %.3f | %.3f | %.2f | %.1f | %.0f%% |\n", n, ctx, t[0] * 1e3,
+                  t[1] * 1e3, t[1] / t[0], gbs, 100.0 * gbs / bandwidth);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+}  // namespace combs::bench

@@ -1,0 +1,266 @@
+// Cross-validation of the attention-in-cache call: paged vs contiguous vs a float64 reference,
+// flash vs manual, over GQA ratios, head sizes, page sizes, K/V dtypes and prefill chunkings,
+// through popn, regrowth and reset; and batched vs one-by-one.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "combs/backend/cpu/cpu_backend.h"
+#include "combs/kv/contiguous_kv_cache.h"
+#include "combs/kv/paged_kv_cache.h"
+#include "support/kv_helpers.h"
+#include "support/kv_reference.h"
+
+using namespace combs;
+using namespace combs::testing;
+
+namespace {
+
+constexpr int kLayers = 2;
+constexpr int kKvHeads = 2;
+constexpr int64_t kCapacity = 96;
+
+struct Case {
+  int n_rep;
+  int head_dim;
+  int page_size;
+  DType dtype;
+  std::string describe() const {
+    std::ostringstream s;
+    s << "n_rep " << n_rep << ", head_dim " << head_dim << ", page_size " << page_size << ", "
+      << dtype_name(dtype);
+    return s.str();
+  }
+};
+
+// |got - want| <= 2e-5 + 1e-4 |want|: f32 accumulation error only (the reference stores K/V
+// rounded as the cache does).
+void require_close(const std::vector<float>& got, const std::vector<double>& want) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!(std::abs(got[i] - want[i]) <= 2e-5 + 1e-4 * std::abs(want[i]))) {
+      FAIL("element " << i << ": got " << got[i] << ", want " << want[i]);
+    }
+  }
+}
+
+// Three caches fed identical inputs — paged (flash), contiguous (flash), paged (manual) — and
+// the float64 reference; every output is checked after every step.
+class CrossCheck {
+ public:
+  CrossCheck(const Case& c, Rng& rng) : c_(c), rng_(rng), backend_({2}) {
+    const KVGeometry g{kLayers, kKvHeads, c.head_dim, c.dtype};
+    PagePoolOptions o;
+    o.geometry = g;
+    o.page_size = c.page_size;
+    o.num_pages = 2 * pages_for_tokens(kCapacity, c.page_size);
+    pool_ = std::move(PagePool::create(backend_, o)).value();
+    paged_ = std::move(PagedKVCache::create(*pool_, kCapacity)).value();
+    paged_manual_ = std::move(PagedKVCache::create(*pool_, kCapacity)).value();
+    contiguous_ = std::move(ContiguousKVCache::create(backend_, g, kCapacity)).value();
+    refs_.assign(kLayers, ReferenceKV(kKvHeads, c.head_dim, c.dtype));
+  }
+
+  void run(int64_t n_new) {
+    const int n_q = kKvHeads * c_.n_rep, hd = c_.head_dim;
+    const float scale = 1.0f / std::sqrt(float(hd));
+    const int64_t pos = paged_->seq_len();
+    for (int layer = 0; layer < kLayers; ++layer) {
+      auto q = rng_.floats(n_new * n_q * hd, -3, 3);  // peaky softmax
+      auto k = rng_.floats(n_new * kKvHeads * hd);
+      auto v = rng_.floats(n_new * kKvHeads * hd);
+      const Tensor qt = view(q, {n_new, n_q, hd}), kt = view(k, {n_new, kKvHeads, hd}),
+                   vt = view(v, {n_new, kKvHeads, hd});
+      std::vector<float> a(q.size()), b(q.size()), m(q.size());
+      const Tensor at = view(a, qt.shape()), bt = view(b, qt.shape()), mt = view(m, qt.shape());
+      const SeqAttention sp{paged_.get(), pos, n_new}, sc{contiguous_.get(), pos, n_new},
+          sm{paged_manual_.get(), pos, n_new};
+      REQUIRE(attention_batch({&sp, 1}, layer, qt, kt, vt, scale, &at, AttentionImpl::kFlash).ok());
+      REQUIRE(attention_batch({&sc, 1}, layer, qt, kt, vt, scale, &bt, AttentionImpl::kFlash).ok());
+      REQUIRE(attention_batch({&sm, 1}, layer, qt, kt, vt, scale, &mt, AttentionImpl::kManual).ok());
+      const auto want = refs_[layer].attend(q, k, v, n_q, scale);
+      INFO("layer " << layer << ", pos " << pos << ", n_new " << n_new);
+      REQUIRE(a == b);  // same kernel, pages or not: bit-identical
+      require_close(a, want);
+      require_close(m, want);
+    }
+    REQUIRE(paged_->seq_len() == pos + n_new);
+    REQUIRE(paged_->pages_used() == pages_for_tokens(pos + n_new, c_.page_size));
+  }
+
+  void popn(int64_t n) {
+    const int64_t len = paged_->seq_len();
+    REQUIRE(paged_->popn(n) == std::min(n, len));
+    REQUIRE(paged_manual_->popn(n) == std::min(n, len));
+    REQUIRE(contiguous_->popn(n) == std::min(n, len));
+    for (auto& r : refs_) r.truncate(std::max<int64_t>(0, len - n));
+    REQUIRE(paged_->pages_used() == pages_for_tokens(paged_->seq_len(), c_.page_size));
+  }
+
+  void reset() {
+    paged_->reset();
+    paged_manual_->reset();
+    contiguous_->reset();
+    for (auto& r : refs_) r.truncate(0);
+    REQUIRE(pool_->num_free() == pool_->num_pages());
+  }
+
+  int64_t len() const { return paged_->seq_len(); }
+
+ private:
+  Case c_;
+  Rng& rng_;
+  CpuBackend backend_;
+  std::unique_ptr<PagePool> pool_;
+  std::unique_ptr<PagedKVCache> paged_, paged_manual_;
+  std::unique_ptr<ContiguousKVCache> contiguous_;
+  std::vector<ReferenceKV> refs_;
+};
+
+enum class Chunking { kOneChunk, kSeveralChunks, kTokenByToken };
+
+// Prefill by `chunking`, decode, popn and regrow, reset and reuse.
+void scenario(Chunking chunking) {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  for (int n_rep : {1, 2, 4, 8})
+    for (int head_dim : {64, 128})
+      for (int page_size : {1, 3, 16, 32})
+        for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+          const Case c{n_rep, head_dim, page_size, dtype};
+          INFO(c.describe());
+          CrossCheck x(c, rng);
+          auto prefill = [&](int64_t total) {
+            while (x.len() < total) {
+              const int64_t left = total - x.len();
+              switch (chunking) {
+                case Chunking::kOneChunk: x.run(left); break;
+                case Chunking::kSeveralChunks: x.run(std::min<int64_t>(left, rng.integer(2, 20))); break;
+                case Chunking::kTokenByToken: x.run(1); break;
+              }
+            }
+          };
+          prefill(rng.integer(33, 50));
+          for (int i = 0; i < 3; ++i) x.run(1);  // decode
+          x.popn(rng.integer(1, 20));
+          prefill(x.len() + rng.integer(10, 30));  // regrow into freed pages
+          x.run(1);
+          x.reset();
+          prefill(rng.integer(5, 17));
+          x.run(1);
+        }
+}
+
+}  // namespace
+
+TEST_CASE("attention matches the float64 reference with prefill in one chunk", "[kv]") {
+  scenario(Chunking::kOneChunk);
+}
+
+TEST_CASE("attention matches the float64 reference with prefill in several chunks", "[kv]") {
+  scenario(Chunking::kSeveralChunks);
+}
+
+TEST_CASE("attention matches the float64 reference token by token", "[kv]") {
+  scenario(Chunking::kTokenByToken);
+}
+
+TEST_CASE("batched attention equals one sequence at a time", "[kv]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    INFO(dtype_name(dtype));
+    const int hd = 64, n_q = 8, n_kv = 2, n_seqs = 5;
+    CpuBackend backend({2});
+    PagePoolOptions o;
+    o.geometry = {1, n_kv, hd, dtype};
+    o.num_pages = 64;
+    auto pool = std::move(PagePool::create(backend, o)).value();
+    std::vector<std::unique_ptr<PagedKVCache>> batched, single;
+    std::vector<ReferenceKV> refs(n_seqs, ReferenceKV(n_kv, hd, dtype));
+    for (int i = 0; i < n_seqs; ++i) {
+      batched.push_back(std::move(PagedKVCache::create(*pool, 128)).value());
+      single.push_back(std::move(PagedKVCache::create(*pool, 128)).value());
+    }
+    const float scale = 0.125f;
+    for (int step = 0; step < 6; ++step) {
+      // Ragged: each sequence at its own position with its own count (0: it sits this step out).
+      std::vector<SeqAttention> seqs;
+      int64_t total = 0;
+      for (int i = 0; i < n_seqs; ++i) {
+        const int64_t n = step == 0 ? rng.integer(1, 40) : rng.integer(0, 3);
+        seqs.push_back({batched[i].get(), batched[i]->seq_len(), n});
+        total += n;
+      }
+      auto q = rng.floats(total * n_q * hd, -2, 2);
+      auto k = rng.floats(total * n_kv * hd);
+      auto v = rng.floats(total * n_kv * hd);
+      std::vector<float> out(q.size());
+      const Tensor out_t = view(out, {total, n_q, hd});
+      REQUIRE(attention_batch(seqs, 0, view(q, {total, n_q, hd}), view(k, {total, n_kv, hd}),
+                              view(v, {total, n_kv, hd}), scale, &out_t)
+                  .ok());
+      int64_t row = 0;
+      for (int i = 0; i < n_seqs; ++i) {
+        const int64_t n = seqs[i].n_new;
+        auto slice = [&](const std::vector<float>& x, int heads) {
+          return std::vector<float>(x.begin() + row * heads * hd, x.begin() + (row + n) * heads * hd);
+        };
+        auto qi = slice(q, n_q), ki = slice(k, n_kv), vi = slice(v, n_kv);
+        std::vector<float> alone(qi.size());
+        REQUIRE(single[i]
+                    ->attention(0, view(qi, {n, n_q, hd}), view(ki, {n, n_kv, hd}),
+                                view(vi, {n, n_kv, hd}), single[i]->seq_len(), scale,
+                                view(alone, {n, n_q, hd}))
+                    .ok());
+        INFO("step " << step << ", sequence " << i << ", n_new " << n);
+        REQUIRE(slice(out, n_q) == alone);
+        require_close(alone, refs[i].attend(qi, ki, vi, n_q, scale));
+        REQUIRE(batched[i]->seq_len() == single[i]->seq_len());
+        row += n;
+      }
+    }
+  }
+}
+
+TEST_CASE("attention over a long context with 16-bit q and out", "[kv]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  const int hd = 128, n_q = 8, n_kv = 1;
+  CpuBackend backend({2});
+  PagePoolOptions o;
+  o.geometry = {1, n_kv, hd, DType::kBF16};
+  o.num_pages = pages_for_tokens(2100, 16);
+  auto pool = std::move(PagePool::create(backend, o)).value();
+  auto cache = std::move(PagedKVCache::create(*pool, 2100)).value();
+  ReferenceKV ref(n_kv, hd, DType::kBF16);
+  const float scale = 1.0f / std::sqrt(float(hd));
+  for (int64_t n : {2000, 1, 1, 37}) {
+    auto q = rng.floats(n * n_q * hd, -3, 3);
+    for (float& x : q) x = round_to(DType::kBF16, x);
+    auto k = rng.floats(n * n_kv * hd), v = rng.floats(n * n_kv * hd);
+    std::vector<uint16_t> q16(q.size()), out16(q.size());
+    for (size_t i = 0; i < q.size(); ++i) q16[i] = f32_to_bf16(q[i]);
+    auto out = cache->attention(0, Tensor::wrap(q16.data(), {n, n_q, hd}, DType::kBF16),
+                                view(k, {n, n_kv, hd}), view(v, {n, n_kv, hd}), cache->seq_len(),
+                                scale);
+    REQUIRE(out.ok());
+    REQUIRE(out->dtype() == DType::kF32);
+    require_close(std::vector<float>(out->data_as<float>(), out->data_as<float>() + q.size()),
+                  ref.attend(q, k, v, n_q, scale));
+    // The same attention written as bf16: within bf16's rounding of the f32 result.
+    REQUIRE(cache->popn(n) == n);
+    ref.truncate(cache->seq_len());
+    REQUIRE(cache->attention(0, Tensor::wrap(q16.data(), {n, n_q, hd}, DType::kBF16),
+                             view(k, {n, n_kv, hd}), view(v, {n, n_kv, hd}), cache->seq_len(),
+                             scale, Tensor::wrap(out16.data(), {n, n_q, hd}, DType::kBF16))
+                .ok());
+    const auto want = ref.attend(q, k, v, n_q, scale);
+    for (size_t i = 0; i < want.size(); ++i) {
+      REQUIRE(bf16_to_f32(out16[i]) == Approx(want[i]).epsilon(8e-3).margin(1e-4));
+    }
+  }
+}
