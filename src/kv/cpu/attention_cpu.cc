@@ -74,25 +74,55 @@ inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
-// acc[0..n) += sum_c p[c] * rows[c][0..n), keeping 16-lane chunks of acc in registers.
-inline void accumulate_rows(float* acc, const float* p, const float* const* rows, int count,
-                            int n) {
-  int d0 = 0;
-  for (; d0 + 16 <= n; d0 += 16) {
-    float a[16];
-    for (int j = 0; j < 16; ++j) a[j] = acc[d0 + j];
-    for (int c = 0; c < count; ++c) {
-      const float pc = p[c];
-      const float* r = rows[c] + d0;
+// 16 floats: one AVX-512 register, two AVX2 ones; GCC lowers it to what -march offers.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
+typedef float f32x8 __attribute__((vector_size(32)));
+
+inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16u*>(p); }
+inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16u*>(p) = v; }
+inline float hsum(f32x16 v) {
+  f32x8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const f32x8 s = lo + hi;
+  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), relative error < 3e-7; 0 below -87.
+// Branch-free so the loops over it vectorize: 2^n * p(r) with r = x - n ln2 (Cephes' expf).
+inline float exp_nonpositive(float x) {
+  x = x > -87.0f ? x : -87.0f;
+  // Round to nearest by adding and removing 1.5 * 2^23 (vectorizes, unlike floor).
+  const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// s[r * stride + c] = q_r . k_c for rows r < n_rows and keys c < count[r].
+void block_scores(const float* q, int n_rows, const float* const* krows, const int* count, int hd,
+                  float* s, int stride) {
+  for (int r = 0; r < n_rows; ++r)
+    for (int c = 0; c < count[r]; ++c) s[r * stride + c] = dot(q + r * hd, krows[c], hd);
+}
+
+// acc[0..hd) += sum_c p[c] * rows[c][0..hd).
+void accumulate_rows(float* acc, const float* p, const float* const* rows, int count, int hd) {
+  for (int c = 0; c < count; ++c) {
+    const float pc = p[c];
+    const float* v = rows[c];
 #pragma omp simd
-      for (int j = 0; j < 16; ++j) a[j] += pc * r[j];
-    }
-    for (int j = 0; j < 16; ++j) acc[d0 + j] = a[j];
-  }
-  for (; d0 < n; ++d0) {
-    float a = acc[d0];
-    for (int c = 0; c < count; ++c) a += p[c] * rows[c][d0];
-    acc[d0] = a;
+    for (int d = 0; d < hd; ++d) acc[d] += pc * v[d];
   }
 }
 
@@ -101,7 +131,7 @@ struct Scratch {
   void fit(size_t rows, size_t hd, size_t keys) {
     if (q.size() < rows * hd) q.resize(rows * hd), acc.resize(rows * hd);
     if (m.size() < rows) m.resize(rows), l.resize(rows);
-    if (s.size() < keys) s.resize(keys);
+    if (s.size() < rows * keys) s.resize(rows * keys);
     if (kf.size() < keys * hd) kf.resize(keys * hd), vf.resize(keys * hd);
   }
 };
@@ -138,26 +168,36 @@ struct Problem {
 };
 
 // Row pointers to keys [k0, k0 + count) of head g, converted to f32 in `buf` unless stored as f32.
+// Walks the page table a page at a time (no division per key).
 void key_rows(const KVLayout& kv, const void* base, int g, int64_t k0, int count, float* buf,
               const float** rows) {
   const int hd = kv.head_dim;
+  int64_t page = k0 / kv.page_size, slot = k0 % kv.page_size;
+  const char* src = at(base, kv.offset(k0, g), kv.dtype);
   for (int c = 0; c < count; ++c) {
-    const char* src = at(base, kv.offset(k0 + c, g), kv.dtype);
     if (kv.dtype == DType::kF32) {
       rows[c] = reinterpret_cast<const float*>(src);
     } else {
       load_f32(src, kv.dtype, buf + c * hd, hd);
       rows[c] = buf + c * hd;
     }
+    if (++slot == kv.page_size) {
+      slot = 0;
+      ++page;
+      if (c + 1 < count) src = at(base, kv.offset(page * kv.page_size, g), kv.dtype);
+    } else {
+      src += hd * dtype_size(kv.dtype);
+    }
   }
 }
 
-// Online-softmax attention over key blocks; K/V are read in place, one block at a time.
+// Online-softmax attention over key blocks for any head size (see flash_fast for the common
+// ones); K/V are read in place, or converted a block at a time when stored in 16 bits.
 void flash_item(const Problem& pb, const Item& it, Scratch& sc) {
   const KVLayout& kv = it.seq->kv;
   const int hd = pb.hd;
   const int64_t rows = it.r1 - it.r0;
-  sc.fit(rows, hd, kKeyBlock);
+  sc.fit(kRowBlock, hd, kKeyBlock);
   pb.load_queries(it, sc.q.data());
   std::fill_n(sc.acc.data(), rows * hd, 0.0f);
   std::fill_n(sc.m.data(), rows, -std::numeric_limits<float>::infinity());
@@ -171,31 +211,34 @@ void flash_item(const Problem& pb, const Item& it, Scratch& sc) {
     const int len = static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - k0));
     key_rows(kv, kv.k, it.g, k0, len, sc.kf.data(), krows);
     key_rows(kv, kv.v, it.g, k0, len, sc.vf.data(), vrows);
+    int count[kRowBlock];
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t horizon = pos + (it.r0 + r) / pb.n_rep;  // last key this row may see
-      if (horizon < k0) continue;
-      const int count = static_cast<int>(std::min<int64_t>(len, horizon - k0 + 1));
-      const float* qr = sc.q.data() + r * hd;
-      float* s = sc.s.data();
+      count[r] = static_cast<int>(std::clamp<int64_t>(horizon - k0 + 1, 0, len));
+    }
+    block_scores(sc.q.data(), static_cast<int>(rows), krows, count, hd, sc.s.data(), kKeyBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int n = count[r];
+      if (n == 0) continue;
+      float* s = sc.s.data() + r * kKeyBlock;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int c = 0; c < count; ++c) {
-        s[c] = dot(qr, krows[c], hd);
-        mx = std::max(mx, s[c]);
-      }
+      for (int c = 0; c < n; ++c) mx = std::max(mx, s[c]);
       float* acc = sc.acc.data() + r * hd;
       if (mx > sc.m[r]) {
-        const float corr = std::exp(sc.m[r] - mx);
+        const float corr = exp_nonpositive(sc.m[r] - mx);
         sc.l[r] *= corr;
         for (int d = 0; d < hd; ++d) acc[d] *= corr;
         sc.m[r] = mx;
       }
+      const float m = sc.m[r];
       float sum = 0.0f;
-      for (int c = 0; c < count; ++c) {
-        s[c] = std::exp(s[c] - sc.m[r]);
+#pragma omp simd reduction(+ : sum)
+      for (int c = 0; c < n; ++c) {
+        s[c] = exp_nonpositive(s[c] - m);
         sum += s[c];
       }
       sc.l[r] += sum;
-      accumulate_rows(acc, s, vrows, count, hd);
+      accumulate_rows(acc, s, vrows, n, hd);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -234,6 +277,201 @@ void manual_item(const Problem& pb, const Item& it, Scratch& sc) {
     for (int64_t p = 0; p < total; ++p)
       for (int d = 0; d < hd; ++d) o[d] += srow[p] * vf[p * hd + d];
     pb.store_row(it, it.r0 + r, o.data());
+  }
+}
+
+
+// ---- Fast path: head_dim a multiple of 16, K/V converted in registers, rows in groups of 4 ----
+
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+template <DType DT>
+inline f32x16 load_kv16(const char* row, int j);
+template <>
+inline f32x16 load_kv16<DType::kF32>(const char* row, int j) {
+  return load16(reinterpret_cast<const float*>(row) + 16 * j);
+}
+template <>
+inline f32x16 load_kv16<DType::kBF16>(const char* row, int j) {
+  const u16x16 h = *reinterpret_cast<const u16x16*>(reinterpret_cast<const uint16_t*>(row) + 16 * j);
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+template <>
+inline f32x16 load_kv16<DType::kF16>(const char* row, int j) {
+  const auto* h = reinterpret_cast<const uint16_t*>(row) + 16 * j;
+  f32x16 f;
+#if defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
+  std::memcpy(&f, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&f) + 32, &hi, 32);
+#else
+  for (int i = 0; i < 16; ++i) f[i] = f16_to_f32(h[i]);
+#endif
+  return f;
+}
+
+// Row addresses of keys [k0, k0 + count) of head g in `base`, walking the page table a page at a
+// time; the rows of the next block are prefetched while this one is computed.
+inline void row_addresses(const KVLayout& kv, const void* base, int g, int64_t k0, int count,
+                          const char** rows) {
+  const int64_t row_bytes = int64_t{kv.head_dim} * static_cast<int64_t>(dtype_size(kv.dtype));
+  int64_t slot = k0 % kv.page_size, page = k0 / kv.page_size;
+  const char* src = at(base, kv.offset(k0, g), kv.dtype);
+  for (int c = 0; c < count; ++c) {
+    rows[c] = src;
+    if (++slot == kv.page_size) {
+      slot = 0;
+      ++page;
+      if (c + 1 < count) src = at(base, kv.offset(page * kv.page_size, g), kv.dtype);
+    } else {
+      src += row_bytes;
+    }
+  }
+}
+
+inline void prefetch_row(const char* row, int64_t row_bytes) {
+  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);  // into L2
+}
+
+// p[r][c] (c < count) times V rows into acc rows, for a group of RG rows and NV vectors of 16.
+template <int NV, DType DT, int RG>
+void accumulate_group(float* acc, int hd, const float* p, int p_stride, const char* const* vrows,
+                      int count) {
+  constexpr int kChunk = NV < 4 ? NV : 4;  // vectors per pass: RG * kChunk accumulators
+  for (int j0 = 0; j0 < NV; j0 += kChunk) {
+    f32x16 a[RG][kChunk];
+    for (int r = 0; r < RG; ++r)
+      for (int j = 0; j < kChunk; ++j) a[r][j] = load16(acc + r * hd + 16 * (j0 + j));
+    for (int c = 0; c < count; ++c) {
+      f32x16 v[kChunk];
+      for (int j = 0; j < kChunk; ++j) v[j] = load_kv16<DT>(vrows[c], j0 + j);
+      for (int r = 0; r < RG; ++r) {
+        const float pc = p[r * p_stride + c];
+        for (int j = 0; j < kChunk; ++j) a[r][j] += pc * v[j];
+      }
+    }
+    for (int r = 0; r < RG; ++r)
+      for (int j = 0; j < kChunk; ++j) store16(acc + r * hd + 16 * (j0 + j), a[r][j]);
+  }
+}
+
+template <int NV, DType DT>
+void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
+  const KVLayout& kv = it.seq->kv;
+  const int hd = pb.hd;
+  const int rows = static_cast<int>(it.r1 - it.r0);
+  sc.fit(kRowBlock, hd, kKeyBlock);
+  float* q = sc.q.data();
+  float* acc = sc.acc.data();
+  float* s = sc.s.data();
+  pb.load_queries(it, q);
+  std::fill_n(acc, rows * hd, 0.0f);
+  float m[kRowBlock], l[kRowBlock];
+  std::fill_n(m, rows, -std::numeric_limits<float>::infinity());
+  std::fill_n(l, rows, 0.0f);
+
+  const int64_t row_bytes = int64_t{hd} * static_cast<int64_t>(dtype_size(DT));
+  const int64_t pos = it.seq->pos;
+  const int64_t key_end = pos + (it.r1 - 1) / pb.n_rep + 1;  // the last row's causal horizon
+  const char* krows[2][kKeyBlock];
+  const char* vrows[2][kKeyBlock];
+  int cur = 0;
+  row_addresses(kv, kv.k, it.g, 0, static_cast<int>(std::min<int64_t>(kKeyBlock, key_end)), krows[0]);
+  row_addresses(kv, kv.v, it.g, 0, static_cast<int>(std::min<int64_t>(kKeyBlock, key_end)), vrows[0]);
+  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyBlock, cur ^= 1) {
+    const int len = static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - k0));
+    if (k0 + kKeyBlock < key_end) {
+      const int next = static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - k0 - kKeyBlock));
+      row_addresses(kv, kv.k, it.g, k0 + kKeyBlock, next, krows[cur ^ 1]);
+      row_addresses(kv, kv.v, it.g, k0 + kKeyBlock, next, vrows[cur ^ 1]);
+    }
+    const int n_next = k0 + kKeyBlock < key_end
+                           ? static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - k0 - kKeyBlock))
+                           : 0;
+    int count[kRowBlock];
+    int max_count = 0;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t horizon = pos + (it.r0 + r) / pb.n_rep;  // last key this row may see
+      count[r] = static_cast<int>(std::clamp<int64_t>(horizon - k0 + 1, 0, len));
+      max_count = std::max(max_count, count[r]);
+    }
+    // Scores: each K row is loaded (and converted) once for all rows.
+    for (int c = 0; c < max_count; ++c) {
+      if (c < n_next) {  // spread over the block, so the prefetches do not queue up at once
+        prefetch_row(krows[cur ^ 1][c], row_bytes);
+        prefetch_row(vrows[cur ^ 1][c], row_bytes);
+      }
+      f32x16 k[NV];
+      for (int j = 0; j < NV; ++j) k[j] = load_kv16<DT>(krows[cur][c], j);
+      for (int r = 0; r < rows; ++r) {
+        if (c >= count[r]) continue;
+        const float* qr = q + r * hd;
+        f32x16 a0 = load16(qr) * k[0];
+        f32x16 a1 = NV > 1 ? load16(qr + 16) * k[1] : f32x16{};
+        for (int j = 2; j < NV; j += 2) {
+          a0 += load16(qr + 16 * j) * k[j];
+          if (j + 1 < NV) a1 += load16(qr + 16 * j + 16) * k[j + 1];
+        }
+        s[r * kKeyBlock + c] = hsum(a0 + a1);
+      }
+    }
+    // Online softmax; probabilities past a row's horizon are 0 so groups share one count.
+    for (int r = 0; r < rows; ++r) {
+      float* sr = s + r * kKeyBlock;
+      const int n = count[r];
+      float mx = m[r];
+      for (int c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
+      if (mx > m[r]) {
+        const float corr = exp_nonpositive(m[r] - mx);
+        l[r] *= corr;
+        float* ar = acc + r * hd;
+        for (int d = 0; d < hd; ++d) ar[d] *= corr;
+        m[r] = mx;
+      }
+      const float mr = m[r];
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int c = 0; c < n; ++c) {
+        sr[c] = exp_nonpositive(sr[c] - mr);
+        sum += sr[c];
+      }
+      for (int c = n; c < max_count; ++c) sr[c] = 0.0f;
+      l[r] += sum;
+    }
+    // P @ V in groups of 4 rows: each V row is loaded once per group.
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+      const int rg = std::min(4, rows - r0);
+      int gcount = 0;
+      for (int r = r0; r < r0 + rg; ++r) gcount = std::max(gcount, count[r]);
+      float* ar = acc + r0 * hd;
+      const float* pr = s + r0 * kKeyBlock;
+      switch (rg) {
+        case 4: accumulate_group<NV, DT, 4>(ar, hd, pr, kKeyBlock, vrows[cur], gcount); break;
+        case 3: accumulate_group<NV, DT, 3>(ar, hd, pr, kKeyBlock, vrows[cur], gcount); break;
+        case 2: accumulate_group<NV, DT, 2>(ar, hd, pr, kKeyBlock, vrows[cur], gcount); break;
+        default: accumulate_group<NV, DT, 1>(ar, hd, pr, kKeyBlock, vrows[cur], gcount); break;
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    float* ar = acc + r * hd;
+    const float inv = 1.0f / l[r];
+    for (int d = 0; d < hd; ++d) ar[d] *= inv;
+    pb.store_row(it, it.r0 + r, ar);
+  }
+}
+
+template <int NV>
+void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
+  switch (it.seq->kv.dtype) {
+    case DType::kF32: return flash_fast<NV, DType::kF32>(pb, it, sc);
+    case DType::kBF16: return flash_fast<NV, DType::kBF16>(pb, it, sc);
+    case DType::kF16: return flash_fast<NV, DType::kF16>(pb, it, sc);
   }
 }
 
@@ -285,8 +523,13 @@ void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_head
   }
   backend.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local Scratch scratch;
-    if (impl == AttentionImpl::kFlash) flash_item(pb, items[i], scratch);
-    else manual_item(pb, items[i], scratch);
+    if (impl == AttentionImpl::kManual) return manual_item(pb, items[i], scratch);
+    switch (pb.hd) {  // register-resident fast paths for the common head sizes
+      case 64: return flash_fast<4>(pb, items[i], scratch);
+      case 128: return flash_fast<8>(pb, items[i], scratch);
+      case 256: return flash_fast<16>(pb, items[i], scratch);
+      default: return flash_item(pb, items[i], scratch);
+    }
   });
 }
 

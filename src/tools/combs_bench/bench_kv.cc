@@ -29,10 +29,11 @@ double measure_read_bandwidth(CpuBackend& backend, int64_t bytes, int reps) {
   for (int r = 0; r < reps + 1; ++r) {
     const double t0 = now_seconds();
     backend.parallel_for(parts, [&](int64_t p) {
+      const float* d = data;  // a local copy: through the capture the loop does not vectorize
       const int64_t begin = n * p / parts, end = n * (p + 1) / parts;
       float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t i = begin; i < end; ++i) s += data[i];
+      for (int64_t i = begin; i < end; ++i) s += d[i];
       sums[p] = s;
     });
     const double dt = now_seconds() - t0;
@@ -66,7 +67,7 @@ Status fill(std::vector<KVCache*>& caches, int64_t ctx, const Setup& s, CpuBacke
   return ok_status();
 }
 
-// Median seconds of one decode step (one new token per sequence) over all caches.
+// Seconds of one decode step (one new token per sequence over all caches), undone afterwards.
 StatusOr<double> time_decode(std::vector<KVCache*>& caches, int64_t ctx, const Setup& s,
                              CpuBackend& backend) {
   const int64_t b = static_cast<int64_t>(caches.size());
@@ -77,16 +78,60 @@ StatusOr<double> time_decode(std::vector<KVCache*>& caches, int64_t ctx, const S
   for (int64_t i = 0; i < kv.numel(); ++i) kv.data_as<float>()[i] = std::cos(float(i));
   std::vector<SeqAttention> seqs;
   for (KVCache* c : caches) seqs.push_back({c, ctx, 1});
-  std::vector<double> times;
-  for (int r = 0; r < s.reps + 1; ++r) {
-    const double t0 = now_seconds();
-    COMBS_RETURN_IF_ERROR(attention_batch(seqs, 0, q, kv, kv, 1.0f / std::sqrt(float(s.head_dim)),
-                                          &out, s.impl));
-    const double dt = now_seconds() - t0;
-    if (r > 0) times.push_back(dt);  // the first run warms up
-    for (KVCache* c : caches) c->popn(1);
+  const double t0 = now_seconds();
+  COMBS_RETURN_IF_ERROR(
+      attention_batch(seqs, 0, q, kv, kv, 1.0f / std::sqrt(float(s.head_dim)), &out, s.impl));
+  const double dt = now_seconds() - t0;
+  for (KVCache* c : caches) c->popn(1);
+  return dt;
+}
+
+// A batch of caches of one kind, filled to ctx.
+struct Batch {
+  std::unique_ptr<PagePool> pool;
+  std::vector<std::unique_ptr<KVCache>> owned;
+  std::vector<KVCache*> caches;
+};
+
+StatusOr<Batch> make_batch(bool paged, int64_t n, int64_t ctx, const Setup& s,
+                           CpuBackend& backend) {
+  const KVGeometry g{1, s.n_kv, s.head_dim, s.dtype};
+  const int64_t cap = ctx + 1;
+  Batch b;
+  if (paged) {
+    const PagePoolOptions o{g, s.page_size, n * pages_for_tokens(cap, s.page_size)};
+    COMBS_ASSIGN_OR_RETURN(b.pool, PagePool::create(backend, o));
   }
-  return median(times);
+  for (int64_t i = 0; i < n; ++i) {
+    if (paged) {
+      COMBS_ASSIGN_OR_RETURN(auto c, PagedKVCache::create(*b.pool, cap));
+      b.owned.push_back(std::move(c));
+    } else {
+      COMBS_ASSIGN_OR_RETURN(auto c, ContiguousKVCache::create(backend, g, cap));
+      b.owned.push_back(std::move(c));
+    }
+    b.caches.push_back(b.owned.back().get());
+  }
+  COMBS_RETURN_IF_ERROR(fill(b.caches, ctx, s, backend, paged ? s.page_size : ctx));
+  return b;
+}
+
+// Median decode-step seconds of {contiguous, paged}, measured alternately so that both see
+// the same machine noise.
+StatusOr<std::pair<double, double>> compare(int64_t n, int64_t ctx, const Setup& s,
+                                            CpuBackend& backend) {
+  COMBS_ASSIGN_OR_RETURN(Batch contiguous, make_batch(false, n, ctx, s, backend));
+  COMBS_ASSIGN_OR_RETURN(Batch paged, make_batch(true, n, ctx, s, backend));
+  std::vector<double> tc, tp;
+  for (int r = 0; r < s.reps + 1; ++r) {
+    COMBS_ASSIGN_OR_RETURN(double c, time_decode(contiguous.caches, ctx, s, backend));
+    COMBS_ASSIGN_OR_RETURN(double p, time_decode(paged.caches, ctx, s, backend));
+    if (r > 0) {  // the first round warms up
+      tc.push_back(c);
+      tp.push_back(p);
+    }
+  }
+  return std::make_pair(median(tc), median(tp));
 }
 
 }  // namespace
@@ -139,55 +184,20 @@ int run_kv(int argc, char** argv) {
   std::printf("# measured read bandwidth: %.1f GB/s (%lld MiB buffer)\n\n", bandwidth, bw_mib);
   std::printf("| seqs | context | contiguous ms | paged ms | paged / contiguous | paged GB/s | "
               "paged / bandwidth |\n|---|---|---|---|---|---|---|\n");
-  const KVGeometry g{1, s.n_kv, s.head_dim, s.dtype};
   for (long long n : seqs) {
     for (long long ctx : contexts) {
       const int64_t cap = ctx + 1;
-      double t[2];
-      for (int paged = 0; paged < 2; ++paged) {
-        std::unique_ptr<PagePool> pool;
-        std::vector<std::unique_ptr<KVCache>> owned;
-        std::vector<KVCache*> caches;
-        for (long long i = 0; i < n; ++i) {
-          StatusOr<std::unique_ptr<KVCache>> c = Status(internal_error("unset"));
-          if (paged) {
-            if (!pool) {
-              PagePoolOptions o{g, s.page_size, n * pages_for_tokens(cap, s.page_size)};
-              auto p = PagePool::create(backend, o);
-              if (!p.ok()) {
-                std::fprintf(stderr, "combs-bench: %s\n", p.status().to_string().c_str());
-                return 1;
-              }
-              pool = std::move(p).value();
-            }
-            auto r = PagedKVCache::create(*pool, cap);
-            if (r.ok()) c = std::unique_ptr<KVCache>(std::move(r).value());
-            else c = r.status();
-          } else {
-            auto r = ContiguousKVCache::create(backend, g, cap);
-            if (r.ok()) c = std::unique_ptr<KVCache>(std::move(r).value());
-            else c = r.status();
-          }
-          if (!c.ok()) {
-            std::fprintf(stderr, "combs-bench: %s\n", c.status().to_string().c_str());
-            return 1;
-          }
-          caches.push_back(c->get());
-          owned.push_back(std::move(c).value());
-        }
-        Status st = fill(caches, ctx, s, backend, paged ? s.page_size : ctx);
-        StatusOr<double> dt = st.ok() ? time_decode(caches, ctx, s, backend) : StatusOr<double>(st);
-        if (!dt.ok()) {
-          std::fprintf(stderr, "combs-bench: %s\n", dt.status().to_string().c_str());
-          return 1;
-        }
-        t[paged] = *dt;
+      auto t = compare(n, ctx, s, backend);
+      if (!t.ok()) {
+        std::fprintf(stderr, "combs-bench: %s\n", t.status().to_string().c_str());
+        return 1;
       }
+      const auto [tc, tp] = *t;
       const double bytes = double(n) * double(cap) * double(s.n_kv) * double(s.head_dim) * 2.0 *
                            double(dtype_size(s.dtype));
-      const double gbs = bytes / t[1] / 1e9;
-      std::printf("| %lld | %lld | %.3f | %.3f | %.2f | %.1f | %.0f%% |\n", n, ctx, t[0] * 1e3,
-                  t[1] * 1e3, t[1] / t[0], gbs, 100.0 * gbs / bandwidth);
+      const double gbs = bytes / tp / 1e9;
+      std::printf("| %lld | %lld | %.3f | %.3f | %.2f | %.1f | %.0f%% |\n", n, ctx, tc * 1e3,
+                  tp * 1e3, tp / tc, gbs, 100.0 * gbs / bandwidth);
       std::fflush(stdout);
     }
   }
