@@ -378,21 +378,30 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t row_bytes = int64_t{hd} * static_cast<int64_t>(dtype_size(DT));
   const int64_t pos = it.seq->pos;
   const int64_t key_end = pos + (it.r1 - 1) / pb.n_rep + 1;  // the last row's causal horizon
-  const char* krows[2][kKeyBlock];
-  const char* vrows[2][kKeyBlock];
-  int cur = 0;
-  row_addresses(kv, kv.k, it.g, 0, static_cast<int>(std::min<int64_t>(kKeyBlock, key_end)), krows[0]);
-  row_addresses(kv, kv.v, it.g, 0, static_cast<int>(std::min<int64_t>(kKeyBlock, key_end)), vrows[0]);
-  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyBlock, cur ^= 1) {
-    const int len = static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - k0));
-    if (k0 + kKeyBlock < key_end) {
-      const int next = static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - k0 - kKeyBlock));
-      row_addresses(kv, kv.k, it.g, k0 + kKeyBlock, next, krows[cur ^ 1]);
-      row_addresses(kv, kv.v, it.g, k0 + kKeyBlock, next, vrows[cur ^ 1]);
-    }
-    const int n_next = k0 + kKeyBlock < key_end
-                           ? static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - k0 - kKeyBlock))
-                           : 0;
+  // Row addresses of blocks b .. b + kAhead in a ring; block b + kAhead is prefetched while block
+  // b is computed.
+  constexpr int kAhead = 2, kRing = kAhead + 1;
+  const char* krows_ring[kRing][kKeyBlock];
+  const char* vrows_ring[kRing][kKeyBlock];
+  const int64_t n_blocks = (key_end + kKeyBlock - 1) / kKeyBlock;
+  auto block_len = [&](int64_t b) {
+    return static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - b * kKeyBlock));
+  };
+  auto find_rows = [&](int64_t b) {
+    if (b >= n_blocks) return;
+    row_addresses(kv, kv.k, it.g, b * kKeyBlock, block_len(b), krows_ring[b % kRing]);
+    row_addresses(kv, kv.v, it.g, b * kKeyBlock, block_len(b), vrows_ring[b % kRing]);
+  };
+  for (int64_t b = 0; b < kAhead; ++b) find_rows(b);
+  for (int64_t blk = 0; blk < n_blocks; ++blk) {
+    const int64_t k0 = blk * kKeyBlock;
+    const int len = block_len(blk);
+    find_rows(blk + kAhead);
+    const int n_next = blk + kAhead < n_blocks ? block_len(blk + kAhead) : 0;
+    const char* const* krows = krows_ring[blk % kRing];
+    const char* const* vrows = vrows_ring[blk % kRing];
+    const char* const* kpre = krows_ring[(blk + kAhead) % kRing];
+    const char* const* vpre = vrows_ring[(blk + kAhead) % kRing];
     int count[kRowBlock];
     int max_count = 0;
     for (int r = 0; r < rows; ++r) {
@@ -403,11 +412,11 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
     // Scores: each K row is loaded (and converted) once for all rows.
     for (int c = 0; c < max_count; ++c) {
       if (c < n_next) {  // spread over the block, so the prefetches do not queue up at once
-        prefetch_row(krows[cur ^ 1][c], row_bytes);
-        prefetch_row(vrows[cur ^ 1][c], row_bytes);
+        prefetch_row(kpre[c], row_bytes);
+        prefetch_row(vpre[c], row_bytes);
       }
       f32x16 k[NV];
-      for (int j = 0; j < NV; ++j) k[j] = load_kv16<DT>(krows[cur][c], j);
+      for (int j = 0; j < NV; ++j) k[j] = load_kv16<DT>(krows[c], j);
       for (int r = 0; r < rows; ++r) {
         if (c >= count[r]) continue;
         const float* qr = q + r * hd;
@@ -451,10 +460,10 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
       float* ar = acc + r0 * hd;
       const float* pr = s + r0 * kKeyBlock;
       switch (rg) {
-        case 4: accumulate_group<NV, DT, 4>(ar, hd, pr, kKeyBlock, vrows[cur], gcount); break;
-        case 3: accumulate_group<NV, DT, 3>(ar, hd, pr, kKeyBlock, vrows[cur], gcount); break;
-        case 2: accumulate_group<NV, DT, 2>(ar, hd, pr, kKeyBlock, vrows[cur], gcount); break;
-        default: accumulate_group<NV, DT, 1>(ar, hd, pr, kKeyBlock, vrows[cur], gcount); break;
+        case 4: accumulate_group<NV, DT, 4>(ar, hd, pr, kKeyBlock, vrows, gcount); break;
+        case 3: accumulate_group<NV, DT, 3>(ar, hd, pr, kKeyBlock, vrows, gcount); break;
+        case 2: accumulate_group<NV, DT, 2>(ar, hd, pr, kKeyBlock, vrows, gcount); break;
+        default: accumulate_group<NV, DT, 1>(ar, hd, pr, kKeyBlock, vrows, gcount); break;
       }
     }
   }

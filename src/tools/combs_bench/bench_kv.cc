@@ -47,6 +47,7 @@ struct Setup {
   DType dtype;
   AttentionImpl impl;
   int reps;
+  bool interleave;  // pages of different sequences alternate in the pool
 };
 
 // Fills every cache to `ctx` positions, a page at a time round robin, so that the pages of
@@ -112,7 +113,7 @@ StatusOr<Batch> make_batch(bool paged, int64_t n, int64_t ctx, const Setup& s,
     }
     b.caches.push_back(b.owned.back().get());
   }
-  COMBS_RETURN_IF_ERROR(fill(b.caches, ctx, s, backend, paged ? s.page_size : ctx));
+  COMBS_RETURN_IF_ERROR(fill(b.caches, ctx, s, backend, paged && s.interleave ? s.page_size : ctx));
   return b;
 }
 
@@ -141,7 +142,8 @@ int run_kv(int argc, char** argv) {
   const std::map<std::string, std::string> known = {
       {"seqs", "1,64"},     {"contexts", "512,2048,8192"}, {"heads", "32"}, {"kv-heads", "8"},
       {"head-dim", "128"},  {"page-size", "16"},           {"dtype", "bf16"}, {"impl", "flash"},
-      {"threads", "0"},     {"reps", "9"},                 {"bandwidth-mib", "1024"}};
+      {"threads", "0"},     {"reps", "9"},                 {"bandwidth-mib", "1024"},
+      {"interleave", "1"}};
   if (argc >= 3 && (!std::strcmp(argv[2], "--help") || !std::strcmp(argv[2], "-h"))) {
     std::printf("combs-bench kv [--name value ...]; flags and defaults:\n");
     for (const auto& [k, v] : known) std::printf("  --%-14s %s\n", k.c_str(), v.c_str());
@@ -149,16 +151,16 @@ int run_kv(int argc, char** argv) {
   }
   if (!flags.parse(argc, argv, 2, known)) return 2;
   std::vector<long long> seqs, contexts;
-  long long heads, kv_heads, head_dim, page_size, threads, reps, bw_mib;
+  long long heads, kv_heads, head_dim, page_size, threads, reps, bw_mib, interleave;
   if (!flags.ints("seqs", &seqs) || !flags.ints("contexts", &contexts) ||
       !flags.int1("heads", &heads) || !flags.int1("kv-heads", &kv_heads) ||
       !flags.int1("head-dim", &head_dim) || !flags.int1("page-size", &page_size) ||
       !flags.int1("threads", &threads) || !flags.int1("reps", &reps) ||
-      !flags.int1("bandwidth-mib", &bw_mib)) {
+      !flags.int1("bandwidth-mib", &bw_mib) || !flags.int1("interleave", &interleave)) {
     return 2;
   }
   Setup s{int(heads), int(kv_heads), int(head_dim), int(page_size), DType::kBF16,
-          AttentionImpl::kFlash, int(reps)};
+          AttentionImpl::kFlash, int(reps), interleave != 0};
   if (!parse_dtype(flags.str("dtype"), &s.dtype)) {
     std::fprintf(stderr, "combs-bench: --dtype must be f32, f16 or bf16\n");
     return 2;
