@@ -7,6 +7,7 @@ std::string_view dtype_name(DType t) {
     case DType::kF32: return "f32";
     case DType::kF16: return "f16";
     case DType::kBF16: return "bf16";
+    case DType::kQ8_0: return "q8_0";
   }
   return "?";
 }
@@ -15,6 +16,7 @@ bool parse_dtype(std::string_view name, DType* out) {
   if (name == "f32") *out = DType::kF32;
   else if (name == "f16") *out = DType::kF16;
   else if (name == "bf16") *out = DType::kBF16;
+  else if (name == "q8_0") *out = DType::kQ8_0;
   else return false;
   return true;
 }

@@ -71,7 +71,7 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
   assert(rank() >= 1 && 0 <= begin && begin <= end && end <= dim(0));
   const int64_t row = dim(0) ? numel() / dim(0) : 0;
   Tensor t = *this;
-  t.offset_ += static_cast<size_t>(begin * row) * dtype_size(dtype_);
+  t.offset_ += nbytes_for(dtype_, begin * row);
   Shape s;
   switch (rank()) {
     case 1: s = Shape{end - begin}; break;
@@ -87,7 +87,11 @@ StatusOr<Tensor> Backend::alloc(Shape shape, DType dtype) {
   for (int i = 0; i < shape.rank(); ++i) {
     if (shape[i] < 0) return invalid_argument_error("negative dimension in shape " + shape.to_string());
   }
-  const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+  if (shape.numel() % dtype_block_elems(dtype) != 0) {
+    return invalid_argument_error("shape " + shape.to_string() + " is not a whole number of " +
+                                  std::string(dtype_name(dtype)) + " blocks");
+  }
+  const size_t bytes = nbytes_for(dtype, shape.numel());
   void* p = raw_alloc(bytes == 0 ? 1 : bytes);
   if (p == nullptr) {
     return resource_exhausted_error(std::string(name()) + " backend: cannot allocate " +

@@ -1,7 +1,8 @@
 // Element types of tensors, and the scalar conversions between them.
 //
 // f16 is IEEE 754 binary16; bf16 is the upper half of an IEEE binary32 (round to nearest even on
-// the way down). Both are stored as uint16_t bit patterns.
+// the way down). Both are stored as uint16_t bit patterns. q8_0 (weights only) is llama.cpp's
+// block format: blocks of 32 values, each an f16 scale d and 32 int8 q, value = d * q.
 #pragma once
 
 #include <cstddef>
@@ -11,11 +12,27 @@
 
 namespace combs {
 
-enum class DType : uint8_t { kF32, kF16, kBF16 };
+enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0 };
 
-constexpr size_t dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
-std::string_view dtype_name(DType t);  // "f32", "f16", "bf16"
-// Parses "f32" / "f16" / "bf16"; false on anything else.
+struct BlockQ8_0 {
+  uint16_t d;  // f16 scale
+  int8_t qs[32];
+};
+static_assert(sizeof(BlockQ8_0) == 34);
+
+// Elements per block (32 for q8_0, else 1) and bytes per block.
+constexpr int64_t dtype_block_elems(DType t) { return t == DType::kQ8_0 ? 32 : 1; }
+constexpr size_t dtype_block_bytes(DType t) {
+  return t == DType::kF32 ? 4 : t == DType::kQ8_0 ? sizeof(BlockQ8_0) : 2;
+}
+// Bytes per element of an element type (not q8_0, whose elements come in blocks).
+constexpr size_t dtype_size(DType t) { return dtype_block_bytes(t); }
+// Bytes of `numel` elements; numel must be a multiple of the block size.
+constexpr size_t nbytes_for(DType t, int64_t numel) {
+  return static_cast<size_t>(numel / dtype_block_elems(t)) * dtype_block_bytes(t);
+}
+std::string_view dtype_name(DType t);  // "f32", "f16", "bf16", "q8_0"
+// Parses "f32" / "f16" / "bf16" / "q8_0"; false on anything else.
 bool parse_dtype(std::string_view name, DType* out);
 
 inline float bf16_to_f32(uint16_t h) {

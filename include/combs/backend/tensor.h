@@ -54,7 +54,7 @@ class Tensor {
   int rank() const { return shape_.rank(); }
   int64_t dim(int i) const { return shape_[i]; }
   int64_t numel() const { return shape_.numel(); }
-  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  size_t nbytes() const { return nbytes_for(dtype_, numel()); }
 
   void* data() const;
   template <typename T>

@@ -39,6 +39,8 @@ void load_f32(const void* src, DType t, float* dst, int64_t n) {
       for (; i < n; ++i) dst[i] = f16_to_f32(s[i]);
       return;
     }
+    case DType::kQ8_0:
+      break;  // rejected by attention_batch
   }
 }
 
@@ -57,6 +59,8 @@ void store_f32(const float* src, DType t, void* dst, int64_t n) {
       for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
       return;
     }
+    case DType::kQ8_0:
+      break;  // rejected by attention_batch
   }
 }
 
@@ -481,6 +485,7 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
     case DType::kF32: return flash_fast<NV, DType::kF32>(pb, it, sc);
     case DType::kBF16: return flash_fast<NV, DType::kBF16>(pb, it, sc);
     case DType::kF16: return flash_fast<NV, DType::kF16>(pb, it, sc);
+    case DType::kQ8_0: return;  // rejected by validate_kv_geometry
   }
 }
 

@@ -9,38 +9,13 @@
 #include <vector>
 
 #include "bench.h"
+#include "common/flags.h"
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/kv/contiguous_kv_cache.h"
 #include "combs/kv/paged_kv_cache.h"
 
 namespace combs::bench {
 namespace {
-
-// Median GB/s of summing a buffer much larger than the caches, split over the backend's threads.
-double measure_read_bandwidth(CpuBackend& backend, int64_t bytes, int reps) {
-  const int64_t n = bytes / static_cast<int64_t>(sizeof(float));
-  auto buf = backend.alloc({n}, DType::kF32);
-  if (!buf.ok()) return 0.0;
-  float* data = buf->data_as<float>();
-  for (int64_t i = 0; i < n; ++i) data[i] = float(i & 1023);
-  const int64_t parts = backend.num_threads() * 4;
-  std::vector<float> sums(parts);
-  std::vector<double> rates;
-  for (int r = 0; r < reps + 1; ++r) {
-    const double t0 = now_seconds();
-    backend.parallel_for(parts, [&](int64_t p) {
-      const float* d = data;  // a local copy: through the capture the loop does not vectorize
-      const int64_t begin = n * p / parts, end = n * (p + 1) / parts;
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t i = begin; i < end; ++i) s += d[i];
-      sums[p] = s;
-    });
-    const double dt = now_seconds() - t0;
-    if (r > 0) rates.push_back(double(bytes) / dt / 1e9);  // the first run warms up
-  }
-  return median(rates);
-}
 
 struct Setup {
   int n_q, n_kv, head_dim, page_size;
@@ -138,27 +113,29 @@ StatusOr<std::pair<double, double>> compare(int64_t n, int64_t ctx, const Setup&
 }  // namespace
 
 int run_kv(int argc, char** argv) {
-  Flags flags;
-  const std::map<std::string, std::string> known = {
-      {"seqs", "1,64"},     {"contexts", "512,2048,8192"}, {"heads", "32"}, {"kv-heads", "8"},
-      {"head-dim", "128"},  {"page-size", "16"},           {"dtype", "bf16"}, {"impl", "flash"},
-      {"threads", "0"},     {"reps", "9"},                 {"bandwidth-mib", "1024"},
-      {"interleave", "1"}};
-  if (argc >= 3 && (!std::strcmp(argv[2], "--help") || !std::strcmp(argv[2], "-h"))) {
-    std::printf("combs-bench kv [--name value ...]; flags and defaults:\n");
-    for (const auto& [k, v] : known) std::printf("  --%-14s %s\n", k.c_str(), v.c_str());
+  tools::Flags flags("combs-bench kv",
+                     {{"seqs", "1,64"}, {"contexts", "512,2048,8192"}, {"heads", "32"},
+                      {"kv-heads", "8"}, {"head-dim", "128"}, {"page-size", "16"}, {"dtype", "bf16"},
+                      {"impl", "flash"}, {"threads", "0"}, {"reps", "9"}, {"bandwidth-mib", "1024"},
+                      {"interleave", "1"}});
+  if (!flags.parse(argc, argv, 2)) return 2;
+  if (flags.help_requested()) {
+    flags.print_usage("[flags]");
     return 0;
   }
-  if (!flags.parse(argc, argv, 2, known)) return 2;
   std::vector<long long> seqs, contexts;
   long long heads, kv_heads, head_dim, page_size, threads, reps, bw_mib, interleave;
   if (!flags.ints("seqs", &seqs) || !flags.ints("contexts", &contexts) ||
-      !flags.int1("heads", &heads) || !flags.int1("kv-heads", &kv_heads) ||
-      !flags.int1("head-dim", &head_dim) || !flags.int1("page-size", &page_size) ||
-      !flags.int1("threads", &threads) || !flags.int1("reps", &reps) ||
-      !flags.int1("bandwidth-mib", &bw_mib) || !flags.int1("interleave", &interleave)) {
+      !flags.integer("heads", &heads, 1, 1024) || !flags.integer("kv-heads", &kv_heads, 1, 1024) ||
+      !flags.integer("head-dim", &head_dim, 1, 4096) ||
+      !flags.integer("page-size", &page_size, 1, 1 << 20) ||
+      !flags.integer("threads", &threads, 0, 1024) || !flags.integer("reps", &reps, 1, 100000) ||
+      !flags.integer("bandwidth-mib", &bw_mib, 1, 1 << 20) ||
+      !flags.integer("interleave", &interleave, 0, 1)) {
     return 2;
   }
+  for (long long v : seqs) if (v < 1) return std::fprintf(stderr, "combs-bench: --seqs must be >= 1\n"), 2;
+  for (long long v : contexts) if (v < 1) return std::fprintf(stderr, "combs-bench: --contexts must be >= 1\n"), 2;
   Setup s{int(heads), int(kv_heads), int(head_dim), int(page_size), DType::kBF16,
           AttentionImpl::kFlash, int(reps), interleave != 0};
   if (!parse_dtype(flags.str("dtype"), &s.dtype)) {

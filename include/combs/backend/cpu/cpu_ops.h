@@ -1,0 +1,39 @@
+// CPU kernels of the model runner. Activations are f32, row-major [tokens, features]; weights are
+// row-major [out, in] in f32, f16, bf16 or q8_0. Matrix products run on the backend's threads;
+// SIMD code is chosen at run time (AVX-512 with BF16 dot products, AVX2, or generic).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "combs/backend/cpu/cpu_backend.h"
+
+namespace combs::cpu {
+
+// y[t, o] = sum_i w[o, i] * x[t, i] (+ bias[o]) for t < n_tokens. x: [n_tokens, in], y: [n_tokens,
+// out]; w: [out, in]. `in` must be a multiple of 32 for q8_0 weights.
+void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
+            const float* bias = nullptr);
+
+// The instruction set matmul uses on this processor: "avx512bf16", "avx2" or "generic".
+std::string_view matmul_isa();
+
+// y[t] = x[t] / rms(x[t]) * weight, for n rows of dim elements.
+void rms_norm(const float* x, const float* weight, float* y, int64_t n, int64_t dim, float eps);
+
+// Rotary embedding in place on x [n_tokens, n_heads, head_dim] at positions pos[t]: the first
+// rope_dim dims of each head rotate by pos * base^(-2i / rope_dim) / freq_factors[i] (factors
+// optional). adjacent_pairs: pairs (2i, 2i+1), else (i, i + rope_dim / 2).
+void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
+          float freq_base, const float* freq_factors, bool adjacent_pairs);
+
+// gate[i] = silu(gate[i]) * up[i].
+void silu_mul(float* gate, const float* up, int64_t n);
+
+// out[i, :] = table[ids[i], :] as f32. table: [n_rows, dim] in any weight dtype.
+void embedding(const Tensor& table, const int32_t* ids, int64_t n, float* out);
+
+// n elements of `src` (a row of `dtype`; n a multiple of 32 for q8_0) as f32.
+void dequantize_row(const void* src, DType dtype, float* dst, int64_t n);
+
+}  // namespace combs::cpu

@@ -1,0 +1,40 @@
+// Random-weight models of named shapes, written as GGUF (combs-mkmodel, tests, the server's
+// embedded default). Weights are deterministic from a seed: each tensor draws from a generator
+// seeded by (seed, tensor name), so the same options always write the same file.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "combs/backend/dtype.h"
+#include "combs/base/status.h"
+
+namespace combs {
+
+struct ModelShape {
+  std::string name;
+  std::string arch;  // "llama" or "qwen2"
+  int n_embd = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, n_ff = 0;
+  int64_t context_length = 4096;
+  float rope_freq_base = 10000.0f;
+  float rms_eps = 1e-5f;
+  bool tied_output = false;
+};
+
+// "tiny", "qwen2-tiny", "llama-1b" (Llama-3.2-1B's shape), "llama-8b" (Llama-3.1-8B's shape).
+StatusOr<ModelShape> named_shape(std::string_view name);
+std::vector<std::string> shape_names();
+
+struct RandomModelOptions {
+  ModelShape shape;
+  DType dtype = DType::kBF16;  // of the matrices (norms and biases stay F32)
+  uint64_t seed = 1;
+  // A GGUF whose tokenizer.* metadata (vocabulary) is copied; empty: the built-in byte-level
+  // vocabulary (<unk>, <s>, </s> and the 256 byte tokens <0x00>..<0xFF>).
+  std::string vocab_path;
+};
+
+Status write_random_model(const RandomModelOptions& options, const std::string& path);
+
+}  // namespace combs

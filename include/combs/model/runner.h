@@ -1,0 +1,54 @@
+// Runner: the transformer forward on the CPU backend. One forward runs a ragged batch — several
+// sequences, each at its own position with its own number of new tokens — in one pass, and reaches
+// K/V only through the caches' batched attention call:
+//   embedding -> per layer (RMSNorm, Q/K/V projections (+ biases), RoPE, cache attention, output
+//   projection, residual, RMSNorm, SwiGLU MLP, residual) -> final RMSNorm -> logits.
+// Thread-compatible: one forward at a time. Scratch memory grows to the largest batch seen and is
+// reused, so steady-state decoding allocates nothing.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "combs/backend/cpu/cpu_backend.h"
+#include "combs/kv/kv_cache.h"
+#include "combs/model/model.h"
+
+namespace combs {
+
+struct SequenceInput {
+  KVCache* cache = nullptr;           // its geometry must be the model's
+  std::span<const int32_t> tokens;    // appended at cache->seq_len(); at least one
+};
+
+struct ForwardOptions {
+  bool all_logits = false;  // logits of every token, not only of each sequence's last
+};
+
+class Runner {
+ public:
+  // The model and backend must outlive the runner.
+  static StatusOr<std::unique_ptr<Runner>> create(const Model& model, CpuBackend& backend);
+
+  // Appends every sequence's tokens to its cache and writes f32 logits into `logits`:
+  // [n_seqs, n_vocab] (each sequence's last token), or [total tokens, n_vocab] with all_logits.
+  // INVALID_ARGUMENT for a bad token id, empty input or a cache of another geometry;
+  // RESOURCE_EXHAUSTED / FAILED_PRECONDITION from the caches. On error no cache changes.
+  Status forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options = {});
+
+  const Model& model() const { return *model_; }
+
+ private:
+  Runner(const Model& model, CpuBackend& backend) : model_(&model), backend_(&backend) {}
+  void reserve(int64_t n_tokens);
+
+  const Model* model_;
+  CpuBackend* backend_;
+  int64_t capacity_ = 0;
+  std::vector<float> x_, h_, q_, k_, v_, att_, gate_, up_;
+  std::vector<int32_t> tokens_, pos_;
+  std::vector<SeqAttention> batch_;
+};
+
+}  // namespace combs

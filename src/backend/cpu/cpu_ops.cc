@@ -1,0 +1,139 @@
+#include "combs/backend/cpu/cpu_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels/matmul_kernels.h"
+
+namespace combs::cpu {
+namespace {
+
+struct Isa {
+  MatmulKernel kernel;
+  std::string_view name;
+};
+
+const Isa& isa() {
+  static const Isa chosen = []() -> Isa {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16")) {
+      return {avx512bf16::matmul_rows, "avx512bf16"};
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      return {avx2::matmul_rows, "avx2"};
+    }
+#endif
+    return {generic::matmul_rows, "generic"};
+  }();
+  return chosen;
+}
+
+}  // namespace
+
+std::string_view matmul_isa() { return isa().name; }
+
+void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
+            const float* bias) {
+  const Isa& chosen = isa();
+  MatmulTask k{w.data(), w.dtype(), w.dim(1), x, nullptr, n_tokens, y, w.dim(0), bias};
+  if (w.dtype() == DType::kBF16 && chosen.name == "avx512bf16") {
+    thread_local std::vector<uint16_t> x_bf16;  // grows to the largest call, then stays
+    if (x_bf16.size() < static_cast<size_t>(n_tokens * k.in)) x_bf16.resize(n_tokens * k.in);
+    for (int64_t i = 0; i < n_tokens * k.in; ++i) x_bf16[i] = f32_to_bf16(x[i]);
+    k.x_bf16 = x_bf16.data();
+  }
+  // Small tasks for decode (spread the weight stream over the threads), larger ones for prefill
+  // (a task's rows stay in L2 while every token passes).
+  const int64_t rows_per_task = n_tokens <= 4 ? 16 : 64;
+  const int64_t n_tasks = (k.out + rows_per_task - 1) / rows_per_task;
+  backend.parallel_for(n_tasks, [&](int64_t i) {
+    chosen.kernel(k, i * rows_per_task, std::min(k.out, (i + 1) * rows_per_task));
+  });
+}
+
+void rms_norm(const float* x, const float* weight, float* y, int64_t n, int64_t dim, float eps) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xr = x + t * dim;
+    float* yr = y + t * dim;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
+    const float scale = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * scale * weight[i];
+  }
+}
+
+void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
+          float freq_base, const float* freq_factors, bool adjacent_pairs) {
+  const int half = rope_dim / 2;
+  std::vector<float> inv_freq(half), cs(half), sn(half);
+  for (int i = 0; i < half; ++i) {
+    // As Hugging Face computes it: 1 / base^(2i / dim) in f32.
+    inv_freq[i] = 1.0f / std::pow(freq_base, static_cast<float>(2 * i) / static_cast<float>(rope_dim));
+    if (freq_factors) inv_freq[i] /= freq_factors[i];
+  }
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    for (int i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(pos[t]) * inv_freq[i];
+      cs[i] = static_cast<float>(std::cos(static_cast<double>(angle)));
+      sn[i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+    }
+    for (int h = 0; h < n_heads; ++h) {
+      float* v = x + (t * n_heads + h) * head_dim;
+      for (int i = 0; i < half; ++i) {
+        const int a = adjacent_pairs ? 2 * i : i;
+        const int b = adjacent_pairs ? 2 * i + 1 : i + half;
+        const float x0 = v[a], x1 = v[b];
+        v[a] = x0 * cs[i] - x1 * sn[i];
+        v[b] = x0 * sn[i] + x1 * cs[i];
+      }
+    }
+  }
+}
+
+void silu_mul(float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void dequantize_row(const void* src, DType dtype, float* dst, int64_t n) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kF16: {
+      const auto* h = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(h[i]);
+      return;
+    }
+    case DType::kBF16: {
+      const auto* h = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(h[i]);
+      return;
+    }
+    case DType::kQ8_0: {
+      const auto* b = static_cast<const BlockQ8_0*>(src);
+      for (int64_t i = 0; i < n / 32; ++i) {
+        const float d = f16_to_f32(b[i].d);
+        for (int j = 0; j < 32; ++j) dst[i * 32 + j] = d * static_cast<float>(b[i].qs[j]);
+      }
+      return;
+    }
+  }
+}
+
+void embedding(const Tensor& table, const int32_t* ids, int64_t n, float* out) {
+  const int64_t dim = table.dim(1);
+  const size_t row_bytes = nbytes_for(table.dtype(), dim);
+  for (int64_t i = 0; i < n; ++i) {
+    dequantize_row(static_cast<const char*>(table.data()) + ids[i] * row_bytes, table.dtype(),
+                   out + i * dim, dim);
+  }
+}
+
+}  // namespace combs::cpu

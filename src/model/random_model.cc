@@ -1,0 +1,189 @@
+#include "combs/model/random_model.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "combs/model/gguf.h"
+#include "combs/model/model.h"
+
+namespace combs {
+namespace {
+
+uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+uint64_t name_seed(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull ^ seed;  // FNV-1a over the name
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// Uniform in [center - half_width, center + half_width).
+void fill_uniform(float* dst, int64_t n, uint64_t seed, float center, float half_width) {
+  uint64_t s = seed;
+  for (int64_t i = 0; i < n; ++i) {
+    const double u = static_cast<double>(splitmix(s) >> 11) * 0x1.0p-53;
+    dst[i] = center + half_width * static_cast<float>(2.0 * u - 1.0);
+  }
+}
+
+void store_as(const float* src, int64_t n, DType dtype, void* dst) {
+  switch (dtype) {
+    case DType::kF32: std::memcpy(dst, src, n * sizeof(float)); return;
+    case DType::kF16:
+      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = f32_to_f16(src[i]);
+      return;
+    case DType::kBF16:
+      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = f32_to_bf16(src[i]);
+      return;
+    case DType::kQ8_0: {
+      auto* b = static_cast<BlockQ8_0*>(dst);
+      for (int64_t blk = 0; blk < n / 32; ++blk) {
+        const float* x = src + blk * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
+        const float d = amax / 127.0f;
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        b[blk].d = f32_to_f16(d);
+        for (int j = 0; j < 32; ++j) b[blk].qs[j] = static_cast<int8_t>(std::lround(x[j] * inv));
+      }
+      return;
+    }
+  }
+}
+
+void builtin_vocab(gguf::GgufWriter& w) {
+  using gguf::Value;
+  using gguf::ValueType;
+  std::vector<Value> tokens, scores, types;
+  auto add = [&](std::string text, int type) {
+    tokens.push_back(Value::str(std::move(text)));
+    scores.push_back(Value::f32(0.0f));
+    types.push_back(Value::i32(type));
+  };
+  add("<unk>", 2);  // llama.cpp token types: 2 unknown, 3 control, 6 byte
+  add("<s>", 3);
+  add("</s>", 3);
+  for (int b = 0; b < 256; ++b) {
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "<0x%02X>", b);
+    add(buf, 6);
+  }
+  w.set("tokenizer.ggml.model", Value::str("llama"));
+  w.set("tokenizer.ggml.tokens", Value::array(ValueType::kString, std::move(tokens)));
+  w.set("tokenizer.ggml.scores", Value::array(ValueType::kF32, std::move(scores)));
+  w.set("tokenizer.ggml.token_type", Value::array(ValueType::kI32, std::move(types)));
+  w.set("tokenizer.ggml.unknown_token_id", Value::u32(0));
+  w.set("tokenizer.ggml.bos_token_id", Value::u32(1));
+  w.set("tokenizer.ggml.eos_token_id", Value::u32(2));
+  w.set("tokenizer.ggml.add_bos_token", Value::boolean(true));
+  w.set("tokenizer.ggml.add_eos_token", Value::boolean(false));
+}
+
+}  // namespace
+
+std::vector<std::string> shape_names() { return {"tiny", "qwen2-tiny", "llama-1b", "llama-8b"}; }
+
+StatusOr<ModelShape> named_shape(std::string_view name) {
+  ModelShape s;
+  s.name = std::string(name);
+  if (name == "tiny" || name == "qwen2-tiny") {
+    s.arch = name == "tiny" ? "llama" : "qwen2";
+    s.n_embd = 256, s.n_layers = 2, s.n_heads = 4, s.n_kv_heads = 2, s.n_ff = 512;
+    s.context_length = 2048;
+    s.rope_freq_base = name == "tiny" ? 10000.0f : 1000000.0f;
+    s.rms_eps = name == "tiny" ? 1e-5f : 1e-6f;
+    return s;
+  }
+  if (name == "llama-1b") {  // Llama-3.2-1B
+    s.arch = "llama";
+    s.n_embd = 2048, s.n_layers = 16, s.n_heads = 32, s.n_kv_heads = 8, s.n_ff = 8192;
+    s.context_length = 131072, s.rope_freq_base = 500000.0f, s.tied_output = true;
+    return s;
+  }
+  if (name == "llama-8b") {  // Llama-3.1-8B (with tied embeddings, as the peer's figures used)
+    s.arch = "llama";
+    s.n_embd = 4096, s.n_layers = 32, s.n_heads = 32, s.n_kv_heads = 8, s.n_ff = 14336;
+    s.context_length = 131072, s.rope_freq_base = 500000.0f, s.tied_output = true;
+    return s;
+  }
+  std::string known;
+  for (const auto& n : shape_names()) known += (known.empty() ? "" : ", ") + n;
+  return invalid_argument_error("unknown model shape '" + std::string(name) + "' (known: " + known + ")");
+}
+
+Status write_random_model(const RandomModelOptions& o, const std::string& path) {
+  using gguf::Value;
+  const ModelShape& s = o.shape;
+  gguf::GgufWriter w;
+  w.set("general.architecture", Value::str(s.arch));
+  w.set("general.name", Value::str("combs random " + s.name));
+  const uint32_t file_type = o.dtype == DType::kF32 ? 0 : o.dtype == DType::kF16 ? 1
+                             : o.dtype == DType::kQ8_0 ? 7 : 32;  // llama.cpp's LLAMA_FTYPE_*
+  w.set("general.file_type", Value::u32(file_type));
+  const std::string a = s.arch + ".";
+  w.set(a + "context_length", Value::u32(static_cast<uint32_t>(s.context_length)));
+  w.set(a + "embedding_length", Value::u32(s.n_embd));
+  w.set(a + "block_count", Value::u32(s.n_layers));
+  w.set(a + "feed_forward_length", Value::u32(s.n_ff));
+  w.set(a + "attention.head_count", Value::u32(s.n_heads));
+  w.set(a + "attention.head_count_kv", Value::u32(s.n_kv_heads));
+  w.set(a + "rope.freq_base", Value::f32(s.rope_freq_base));
+  w.set(a + "rope.dimension_count", Value::u32(s.n_embd / s.n_heads));
+  w.set(a + "attention.layer_norm_rms_epsilon", Value::f32(s.rms_eps));
+
+  int n_vocab = 259;
+  std::unique_ptr<gguf::GgufFile> vocab;
+  if (o.vocab_path.empty()) {
+    builtin_vocab(w);
+  } else {
+    COMBS_ASSIGN_OR_RETURN(vocab, gguf::GgufFile::open(o.vocab_path));
+    COMBS_ASSIGN_OR_RETURN(const gguf::Array* tokens, vocab->get_array("tokenizer.ggml.tokens"));
+    n_vocab = static_cast<int>(tokens->items.size());
+    if (n_vocab < 1) return invalid_argument_error(o.vocab_path + ": empty tokenizer.ggml.tokens");
+    for (const auto& [key, value] : vocab->metadata()) {
+      if (key.rfind("tokenizer.", 0) == 0) w.set(key, value);
+    }
+  }
+  w.set(a + "vocab_size", Value::u32(n_vocab));
+
+  ModelConfig c;
+  c.n_vocab = n_vocab, c.n_embd = s.n_embd, c.n_layers = s.n_layers, c.n_heads = s.n_heads;
+  c.n_kv_heads = s.n_kv_heads, c.head_dim = s.n_embd / s.n_heads, c.n_ff = s.n_ff;
+  c.rope_dim = c.head_dim, c.qkv_bias = s.arch == "qwen2";
+  for (const WeightSpec& spec : weight_specs(c)) {
+    if (spec.name == "rope_freqs.weight") continue;
+    if (spec.name == "output.weight" && s.tied_output) continue;
+    int64_t numel = 1;
+    for (int64_t d : spec.dims) numel *= d;
+    const bool matrix = spec.dims.size() == 2;
+    DType dt = spec.f32_only || !matrix ? DType::kF32 : o.dtype;
+    if (dt == DType::kQ8_0 && spec.dims[0] % 32 != 0) dt = DType::kBF16;
+    const bool is_norm = spec.name.find("norm") != std::string::npos;
+    const bool is_bias = spec.name.find(".bias") != std::string::npos;
+    // Matrices ~ U with std 1/sqrt(in) (embeddings std 1), norms near 1, small biases.
+    const float half = is_norm ? 0.1f : is_bias ? 0.1f
+                       : spec.name == "token_embd.weight" ? std::sqrt(3.0f)
+                                                          : std::sqrt(3.0f / float(spec.dims[0]));
+    const float center = is_norm ? 1.0f : 0.0f;
+    const uint64_t seed = name_seed(o.seed, spec.name);
+    w.add_tensor(spec.name, spec.dims, dt, [=](void* dst) {
+      constexpr int64_t kChunk = 1 << 20;  // convert through a bounded f32 buffer
+      std::vector<float> buf(std::min(numel, kChunk));
+      const size_t block_elems = static_cast<size_t>(dtype_block_elems(dt));
+      for (int64_t i = 0; i < numel; i += kChunk) {
+        const int64_t n = std::min(kChunk, numel - i);
+        fill_uniform(buf.data(), n, seed + static_cast<uint64_t>(i), center, half);
+        store_as(buf.data(), n, dt, static_cast<char*>(dst) + nbytes_for(dt, i / block_elems * block_elems));
+      }
+    });
+  }
+  return w.write(path);
+}
+
+}  // namespace combs

@@ -1,0 +1,126 @@
+#include "combs/model/runner.h"
+
+#include <cmath>
+#include <string>
+
+#include "combs/backend/cpu/cpu_ops.h"
+
+namespace combs {
+
+StatusOr<std::unique_ptr<Runner>> Runner::create(const Model& model, CpuBackend& backend) {
+  return std::unique_ptr<Runner>(new Runner(model, backend));
+}
+
+void Runner::reserve(int64_t n) {
+  if (n <= capacity_) return;
+  const ModelConfig& c = model_->config();
+  const int64_t q = int64_t{c.n_heads} * c.head_dim, kv = int64_t{c.n_kv_heads} * c.head_dim;
+  x_.resize(n * c.n_embd);
+  h_.resize(n * std::max<int64_t>(c.n_embd, q));
+  q_.resize(n * q);
+  k_.resize(n * kv);
+  v_.resize(n * kv);
+  att_.resize(n * q);
+  gate_.resize(n * c.n_ff);
+  up_.resize(n * c.n_ff);
+  tokens_.resize(n);
+  pos_.resize(n);
+  capacity_ = n;
+}
+
+Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options) {
+  const ModelConfig& c = model_->config();
+  const Model& m = *model_;
+  if (seqs.empty()) return invalid_argument_error("forward: no sequences");
+  const KVGeometry want = c.kv_geometry(DType::kF32);
+  int64_t total = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const SequenceInput& in = seqs[s];
+    const std::string which = "forward: sequence " + std::to_string(s);
+    if (in.cache == nullptr) return invalid_argument_error(which + ": no cache");
+    const KVGeometry& g = in.cache->geometry();
+    if (g.num_layers != want.num_layers || g.n_kv_heads != want.n_kv_heads ||
+        g.head_dim != want.head_dim) {
+      return invalid_argument_error(which + ": the cache's geometry is not this model's");
+    }
+    if (in.tokens.empty()) return invalid_argument_error(which + ": no tokens");
+    for (int32_t t : in.tokens) {
+      if (t < 0 || t >= c.n_vocab) {
+        return invalid_argument_error(which + ": token id " + std::to_string(t) +
+                                      " is outside the vocabulary [0, " +
+                                      std::to_string(c.n_vocab) + ")");
+      }
+    }
+    total += static_cast<int64_t>(in.tokens.size());
+  }
+  reserve(total);
+  batch_.clear();
+  int64_t row = 0;
+  for (const SequenceInput& in : seqs) {
+    const int64_t pos = in.cache->seq_len();
+    batch_.push_back({in.cache, pos, static_cast<int64_t>(in.tokens.size())});
+    for (size_t i = 0; i < in.tokens.size(); ++i, ++row) {
+      tokens_[row] = in.tokens[i];
+      pos_[row] = static_cast<int32_t>(pos + static_cast<int64_t>(i));
+    }
+  }
+
+  const int64_t e = c.n_embd, hd = c.head_dim;
+  const int64_t nq = c.n_heads, nkv = c.n_kv_heads;
+  float* x = x_.data();
+  float* h = h_.data();
+  cpu::embedding(m.tok_embd, tokens_.data(), total, x);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float* freq_factors = m.rope_freqs.defined() ? m.rope_freqs.data_as<float>() : nullptr;
+  const bool adjacent = c.rope_style == RopeStyle::kAdjacent;
+  const Tensor q_t = Tensor::wrap(q_.data(), {total, nq, hd}, DType::kF32);
+  const Tensor k_t = Tensor::wrap(k_.data(), {total, nkv, hd}, DType::kF32);
+  const Tensor v_t = Tensor::wrap(v_.data(), {total, nkv, hd}, DType::kF32);
+  const Tensor att_t = Tensor::wrap(att_.data(), {total, nq, hd}, DType::kF32);
+  auto bias = [](const Tensor& b) { return b.defined() ? b.data_as<float>() : nullptr; };
+
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& w = m.layers[l];
+    cpu::rms_norm(x, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps);
+    cpu::matmul(*backend_, w.wq, h, total, q_.data(), bias(w.bq));
+    cpu::matmul(*backend_, w.wk, h, total, k_.data(), bias(w.bk));
+    cpu::matmul(*backend_, w.wv, h, total, v_.data(), bias(w.bv));
+    cpu::rope(q_.data(), pos_.data(), total, c.n_heads, c.head_dim, c.rope_dim, c.rope_freq_base,
+              freq_factors, adjacent);
+    cpu::rope(k_.data(), pos_.data(), total, c.n_kv_heads, c.head_dim, c.rope_dim,
+              c.rope_freq_base, freq_factors, adjacent);
+    Status s = attention_batch(batch_, l, q_t, k_t, v_t, scale, &att_t);
+    if (!s.ok()) {
+      // Layer 0 checks and reserves everything, so a later failure is unexpected; undo anyway.
+      for (const SeqAttention& b : batch_) b.cache->popn(b.cache->seq_len() - b.pos);
+      return s;
+    }
+    cpu::matmul(*backend_, w.wo, att_.data(), total, h);
+    for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
+    cpu::rms_norm(x, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps);
+    cpu::matmul(*backend_, w.w_gate, h, total, gate_.data());
+    cpu::matmul(*backend_, w.w_up, h, total, up_.data());
+    cpu::silu_mul(gate_.data(), up_.data(), total * c.n_ff);
+    cpu::matmul(*backend_, w.w_down, gate_.data(), total, h);
+    for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
+  }
+
+  // Final norm and logits, for every token or each sequence's last.
+  int64_t n_out = total;
+  if (!options.all_logits) {
+    n_out = 0;
+    int64_t end = 0;
+    for (const SeqAttention& b : batch_) {
+      end += b.n_new;
+      std::copy(x + (end - 1) * e, x + end * e, h + n_out * e);
+      ++n_out;
+    }
+    cpu::rms_norm(h, m.output_norm.data_as<float>(), h, n_out, e, c.rms_eps);
+  } else {
+    cpu::rms_norm(x, m.output_norm.data_as<float>(), h, total, e, c.rms_eps);
+  }
+  cpu::matmul(*backend_, m.output, h, n_out, logits);
+  return ok_status();
+}
+
+}  // namespace combs

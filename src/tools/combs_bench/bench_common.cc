@@ -1,0 +1,34 @@
+// Helpers shared by the combs-bench subcommands.
+#include <vector>
+
+#include "bench.h"
+
+namespace combs::bench {
+
+// Median GB/s of summing a buffer much larger than the caches, split over the backend's threads.
+double measure_read_bandwidth(CpuBackend& backend, int64_t bytes, int reps) {
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(float));
+  auto buf = backend.alloc({n}, DType::kF32);
+  if (!buf.ok()) return 0.0;
+  float* data = buf->data_as<float>();
+  for (int64_t i = 0; i < n; ++i) data[i] = float(i & 1023);
+  const int64_t parts = backend.num_threads() * 4;
+  std::vector<float> sums(parts);
+  std::vector<double> rates;
+  for (int r = 0; r < reps + 1; ++r) {
+    const double t0 = now_seconds();
+    backend.parallel_for(parts, [&](int64_t p) {
+      const float* d = data;  // a local copy: through the capture the loop does not vectorize
+      const int64_t begin = n * p / parts, end = n * (p + 1) / parts;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = begin; i < end; ++i) s += d[i];
+      sums[p] = s;
+    });
+    const double dt = now_seconds() - t0;
+    if (r > 0) rates.push_back(double(bytes) / dt / 1e9);  // the first run warms up
+  }
+  return median(rates);
+}
+
+}  // namespace combs::bench

@@ -1,0 +1,132 @@
+// combs-bench model: prompt processing and decode tokens/s of random-weight models, with the
+// decode bound (measured read bandwidth / bytes of weights read per token) from the same run.
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "combs/backend/cpu/cpu_ops.h"
+#include "combs/kv/paged_kv_cache.h"
+#include "combs/model/random_model.h"
+#include "combs/model/runner.h"
+#include "common/flags.h"
+
+namespace combs::bench {
+namespace {
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t end = std::min(s.find(',', start), s.size());
+    if (end > start) out.push_back(s.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+struct Figures {
+  double prompt_tps, decode_tps;
+};
+
+// Median prompt and decode speeds over `reps` fresh sequences.
+StatusOr<Figures> measure(Runner& runner, CpuBackend& backend, int prompt, int gen, int reps) {
+  const ModelConfig& c = runner.model().config();
+  const int64_t ctx = prompt + gen + 1;
+  PagePoolOptions po{c.kv_geometry(DType::kF16), 16, pages_for_tokens(ctx, 16)};
+  COMBS_ASSIGN_OR_RETURN(auto pool, PagePool::create(backend, po));
+  std::vector<float> logits(c.n_vocab);
+  std::vector<int32_t> tokens(prompt);
+  for (int i = 0; i < prompt; ++i) tokens[i] = (i * 7919 + 13) % c.n_vocab;
+  std::vector<double> tp, td;
+  for (int r = 0; r < reps + 1; ++r) {  // the first round warms up
+    COMBS_ASSIGN_OR_RETURN(auto cache, PagedKVCache::create(*pool, ctx));
+    const SequenceInput in{cache.get(), tokens};
+    double t0 = now_seconds();
+    COMBS_RETURN_IF_ERROR(runner.forward({&in, 1}, logits.data()));
+    const double dt_prompt = now_seconds() - t0;
+    t0 = now_seconds();
+    for (int i = 0; i < gen; ++i) {
+      const int32_t next = static_cast<int32_t>((i * 31 + 7) % c.n_vocab);
+      const SequenceInput one{cache.get(), {&next, 1}};
+      COMBS_RETURN_IF_ERROR(runner.forward({&one, 1}, logits.data()));
+    }
+    const double dt_gen = now_seconds() - t0;
+    if (r > 0) {
+      tp.push_back(prompt / dt_prompt);
+      td.push_back(gen / dt_gen);
+    }
+  }
+  return Figures{median(tp), median(td)};
+}
+
+}  // namespace
+
+int run_model(int argc, char** argv) {
+  tools::Flags flags("combs-bench model",
+                     {{"shapes", "tiny,llama-1b"}, {"dtypes", "bf16,q8_0"}, {"prompt", "512"},
+                      {"gen", "128"}, {"threads", "0"}, {"reps", "3"}, {"bandwidth-mib", "1024"},
+                      {"dir", "/tmp/combs-bench-models"}, {"vocab", ""}});
+  if (!flags.parse(argc, argv, 2)) return 2;
+  if (flags.help_requested()) {
+    flags.print_usage("[flags]   (models are written once into --dir and reused)");
+    return 0;
+  }
+  long long prompt, gen, threads, reps, bw_mib;
+  if (!flags.integer("prompt", &prompt, 1, 1 << 20) || !flags.integer("gen", &gen, 1, 1 << 20) ||
+      !flags.integer("threads", &threads, 0, 1024) || !flags.integer("reps", &reps, 1, 1000) ||
+      !flags.integer("bandwidth-mib", &bw_mib, 1, 1 << 20)) {
+    return 2;
+  }
+  CpuBackend backend({static_cast<int>(threads)});
+  const double bandwidth = measure_read_bandwidth(backend, bw_mib << 20, 5);
+  std::printf("# combs-bench model: %d threads, matmul %s, prompt %lld tokens, decode %lld tokens, "
+              "median of %lld\n# measured read bandwidth: %.1f GB/s\n\n",
+              backend.num_threads(), std::string(cpu::matmul_isa()).c_str(), prompt, gen, reps,
+              bandwidth);
+  std::printf("| model | dtype | weights read/token | prompt tok/s | decode tok/s | decode bound tok/s "
+              "| decode / bound |\n|---|---|---|---|---|---|---|\n");
+  std::error_code ec;
+  std::filesystem::create_directories(flags.str("dir"), ec);
+  for (const std::string& shape_name : split(flags.str("shapes"))) {
+    for (const std::string& dtype_str : split(flags.str("dtypes"))) {
+      RandomModelOptions o;
+      auto shape = named_shape(shape_name);
+      if (!shape.ok() || !parse_dtype(dtype_str, &o.dtype)) {
+        std::fprintf(stderr, "combs-bench: bad shape '%s' or dtype '%s'\n", shape_name.c_str(),
+                     dtype_str.c_str());
+        return 2;
+      }
+      o.shape = *shape;
+      o.vocab_path = flags.str("vocab");
+      const std::string path = flags.str("dir") + "/" + shape_name + "-" + dtype_str + ".gguf";
+      if (!std::filesystem::exists(path)) {
+        if (Status s = write_random_model(o, path); !s.ok()) {
+          std::fprintf(stderr, "combs-bench: %s\n", s.to_string().c_str());
+          return 1;
+        }
+      }
+      auto model = Model::load(path);
+      if (!model.ok()) {
+        std::fprintf(stderr, "combs-bench: %s\n", model.status().to_string().c_str());
+        return 1;
+      }
+      auto runner = Runner::create(**model, backend);
+      auto f = measure(**runner, backend, int(prompt), int(gen), int(reps));
+      if (!f.ok()) {
+        std::fprintf(stderr, "combs-bench: %s\n", f.status().to_string().c_str());
+        return 1;
+      }
+      const double bytes = double((*model)->weight_bytes_per_token());
+      const double bound = bandwidth * 1e9 / bytes;
+      std::printf("| %s | %s | %.1f MB | %.1f | %.2f | %.2f | %.0f%% |\n", shape_name.c_str(),
+                  dtype_str.c_str(), bytes / 1e6, f->prompt_tps, f->decode_tps, bound,
+                  100.0 * f->decode_tps / bound);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+}  // namespace combs::bench
