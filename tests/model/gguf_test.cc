@@ -1,0 +1,164 @@
+// The GGUF reader: round trips with the writer, and a clear error for every kind of bad file.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include "combs/model/gguf.h"
+#include "combs/model/model.h"
+#include "combs/model/random_model.h"
+#include "support/temp_dir.h"
+
+using namespace combs;
+using namespace combs::gguf;
+using combs::testing::TempDir;
+
+namespace {
+
+std::vector<char> read_all(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+void write_all(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// A small valid file: a few metadata types and two tensors.
+std::vector<char> small_file(const TempDir& dir) {
+  static const float a[4] = {1, 2, 3, 4};
+  static const uint16_t b[64] = {};
+  GgufWriter w;
+  w.set("general.architecture", Value::str("llama"));
+  w.set("x.count", Value::u32(7));
+  w.set("x.list", Value::array(ValueType::kI32, {Value::i32(-1), Value::i32(2)}));
+  w.add_tensor("a", {4}, DType::kF32, a);
+  w.add_tensor("b", {32, 2}, DType::kBF16, b);
+  const std::string path = dir.file("small.gguf");
+  REQUIRE(w.write(path).ok());
+  return read_all(path);
+}
+
+Status open_bytes(const TempDir& dir, const std::vector<char>& bytes) {
+  const std::string path = dir.file("bad.gguf");
+  write_all(path, bytes);
+  return GgufFile::open(path).status();
+}
+
+// Offset of the first occurrence of `needle` in bytes.
+size_t find(const std::vector<char>& bytes, const std::string& needle) {
+  auto it = std::search(bytes.begin(), bytes.end(), needle.begin(), needle.end());
+  REQUIRE(it != bytes.end());
+  return static_cast<size_t>(it - bytes.begin());
+}
+
+}  // namespace
+
+TEST_CASE("gguf round trip of metadata and tensors", "[model]") {
+  TempDir dir;
+  small_file(dir);
+  auto f = GgufFile::open(dir.file("small.gguf"));
+  REQUIRE(f.ok());
+  CHECK((*f)->version() == 3);
+  CHECK((*f)->get_string("general.architecture").value() == "llama");
+  CHECK((*f)->get_uint("x.count").value() == 7);
+  const Array* list = (*f)->get_array("x.list").value();
+  REQUIRE(list->items.size() == 2);
+  CHECK(std::get<int64_t>(list->items[0].v) == -1);
+  const TensorInfo* a = (*f)->find_tensor("a");
+  REQUIRE(a != nullptr);
+  CHECK(a->dtype == DType::kF32);
+  CHECK(static_cast<const float*>(a->data)[3] == 4.0f);
+  CHECK((*f)->find_tensor("b")->dims == std::vector<int64_t>{32, 2});
+  CHECK((*f)->get_uint("general.architecture").status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("every truncation of a gguf file is a clear error", "[model]") {
+  TempDir dir;
+  const auto bytes = small_file(dir);
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    const Status s = open_bytes(dir, std::vector<char>(bytes.begin(), bytes.begin() + n));
+    INFO("truncated to " << n << " of " << bytes.size() << " bytes: " << s.to_string());
+    REQUIRE_FALSE(s.ok());
+    REQUIRE(s.message().find("bad.gguf") != std::string::npos);
+  }
+}
+
+TEST_CASE("gguf with a wrong magic or version is rejected", "[model]") {
+  TempDir dir;
+  auto bytes = small_file(dir);
+  auto wrong = bytes;
+  wrong[0] = 'X';
+  CHECK_THAT(open_bytes(dir, wrong).message(), Catch::Contains("magic"));
+  wrong = bytes;
+  wrong[4] = 9;
+  const Status v = open_bytes(dir, wrong);
+  CHECK(v.code() == StatusCode::kUnimplemented);
+  CHECK_THAT(v.message(), Catch::Contains("version"));
+}
+
+TEST_CASE("gguf with bad tensor offsets types or dims is rejected", "[model]") {
+  TempDir dir;
+  const auto bytes = small_file(dir);
+  // Tensor "b": name, u32 n_dims, u64 dims[2], u32 type, u64 offset.
+  const size_t b = find(bytes, std::string("\x01\x00\x00\x00\x00\x00\x00\x00" "b", 9)) + 9;
+  auto patch = [&](size_t at, const void* v, size_t n) {
+    auto copy = bytes;
+    std::memcpy(copy.data() + at, v, n);
+    return open_bytes(dir, copy);
+  };
+  const uint64_t far = 1ull << 40, misaligned = 3;
+  const uint32_t unknown_type = 2 /* Q4_0 */, five_dims = 5, zero_dims = 0;
+  const uint64_t zero = 0;
+  CHECK_THAT(patch(b + 4 + 16 + 4, &far, 8).message(), Catch::Contains("offset"));
+  CHECK_THAT(patch(b + 4 + 16 + 4, &misaligned, 8).message(), Catch::Contains("alignment"));
+  const Status t = patch(b + 4 + 16, &unknown_type, 4);
+  CHECK(t.code() == StatusCode::kUnimplemented);
+  CHECK_THAT(t.message(), Catch::Contains("type"));
+  CHECK_THAT(patch(b, &five_dims, 4).message(), Catch::Contains("n_dims"));
+  CHECK_THAT(patch(b, &zero_dims, 4).message(), Catch::Contains("n_dims"));
+  CHECK_THAT(patch(b + 4, &zero, 8).message(), Catch::Contains("dims"));
+  // A string length that runs past the end of the file.
+  const size_t key = find(bytes, "x.count") - 8;
+  const uint64_t huge = 1ull << 50;
+  CHECK_THAT(patch(key, &huge, 8).message(), Catch::Contains("string length"));
+}
+
+TEST_CASE("model files with a wrong architecture or missing or misshapen tensors are rejected", "[model]") {
+  TempDir dir;
+  RandomModelOptions o;
+  o.shape = std::move(named_shape("tiny")).value();
+  o.dtype = DType::kF32;
+  const std::string path = dir.file("tiny.gguf");
+  REQUIRE(write_random_model(o, path).ok());
+  REQUIRE(Model::load(path).ok());
+  const auto bytes = read_all(path);
+  auto load_patched = [&](const std::string& from, const std::string& to) {
+    REQUIRE(from.size() == to.size());
+    auto copy = bytes;
+    std::memcpy(copy.data() + find(bytes, from), to.data(), to.size());
+    write_all(dir.file("bad.gguf"), copy);
+    return Model::load(dir.file("bad.gguf")).status();
+  };
+  // The architecture string "llama" -> "llamb".
+  const Status arch = load_patched(std::string("\x05\x00\x00\x00\x00\x00\x00\x00llama", 13),
+                                   std::string("\x05\x00\x00\x00\x00\x00\x00\x00llamb", 13));
+  CHECK(arch.code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(arch.message(), Catch::Contains("llamb") && Catch::Contains("general.architecture"));
+  // A tensor renamed away: blk.1.ffn_up.weight -> blk.1.ffn_xx.weight.
+  const Status missing = load_patched("blk.1.ffn_up.weight", "blk.1.ffn_xx.weight");
+  CHECK_THAT(missing.message(), Catch::Contains("blk.1.ffn_up.weight") && Catch::Contains("missing"));
+  // The metadata disagrees with the tensors: feed_forward_length 512 -> 513.
+  auto copy = bytes;
+  const size_t ff = find(bytes, "llama.feed_forward_length") + 25 + 4;
+  uint32_t v;
+  std::memcpy(&v, copy.data() + ff, 4);
+  REQUIRE(v == 512);
+  v = 513;
+  std::memcpy(copy.data() + ff, &v, 4);
+  write_all(dir.file("bad.gguf"), copy);
+  const Status shape = Model::load(dir.file("bad.gguf")).status();
+  CHECK_THAT(shape.message(), Catch::Contains("shape") && Catch::Contains("ffn_gate"));
+  CHECK(Model::load(dir.file("does-not-exist.gguf")).status().code() == StatusCode::kNotFound);
+}

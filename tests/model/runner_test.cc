@@ -1,0 +1,187 @@
+// The runner against a float64 reference forward, and against itself: prefill chunkings, paged vs
+// contiguous caches, batches vs single sequences, rollback and replay.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+
+#include "combs/model/sampler.h"
+#include "support/model_helpers.h"
+#include "support/model_reference.h"
+#include "support/random.h"
+
+using namespace combs;
+using namespace combs::testing;
+
+namespace {
+
+std::vector<int32_t> random_tokens(Rng& rng, int n, int n_vocab) {
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(rng.integer(0, n_vocab - 1));
+  return t;
+}
+
+// All logits of `tokens` appended to `cache` in chunks of the given sizes.
+std::vector<float> run_chunks(TinyModel& m, KVCache& cache, const std::vector<int32_t>& tokens,
+                              const std::vector<int>& chunks) {
+  std::vector<float> all;
+  size_t at = 0;
+  for (int n : chunks) {
+    std::vector<float> out(size_t(n) * m.n_vocab());
+    const SequenceInput in{&cache, {tokens.data() + at, size_t(n)}};
+    REQUIRE(m.runner->forward({&in, 1}, out.data(), {true}).ok());
+    all.insert(all.end(), out.begin(), out.end());
+    at += n;
+  }
+  REQUIRE(at == tokens.size());
+  return all;
+}
+
+}  // namespace
+
+TEST_CASE("runner logits agree with the float64 reference in every weight dtype", "[model]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  for (const char* shape : {"tiny", "qwen2-tiny"}) {
+    for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0}) {
+      INFO(shape << " " << dtype_name(dtype));
+      TinyModel m(shape, dtype);
+      const auto tokens = random_tokens(rng, 10, m.n_vocab());
+      auto cache = m.cache();
+      const auto got = run_chunks(m, *cache, tokens, {10});
+      const auto want = ReferenceModel(m.model->file(), m.model->config()).forward(tokens);
+      // bf16 weights multiply activations rounded to bf16 (native bf16 dot products); the other
+      // dtypes multiply f32 activations by the exactly dequantized weights.
+      const double tol = dtype == DType::kBF16 ? 4e-2 : 2e-5;
+      double worst = 0;
+      for (size_t t = 0; t < tokens.size(); ++t) {
+        for (int v = 0; v < m.n_vocab(); ++v) {
+          const double g = got[t * m.n_vocab() + v], w = want[t][v];
+          worst = std::max(worst, std::abs(g - w) / (1.0 + std::abs(w)));
+        }
+      }
+      INFO("worst relative error " << worst);
+      CHECK(worst < tol);
+    }
+  }
+}
+
+TEST_CASE("one-shot prefill equals chunked prefill equals token-by-token decode", "[model]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  for (DType dtype : {DType::kBF16, DType::kQ8_0}) {
+    TinyModel m("tiny", dtype);
+    const auto tokens = random_tokens(rng, 40, m.n_vocab());
+    auto a = m.cache(), b = m.cache(), c = m.cache();
+    const auto one_shot = run_chunks(m, *a, tokens, {40});
+    const auto chunked = run_chunks(m, *b, tokens, {7, 1, 16, 16});
+    const auto by_token = run_chunks(m, *c, tokens, std::vector<int>(40, 1));
+    CHECK(one_shot == chunked);  // bitwise: each token's arithmetic does not depend on the batch
+    CHECK(one_shot == by_token);
+  }
+}
+
+TEST_CASE("paged and contiguous caches give the same logits", "[model]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  TinyModel m("qwen2-tiny", DType::kBF16);
+  const auto tokens = random_tokens(rng, 33, m.n_vocab());
+  auto paged = m.cache();
+  auto contiguous = std::move(ContiguousKVCache::create(
+                                  m.backend, m.model->config().kv_geometry(DType::kF32), 64))
+                        .value();
+  CHECK(run_chunks(m, *paged, tokens, {20, 13}) == run_chunks(m, *contiguous, tokens, {20, 13}));
+}
+
+TEST_CASE("a batch equals its sequences one at a time", "[model]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  TinyModel m("tiny", DType::kBF16);
+  const int n_seqs = 3, V = m.n_vocab();
+  std::vector<std::unique_ptr<PagedKVCache>> batched, alone;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < n_seqs; ++i) {
+    batched.push_back(m.cache());
+    alone.push_back(m.cache());
+    prompts.push_back(random_tokens(rng, 3 + 9 * i, V));
+  }
+  // Step 0: ragged prefill; steps 1..5: one token each (mixed with a new prefill chunk at step 3).
+  for (int step = 0; step < 6; ++step) {
+    std::vector<std::vector<int32_t>> inputs(n_seqs);
+    for (int i = 0; i < n_seqs; ++i) {
+      inputs[i] = step == 0 ? prompts[i] : random_tokens(rng, step == 3 && i == 1 ? 5 : 1, V);
+    }
+    std::vector<SequenceInput> seqs;
+    for (int i = 0; i < n_seqs; ++i) seqs.push_back({batched[i].get(), inputs[i]});
+    std::vector<float> out(size_t(n_seqs) * V);
+    REQUIRE(m.runner->forward(seqs, out.data()).ok());
+    for (int i = 0; i < n_seqs; ++i) {
+      std::vector<float> one(V);
+      const SequenceInput in{alone[i].get(), inputs[i]};
+      REQUIRE(m.runner->forward({&in, 1}, one.data()).ok());
+      INFO("step " << step << " sequence " << i);
+      CHECK(std::vector<float>(out.begin() + i * V, out.begin() + (i + 1) * V) == one);
+    }
+  }
+}
+
+TEST_CASE("popn then the same seeded continuation reproduces the same tokens", "[model]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  TinyModel m("tiny", DType::kQ8_0);
+  const auto prompt = random_tokens(rng, 12, m.n_vocab());
+  auto cache = m.cache();
+  SamplingParams sp;
+  sp.temperature = 0.9f;
+  sp.top_k = 50;
+  sp.seed = rng.integer(0, 1 << 30);
+  auto generate = [&](int n) {
+    Sampler sampler(sp);
+    std::vector<float> logits(m.n_vocab());
+    const SequenceInput in{cache.get(), prompt};
+    REQUIRE(m.runner->forward({&in, 1}, logits.data()).ok());
+    std::vector<int32_t> history = prompt, out;
+    for (int i = 0; i < n; ++i) {
+      const int32_t t = sampler.sample(logits, history);
+      out.push_back(t);
+      history.push_back(t);
+      const SequenceInput one{cache.get(), {&t, 1}};
+      REQUIRE(m.runner->forward({&one, 1}, logits.data()).ok());
+    }
+    return out;
+  };
+  const auto first = generate(16);
+  CHECK(cache->popn(16 + 12) == 28);
+  CHECK(generate(16) == first);
+  // Rolling back only the generated part and regenerating gives them again too.
+  CHECK(cache->popn(16) == 16);
+  Sampler sampler(sp);
+  std::vector<float> logits(m.n_vocab());
+  const int32_t last = prompt.back();
+  CHECK(cache->popn(1) == 1);
+  const SequenceInput in{cache.get(), {&last, 1}};
+  REQUIRE(m.runner->forward({&in, 1}, logits.data()).ok());
+  std::vector<int32_t> history = prompt;
+  CHECK(sampler.sample(logits, history) == first[0]);
+}
+
+TEST_CASE("forward rejects bad input and leaves the cache as it was", "[model]") {
+  TinyModel m("tiny", DType::kF32);
+  auto cache = m.cache();
+  std::vector<float> logits(m.n_vocab());
+  const std::vector<int32_t> bad = {1, m.n_vocab()}, negative = {-1}, none = {};
+  for (const auto* tokens : {&bad, &negative, &none}) {
+    const SequenceInput in{cache.get(), *tokens};
+    const Status s = m.runner->forward({&in, 1}, logits.data());
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+  }
+  CHECK(cache->seq_len() == 0);
+  auto other = std::move(ContiguousKVCache::create(m.backend, {1, 2, 64, DType::kF32}, 8)).value();
+  const std::vector<int32_t> ok = {1};
+  const SequenceInput wrong{other.get(), ok};
+  CHECK(m.runner->forward({&wrong, 1}, logits.data()).code() == StatusCode::kInvalidArgument);
+  auto small = m.cache(4);
+  const std::vector<int32_t> five = {1, 2, 3, 4, 5};
+  const SequenceInput too_long{small.get(), five};
+  CHECK(m.runner->forward({&too_long, 1}, logits.data()).code() == StatusCode::kResourceExhausted);
+  CHECK(small->seq_len() == 0);
+}
