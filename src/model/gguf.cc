@@ -39,7 +39,7 @@ class Reader {
   }
 
   Status read_string(std::string* out, const std::string& field) {
-    uint64_t len;
+    uint64_t len = 0;
     COMBS_RETURN_IF_ERROR(read(&len, field + " (string length)"));
     if (len > remaining()) {
       return error(field, "string length " + std::to_string(len) + " runs past the end of the file");
@@ -61,19 +61,19 @@ class Reader {
       case ValueType::kU64: return read_int<uint64_t>(out, field);
       case ValueType::kI64: return read_int<int64_t>(out, field);
       case ValueType::kF32: {
-        float f;
+        float f = 0;
         COMBS_RETURN_IF_ERROR(read(&f, field));
         out->v = double{f};
         return ok_status();
       }
       case ValueType::kF64: {
-        double f;
+        double f = 0;
         COMBS_RETURN_IF_ERROR(read(&f, field));
         out->v = f;
         return ok_status();
       }
       case ValueType::kBool: {
-        uint8_t b;
+        uint8_t b = 0;
         COMBS_RETURN_IF_ERROR(read(&b, field));
         if (b > 1) return error(field, "bool value " + std::to_string(b) + " is neither 0 nor 1");
         out->v = b == 1;
@@ -87,8 +87,8 @@ class Reader {
       }
       case ValueType::kArray: {
         if (depth >= kMaxArrayDepth) return error(field, "arrays nested too deeply");
-        uint32_t elem;
-        uint64_t count;
+        uint32_t elem = 0;
+        uint64_t count = 0;
         COMBS_RETURN_IF_ERROR(read(&elem, field + " (array type)"));
         COMBS_RETURN_IF_ERROR(read(&count, field + " (array length)"));
         if (elem > static_cast<uint32_t>(ValueType::kF64)) {
@@ -113,7 +113,7 @@ class Reader {
  private:
   template <typename T>
   Status read_int(Value* out, const std::string& field) {
-    T x;
+    T x{};
     COMBS_RETURN_IF_ERROR(read(&x, field));
     if constexpr (std::is_signed_v<T>) out->v = int64_t{x};
     else out->v = uint64_t{x};

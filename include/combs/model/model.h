@@ -2,8 +2,8 @@
 //
 // Architectures: `llama` (Llama 2/3, Mistral, TinyLlama; RoPE on adjacent pairs, as llama.cpp's
 // converter permutes Q/K for it) and `qwen2` (Q/K/V biases; RoPE on halves, "neox" style).
-// Standard llama.cpp tensor names and metadata keys. Weights stay in the file's mapping in their
-// own dtype (F32, F16, BF16 or Q8_0); norms and biases are F32.
+// Standard llama.cpp tensor names and metadata keys. Weights keep their own dtype (F32, F16, BF16
+// or Q8_0) and are copied from the file into huge-page memory at load; norms and biases are F32.
 //
 // Matrices are row-major [out, in] here (ggml's dims [in, out]): y = W x reads row o of W for
 // output o. Immutable after load; safe to share between threads.
@@ -78,7 +78,11 @@ class Model {
 
  private:
   Model() = default;
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
   std::unique_ptr<gguf::GgufFile> file_;
+  std::unique_ptr<char, Free> memory_;  // the weights, copied out of the file's mapping
   ModelConfig config_;
 };
 

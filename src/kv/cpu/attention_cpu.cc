@@ -10,6 +10,9 @@
 #include <immintrin.h>
 #endif
 
+// Internal functions only: the vector ABI across them does not matter.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 namespace combs::cpu {
 namespace {
 

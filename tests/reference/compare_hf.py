@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Compares combs' logits with Hugging Face transformers on the same GGUF weights.
+
+Run where torch and transformers are installed (the GPU machine):
+  compare_hf.py --gguf model.gguf --logits combs_logits.f32 --ids "1 2 3 ..."
+The GGUF is read here with a small independent parser; llama's Q/K weights are un-permuted (the
+inverse of llama.cpp's converter) so that transformers' rotate-half RoPE sees them as trained.
+combs_logits.f32 is `combs-generate --logits-out` for the same prompt: [n_tokens, n_vocab] f32.
+"""
+import argparse
+import struct
+import sys
+
+import numpy as np
+import torch
+
+
+def read_gguf(path):
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        size = struct.calcsize(fmt)
+        vals = struct.unpack_from("<" + fmt, data, pos)
+        pos += size
+        return vals[0] if len(vals) == 1 else vals
+
+    def string():
+        n = take("Q")
+        nonlocal pos
+        s = bytes(data[pos:pos + n]).decode("utf-8", "replace")
+        pos += n
+        return s
+
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def value(t):
+        if t == 8:
+            return string()
+        if t == 9:
+            et, n = take("I"), take("Q")
+            return [value(et) for _ in range(n)]
+        return take(scalar[t])
+
+    assert bytes(data[:4]) == b"GGUF", "not a GGUF file"
+    pos = 4
+    version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    meta = {}
+    for _ in range(n_kv):
+        key = string()
+        meta[key] = value(take("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        nd = take("I")
+        dims = [take("Q") for _ in range(nd)]
+        infos.append((name, dims, take("I"), take("Q")))
+    align = meta.get("general.alignment", 32)
+    start = (pos + align - 1) // align * align
+    tensors = {}
+    for name, dims, ggml_type, off in infos:
+        n = int(np.prod(dims))
+        shape = list(reversed(dims))  # row-major [out, in]
+        at = start + off
+        if ggml_type == 0:
+            arr = np.frombuffer(data, np.float32, n, at)
+        elif ggml_type == 1:
+            arr = np.frombuffer(data, np.float16, n, at).astype(np.float32)
+        elif ggml_type == 30:
+            arr = (np.frombuffer(data, np.uint16, n, at).astype(np.uint32) << 16).view(np.float32)
+        elif ggml_type == 8:
+            blocks = np.frombuffer(data, np.uint8, n // 32 * 34, at).reshape(-1, 34)
+            d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+            q = blocks[:, 2:].copy().view(np.int8).astype(np.float32)
+            arr = (q * d).reshape(-1)
+        else:
+            raise SystemExit(f"{name}: ggml type {ggml_type} not handled")
+        tensors[name] = torch.from_numpy(arr.reshape(shape).copy())
+    return meta, tensors
+
+
+def unpermute(w, n_head):
+    # llama.cpp: w.reshape(n_head, 2, d/2, in).swapaxes(1, 2); here the inverse.
+    out, inp = w.shape
+    return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def build(meta, t):
+    import transformers
+    arch = meta["general.architecture"]
+    a = arch + "."
+    n_layers = meta[a + "block_count"]
+    heads, kv = meta[a + "attention.head_count"], meta[a + "attention.head_count_kv"]
+    hidden = meta[a + "embedding_length"]
+    common = dict(
+        vocab_size=t["token_embd.weight"].shape[0], hidden_size=hidden,
+        intermediate_size=meta[a + "feed_forward_length"], num_hidden_layers=n_layers,
+        num_attention_heads=heads, num_key_value_heads=kv,
+        rms_norm_eps=meta[a + "attention.layer_norm_rms_epsilon"],
+        rope_theta=meta[a + "rope.freq_base"], max_position_embeddings=meta[a + "context_length"],
+        tie_word_embeddings="output.weight" not in t)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, head_dim=hidden // heads)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        raise SystemExit(f"architecture {arch} not handled")
+    sd = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"]}
+    sd["lm_head.weight"] = t.get("output.weight", t["token_embd.weight"])
+    for i in range(n_layers):
+        b, p = f"blk.{i}.", f"model.layers.{i}."
+        q, k = t[b + "attn_q.weight"], t[b + "attn_k.weight"]
+        if arch == "llama":
+            q, k = unpermute(q, heads), unpermute(k, kv)
+        sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"] = q, k
+        sd[p + "self_attn.v_proj.weight"] = t[b + "attn_v.weight"]
+        sd[p + "self_attn.o_proj.weight"] = t[b + "attn_output.weight"]
+        if arch == "qwen2":
+            for n in "qkv":
+                sd[p + f"self_attn.{n}_proj.bias"] = t[b + f"attn_{n}.bias"]
+        sd[p + "mlp.gate_proj.weight"] = t[b + "ffn_gate.weight"]
+        sd[p + "mlp.up_proj.weight"] = t[b + "ffn_up.weight"]
+        sd[p + "mlp.down_proj.weight"] = t[b + "ffn_down.weight"]
+        sd[p + "input_layernorm.weight"] = t[b + "attn_norm.weight"]
+        sd[p + "post_attention_layernorm.weight"] = t[b + "ffn_norm.weight"]
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if "rotary" not in m and not (m == "lm_head.weight")]
+    if missing or unexpected:
+        raise SystemExit(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--logits", required=True)
+    ap.add_argument("--ids", required=True)
+    args = ap.parse_args()
+    ids = [int(x) for x in args.ids.split()]
+    meta, tensors = read_gguf(args.gguf)
+    model = build(meta, tensors)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(dev, torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids], device=dev)).logits[0].float().cpu().numpy()
+    got = np.fromfile(args.logits, dtype=np.float32).reshape(len(ids), -1)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    diff = np.abs(got - ref)
+    scale = np.abs(ref).max()
+    agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    corr = float(np.corrcoef(got.reshape(-1), ref.reshape(-1))[0, 1])
+    print(f"{args.gguf}: {len(ids)} positions x {ref.shape[1]} logits; max |diff| {diff.max():.4g} "
+          f"(logits up to {scale:.3g}; max rel {diff.max() / scale:.3g}), mean |diff| {diff.mean():.3g}, "
+          f"argmax agreement {agree:.3f}, correlation {corr:.6f}")
+    ok = agree >= 0.95 and corr > 0.999 and diff.max() / scale < 0.05
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
