@@ -2,7 +2,6 @@
 // dispatch of the attention-in-cache call. Device choice happens here and nowhere else in kv/.
 #include <algorithm>
 #include <string>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -50,31 +49,37 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
     return invalid_argument_error("attention: layer " + std::to_string(layer) +
                                   " out of range [0, " + std::to_string(g.num_layers) + ")");
   }
+  // Buffers reused from call to call: a decode step allocates nothing.
+  thread_local std::vector<const KVCache*> seen;
+  thread_local std::vector<std::pair<PagePool*, int64_t>> demand;
+  thread_local std::vector<cpu::SeqWork> work;
   int64_t n_tokens = 0;
-  std::unordered_set<const KVCache*> seen;
+  seen.clear();
   for (size_t i = 0; i < seqs.size(); ++i) {
     const SeqAttention& s = seqs[i];
-    const std::string which = "attention: sequence " + std::to_string(i);
-    if (s.cache == nullptr) return invalid_argument_error(which + ": null cache");
+    auto which = [i] { return "attention: sequence " + std::to_string(i); };
+    if (s.cache == nullptr) return invalid_argument_error(which() + ": null cache");
     if (&s.cache->backend() != &backend || !(s.cache->geometry() == g)) {
-      return invalid_argument_error(which + ": cache has another backend or geometry than the first");
+      return invalid_argument_error(which() + ": cache has another backend or geometry than the first");
     }
-    if (!seen.insert(s.cache).second) {
-      return invalid_argument_error(which + ": the same cache appears twice in one batch");
-    }
-    if (s.n_new < 0) return invalid_argument_error(which + ": negative n_new");
+    seen.push_back(s.cache);
+    if (s.n_new < 0) return invalid_argument_error(which() + ": negative n_new");
     if (s.pos != s.cache->layer_len(layer)) {
-      return failed_precondition_error(which + ": pos " + std::to_string(s.pos) +
+      return failed_precondition_error(which() + ": pos " + std::to_string(s.pos) +
                                        " != cached length " +
                                        std::to_string(s.cache->layer_len(layer)) + " of layer " +
                                        std::to_string(layer));
     }
     if (s.pos + s.n_new > s.cache->capacity()) {
-      return resource_exhausted_error(which + ": " + std::to_string(s.pos + s.n_new) +
+      return resource_exhausted_error(which() + ": " + std::to_string(s.pos + s.n_new) +
                                       " positions exceed the cache capacity of " +
                                       std::to_string(s.cache->capacity()));
     }
     n_tokens += s.n_new;
+  }
+  std::sort(seen.begin(), seen.end());
+  if (std::adjacent_find(seen.begin(), seen.end()) != seen.end()) {
+    return invalid_argument_error("attention: the same cache appears twice in one batch");
   }
   COMBS_RETURN_IF_ERROR(check_tokens("k", k, n_tokens, g.n_kv_heads, g.head_dim, backend.device_type()));
   COMBS_RETURN_IF_ERROR(check_tokens("v", v, n_tokens, g.n_kv_heads, g.head_dim, backend.device_type()));
@@ -91,7 +96,7 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
     return unimplemented_error("attention: no kernels for backend " + std::string(backend.name()));
   }
   // Pages: every pool must have what its caches need, all together.
-  std::vector<std::pair<PagePool*, int64_t>> demand;
+  demand.clear();
   for (const SeqAttention& s : seqs) {
     PagePool* pool = s.cache->pool();
     const int64_t n = pool ? s.cache->pages_needed(s.pos + s.n_new) : 0;
@@ -110,8 +115,7 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
   }
 
   // ---- Apply. ----
-  std::vector<cpu::SeqWork> work;
-  work.reserve(seqs.size());
+  work.clear();
   int64_t row = 0;
   for (const SeqAttention& s : seqs) {
     s.cache->reserve(s.pos + s.n_new);

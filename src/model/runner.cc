@@ -36,17 +36,17 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
   int64_t total = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const SequenceInput& in = seqs[s];
-    const std::string which = "forward: sequence " + std::to_string(s);
-    if (in.cache == nullptr) return invalid_argument_error(which + ": no cache");
+    auto which = [s] { return "forward: sequence " + std::to_string(s); };
+    if (in.cache == nullptr) return invalid_argument_error(which() + ": no cache");
     const KVGeometry& g = in.cache->geometry();
     if (g.num_layers != want.num_layers || g.n_kv_heads != want.n_kv_heads ||
         g.head_dim != want.head_dim) {
-      return invalid_argument_error(which + ": the cache's geometry is not this model's");
+      return invalid_argument_error(which() + ": the cache's geometry is not this model's");
     }
-    if (in.tokens.empty()) return invalid_argument_error(which + ": no tokens");
+    if (in.tokens.empty()) return invalid_argument_error(which() + ": no tokens");
     for (int32_t t : in.tokens) {
       if (t < 0 || t >= c.n_vocab) {
-        return invalid_argument_error(which + ": token id " + std::to_string(t) +
+        return invalid_argument_error(which() + ": token id " + std::to_string(t) +
                                       " is outside the vocabulary [0, " +
                                       std::to_string(c.n_vocab) + ")");
       }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <unordered_map>
 
 namespace combs {
 
@@ -49,14 +48,17 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> histor
   if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
     size_t window = history.size();
     if (p.penalty_last_n >= 0) window = std::min(window, static_cast<size_t>(p.penalty_last_n));
-    std::unordered_map<int32_t, int> counts;
-    for (int32_t t : history.subspan(history.size() - window)) {
-      if (t >= 0 && t < n) ++counts[t];
+    if (counts_.size() < static_cast<size_t>(n)) counts_.resize(n, 0);
+    const auto recent = history.subspan(history.size() - window);
+    for (int32_t t : recent) {
+      if (t >= 0 && t < n) ++counts_[t];
     }
-    for (const auto& [t, count] : counts) {
+    for (int32_t t : recent) {  // each distinct token once: its count is reset after use
+      if (t < 0 || t >= n || counts_[t] == 0) continue;
       float& l = logits[t];
       l = l > 0.0f ? l / p.repetition_penalty : l * p.repetition_penalty;
-      l -= p.presence_penalty + p.frequency_penalty * static_cast<float>(count);
+      l -= p.presence_penalty + p.frequency_penalty * static_cast<float>(counts_[t]);
+      counts_[t] = 0;
     }
   }
   if (p.temperature == 0.0f) {

@@ -47,6 +47,7 @@ class Sampler {
   SamplingParams params_;
   uint64_t state_;
   std::vector<std::pair<float, int32_t>> candidates_;
+  std::vector<int> counts_;  // per token, zero between calls
 };
 
 enum class FinishReason : uint8_t { kNone, kLength, kEos, kStopSequence };

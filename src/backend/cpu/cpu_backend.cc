@@ -31,7 +31,7 @@ class CpuBackend::ThreadPool {
 
   int num_threads() const { return num_threads_; }
 
-  void run(int64_t n, const std::function<void(int64_t)>& fn) {
+  void run(int64_t n, FunctionRef<void(int64_t)> fn) {
     if (n <= 0) return;
     if (workers_.empty() || n == 1 || inside_) {
       for (int64_t i = 0; i < n; ++i) fn(i);
@@ -82,7 +82,7 @@ class CpuBackend::ThreadPool {
   std::mutex call_mu_;  // one parallel_for at a time
   std::mutex mu_;
   std::condition_variable wake_, done_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
+  const FunctionRef<void(int64_t)>* fn_ = nullptr;
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
   int active_ = 0;
@@ -103,7 +103,7 @@ CpuBackend::~CpuBackend() = default;
 
 int CpuBackend::num_threads() const { return pool_->num_threads(); }
 
-void CpuBackend::parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
+void CpuBackend::parallel_for(int64_t n, FunctionRef<void(int64_t)> fn) {
   pool_->run(n, fn);
 }
 

@@ -496,7 +496,7 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
 
 void write_kv(CpuBackend& /*backend*/, std::span<const SeqWork> seqs, int n_kv_heads,
               const Tensor& k, const Tensor& v) {
-  std::vector<float> tmp;
+  thread_local std::vector<float> tmp;
   for (const SeqWork& s : seqs) {
     const KVLayout& kv = s.kv;
     const int hd = kv.head_dim;
@@ -532,7 +532,11 @@ void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_head
   pb.scale = scale;
   // The manual path keeps whole sequences per item (its scores matrix is the point).
   const int64_t block = impl == AttentionImpl::kFlash ? kRowBlock : std::numeric_limits<int64_t>::max();
-  std::vector<Item> items;
+  // Reused from call to call (a decode step allocates nothing). A reference, so that the workers
+  // below see this thread's list, not their own thread_local one.
+  thread_local std::vector<Item> items_storage;
+  std::vector<Item>& items = items_storage;
+  items.clear();
   for (const SeqWork& s : seqs) {
     const int64_t rows = s.n_new * pb.n_rep;
     for (int g = 0; g < n_kv_heads; ++g)

@@ -3,12 +3,33 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
+#include <type_traits>
+#include <utility>
 
 #include "combs/backend/backend.h"
 
 namespace combs {
+
+// A non-owning reference to a callable (no allocation, unlike std::function): valid while the
+// callable it was made from lives.
+template <typename Fn>
+class FunctionRef;
+template <typename R, typename... Args>
+class FunctionRef<R(Args...)> {
+ public:
+  template <typename F>
+  FunctionRef(F&& f)  // NOLINT: implicit by design
+      : obj_(const_cast<void*>(static_cast<const void*>(std::addressof(f)))),
+        call_([](void* o, Args... a) -> R {
+          return (*static_cast<std::remove_reference_t<F>*>(o))(std::forward<Args>(a)...);
+        }) {}
+  R operator()(Args... a) const { return call_(obj_, std::forward<Args>(a)...); }
+
+ private:
+  void* obj_;
+  R (*call_)(void*, Args...);
+};
 
 struct CpuBackendOptions {
   int num_threads = 0;  // 0: one per hardware thread
@@ -28,7 +49,7 @@ class CpuBackend final : public Backend {
   // Runs fn(i) for every i in [0, n) on the worker threads and the calling thread, dynamically
   // scheduled, and returns when all are done. fn must not throw. Calls from several threads are
   // serialized; a call from inside fn runs inline on that thread.
-  void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
+  void parallel_for(int64_t n, FunctionRef<void(int64_t)> fn);
 
  protected:
   void* raw_alloc(size_t bytes) override;
