@@ -1,0 +1,489 @@
+#include "combs/model/tokenizer.h"
+
+#include <algorithm>
+#include <queue>
+
+#include "unicode.h"
+
+namespace combs {
+namespace {
+
+using unicode::Char;
+
+constexpr std::string_view kSpmSpace = "\xe2\x96\x81";  // U+2581, SentencePiece's space
+
+bool mergeable(TokenType t) {
+  return t == TokenType::kNormal || t == TokenType::kUserDefined;
+}
+
+// ---- Pre-tokenizers: the end (exclusive) of the piece that starts at character i. ----
+
+struct Chars {
+  const std::vector<Char>& c;
+  size_t n() const { return c.size(); }
+  bool in(size_t j) const { return j < c.size(); }
+  bool is(size_t j, uint32_t cp) const { return in(j) && c[j].valid && c[j].cp == cp; }
+  bool L(size_t j) const { return in(j) && unicode::is_letter(c[j]); }
+  bool N(size_t j) const { return in(j) && unicode::is_number(c[j]); }
+  bool S(size_t j) const { return in(j) && unicode::is_space(c[j]); }
+  bool O(size_t j) const { return in(j) && !L(j) && !N(j) && !S(j); }  // [^\s\p{L}\p{N}]
+  bool nl(size_t j) const { return is(j, '\r') || is(j, '\n'); }
+  size_t run(size_t j, bool (Chars::*pred)(size_t) const) const {
+    while ((this->*pred)(j)) ++j;
+    return j;
+  }
+  uint32_t lower(size_t j) const {
+    return in(j) && c[j].valid && c[j].cp < 0x80 ? (c[j].cp | 0x20) : 0;
+  }
+  // 's 't 're 've 'm 'll 'd (case-insensitive when asked): the end, or 0.
+  size_t contraction(size_t i, bool any_case) const {
+    if (!is(i, '\'')) return 0;
+    auto ch = [&](size_t j, char want) {
+      return any_case ? lower(j) == static_cast<uint32_t>(want) : is(j, static_cast<uint32_t>(want));
+    };
+    if (ch(i + 1, 'r') && ch(i + 2, 'e')) return i + 3;
+    if (ch(i + 1, 'v') && ch(i + 2, 'e')) return i + 3;
+    if (ch(i + 1, 'l') && ch(i + 2, 'l')) return i + 3;
+    for (char k : {'s', 't', 'm', 'd'})
+      if (ch(i + 1, k)) return i + 2;
+    return 0;
+  }
+  // \s+(?!\S) then \s+
+  size_t trailing_space(size_t i) const {
+    const size_t e = run(i, &Chars::S);
+    if (e == n() || e - i < 2) return e;  // \s+ alone when (?!\S) cannot hold
+    return e - 1;
+  }
+};
+
+// 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+size_t match_gpt2(const Chars& x, size_t i) {
+  if (size_t e = x.contraction(i, false)) return e;
+  const size_t j = x.is(i, ' ') ? i + 1 : i;
+  if (x.L(j)) return x.run(j, &Chars::L);
+  if (x.N(j)) return x.run(j, &Chars::N);
+  if (x.O(j)) return x.run(j, &Chars::O);
+  if (x.S(i)) return x.trailing_space(i);
+  return i + 1;
+}
+
+// (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+// \s*[\r\n]+|\s+(?!\S)|\s+        (qwen2: \p{N} instead of \p{N}{1,3})
+size_t match_llama3(const Chars& x, size_t i, size_t max_digits) {
+  if (size_t e = x.contraction(i, true)) return e;
+  if (x.L(i)) return x.run(i, &Chars::L);
+  if (x.in(i) && !x.nl(i) && !x.N(i) && x.L(i + 1)) return x.run(i + 1, &Chars::L);
+  if (x.N(i)) {
+    size_t e = i;
+    while (e - i < max_digits && x.N(e)) ++e;
+    return e;
+  }
+  const size_t j = x.is(i, ' ') && x.O(i + 1) ? i + 1 : i;
+  if (x.O(j)) {
+    size_t e = x.run(j, &Chars::O);
+    while (x.nl(e)) ++e;
+    return e;
+  }
+  if (x.S(i)) {
+    const size_t e = x.run(i, &Chars::S);
+    for (size_t k = e; k > i; --k) {
+      if (x.nl(k - 1)) return k;  // \s*[\r\n]+ ends after the run's last newline
+    }
+    return x.trailing_space(i);
+  }
+  return i + 1;
+}
+
+struct Bigram {
+  double key;      // higher first (spm: score; bpe: -rank)
+  int left, right;
+  size_t size;     // bytes of the pair when queued
+  bool operator<(const Bigram& o) const {
+    return key < o.key || (key == o.key && left > o.left);
+  }
+};
+
+struct Symbol {
+  int prev, next;
+  size_t start, len;  // bytes in the text
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& f) {
+  std::unique_ptr<Tokenizer> t(new Tokenizer());
+  const std::string& path = f.path();
+  auto bad = [&](const std::string& key, const std::string& why) {
+    return invalid_argument_error(path + ": tokenizer metadata '" + key + "': " + why);
+  };
+  COMBS_ASSIGN_OR_RETURN(std::string model, f.get_string("tokenizer.ggml.model"));
+  if (model == "llama") t->model_ = Model::kSpm;
+  else if (model == "gpt2") t->model_ = Model::kBpe;
+  else return bad("tokenizer.ggml.model", "'" + model + "' is not supported (llama and gpt2 are)");
+
+  COMBS_ASSIGN_OR_RETURN(const gguf::Array* tokens, f.get_array("tokenizer.ggml.tokens"));
+  const size_t n = tokens->items.size();
+  if (tokens->type != gguf::ValueType::kString || n == 0 || n > (1u << 24)) {
+    return bad("tokenizer.ggml.tokens", "must be a non-empty array of strings");
+  }
+  t->tokens_.reserve(n);
+  for (const auto& v : tokens->items) t->tokens_.push_back(std::get<std::string>(v.v));
+  t->scores_.assign(n, 0.0f);
+  if (f.find("tokenizer.ggml.scores")) {
+    COMBS_ASSIGN_OR_RETURN(const gguf::Array* scores, f.get_array("tokenizer.ggml.scores"));
+    if (scores->items.size() != n || scores->type != gguf::ValueType::kF32) {
+      return bad("tokenizer.ggml.scores", "must hold one f32 per token (" + std::to_string(n) + ")");
+    }
+    for (size_t i = 0; i < n; ++i) t->scores_[i] = static_cast<float>(std::get<double>(scores->items[i].v));
+  }
+  t->types_.assign(n, TokenType::kNormal);
+  if (f.find("tokenizer.ggml.token_type")) {
+    COMBS_ASSIGN_OR_RETURN(const gguf::Array* types, f.get_array("tokenizer.ggml.token_type"));
+    if (types->items.size() != n || types->type != gguf::ValueType::kI32) {
+      return bad("tokenizer.ggml.token_type", "must hold one i32 per token (" + std::to_string(n) + ")");
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t v = std::get<int64_t>(types->items[i].v);
+      if (v < 1 || v > 6) return bad("tokenizer.ggml.token_type", "unknown type " + std::to_string(v));
+      t->types_[i] = static_cast<TokenType>(v);
+    }
+  }
+  for (size_t i = 0; i < n; ++i) t->index_.emplace(t->tokens_[i], static_cast<int32_t>(i));
+
+  auto id = [&](const char* key, int32_t* out) -> Status {
+    if (!f.find(key)) return ok_status();
+    COMBS_ASSIGN_OR_RETURN(uint64_t v, f.get_uint(key));
+    if (v >= n) return bad(key, "token id " + std::to_string(v) + " is outside the vocabulary");
+    *out = static_cast<int32_t>(v);
+    return ok_status();
+  };
+  COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.bos_token_id", &t->bos_));
+  COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.eos_token_id", &t->eos_));
+  COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.eot_token_id", &t->eot_));
+  COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.unknown_token_id", &t->unk_));
+
+  std::string pre = "default";
+  if (f.find("tokenizer.ggml.pre")) {
+    COMBS_ASSIGN_OR_RETURN(pre, f.get_string("tokenizer.ggml.pre"));
+  }
+  if (t->model_ == Model::kSpm) {
+    t->add_bos_ = true;
+    for (int b = 0; b < 256; ++b) {
+      char name[8];
+      std::snprintf(name, sizeof name, "<0x%02X>", b);
+      t->byte_tokens_.push_back(t->find(name));
+    }
+    // Characters that are part of some multi-character token; text splits around the others.
+    t->joins_.assign(0x30000, false);
+    for (size_t i = 0; i < n; ++i) {
+      if (!mergeable(t->types_[i])) continue;
+      const auto chars = unicode::split_utf8(t->tokens_[i]);
+      if (chars.size() < 2) continue;
+      for (const Char& c : chars)
+        if (c.cp < t->joins_.size()) t->joins_[c.cp] = true;
+    }
+  } else {
+    if (pre == "default" || pre == "gpt-2" || pre == "gpt2") {
+      t->pre_ = Pre::kGpt2;
+    } else if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3") {
+      t->pre_ = Pre::kLlama3;
+      t->ignore_merges_ = true;
+      t->add_bos_ = true;
+    } else if (pre == "qwen2") {
+      t->pre_ = Pre::kQwen2;
+    } else {
+      return bad("tokenizer.ggml.pre", "'" + pre + "' is not supported (default, gpt-2, llama-bpe, qwen2 are)");
+    }
+    COMBS_ASSIGN_OR_RETURN(const gguf::Array* merges, f.get_array("tokenizer.ggml.merges"));
+    if (merges->type != gguf::ValueType::kString) return bad("tokenizer.ggml.merges", "must be strings");
+    for (size_t i = 0; i < merges->items.size(); ++i) {
+      const std::string& m = std::get<std::string>(merges->items[i].v);
+      const size_t sp = m.find(' ', 1);
+      if (sp == std::string::npos || sp + 1 >= m.size()) {
+        return bad("tokenizer.ggml.merges", "entry " + std::to_string(i) + " ('" + m + "') is not 'left right'");
+      }
+      t->merge_rank_.emplace(m, static_cast<int32_t>(i));
+    }
+    for (int b = 0; b < 256; ++b) {
+      std::string sym;
+      unicode::append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(b)), sym);
+      t->byte_tokens_.push_back(t->find(sym));
+    }
+  }
+  if (f.find("tokenizer.ggml.add_bos_token")) {
+    COMBS_ASSIGN_OR_RETURN(t->add_bos_, f.get_bool("tokenizer.ggml.add_bos_token"));
+  }
+  if (f.find("tokenizer.ggml.add_eos_token")) {
+    COMBS_ASSIGN_OR_RETURN(t->add_eos_, f.get_bool("tokenizer.ggml.add_eos_token"));
+  }
+  if (f.find("tokenizer.ggml.add_space_prefix")) {
+    COMBS_ASSIGN_OR_RETURN(t->add_space_prefix_, f.get_bool("tokenizer.ggml.add_space_prefix"));
+  }
+  if (t->add_bos_ && t->bos_ < 0) return bad("tokenizer.ggml.add_bos_token", "set, but there is no bos_token_id");
+  if (t->add_eos_ && t->eos_ < 0) return bad("tokenizer.ggml.add_eos_token", "set, but there is no eos_token_id");
+  for (size_t i = 0; i < n; ++i) {
+    const TokenType ty = t->types_[i];
+    if ((ty == TokenType::kControl || ty == TokenType::kUserDefined) && !t->tokens_[i].empty()) {
+      t->specials_.emplace_back(t->tokens_[i], static_cast<int32_t>(i));
+    }
+  }
+  std::stable_sort(t->specials_.begin(), t->specials_.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  return t;
+}
+
+int32_t Tokenizer::find(std::string_view text) const {
+  auto it = index_.find(std::string(text));
+  return it == index_.end() ? -1 : it->second;
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, EncodeOptions options) const {
+  std::vector<int32_t> out;
+  if (options.add_special && add_bos_) out.push_back(bos_);
+  bool prev_special = true;  // a space prefix goes on the text at the start and after specials
+  size_t pos = 0, frag = 0;
+  while (pos <= text.size()) {
+    const std::pair<std::string, int32_t>* hit = nullptr;
+    if (options.parse_special && pos < text.size()) {
+      for (const auto& s : specials_) {
+        if (text.compare(pos, s.first.size(), s.first) == 0) {
+          hit = &s;
+          break;
+        }
+      }
+    }
+    if (hit == nullptr && pos < text.size()) {
+      ++pos;
+      continue;
+    }
+    if (pos > frag) {
+      encode_fragment(text.substr(frag, pos - frag), prev_special, out);
+      prev_special = false;
+    }
+    if (hit == nullptr) break;  // end of text
+    out.push_back(hit->second);
+    prev_special = true;
+    pos += hit->first.size();
+    frag = pos;
+  }
+  if (options.add_special && add_eos_) out.push_back(eos_);
+  return out;
+}
+
+void Tokenizer::encode_fragment(std::string_view text, bool after_special,
+                                std::vector<int32_t>& out) const {
+  if (model_ == Model::kSpm) {
+    std::string s;
+    s.reserve(text.size() * 2 + 3);
+    if (add_space_prefix_ && after_special) s += kSpmSpace;
+    for (char ch : text) {
+      if (ch == ' ') s += kSpmSpace;
+      else s += ch;
+    }
+    encode_spm(s, out);
+    return;
+  }
+  const auto chars = unicode::split_utf8(text);
+  const Chars x{chars};
+  std::unordered_map<std::string_view, std::vector<int32_t>> cache;  // per call: thread-safe
+  for (size_t i = 0; i < chars.size();) {
+    const size_t e = pre_ == Pre::kGpt2 ? match_gpt2(x, i) : match_llama3(x, i, pre_ == Pre::kQwen2 ? 1 : 3);
+    const size_t b0 = chars[i].offset;
+    const size_t b1 = e < chars.size() ? chars[e].offset : text.size();
+    const std::string_view word = text.substr(b0, b1 - b0);
+    auto it = cache.find(word);
+    if (it == cache.end()) {
+      std::vector<int32_t> ids;
+      encode_bpe_word(word, ids);
+      it = cache.emplace(word, std::move(ids)).first;
+    }
+    out.insert(out.end(), it->second.begin(), it->second.end());
+    i = e;
+  }
+}
+
+// SentencePiece-style: merge the adjacent pair whose concatenation is the highest-scoring token,
+// leftmost first, until none is left; unknown characters fall back to byte tokens. The text is
+// cut around characters that appear in no multi-character token (merges cannot cross them).
+void Tokenizer::encode_spm(std::string_view text, std::vector<int32_t>& out) const {
+  const auto chars = unicode::split_utf8(text);
+  auto joins = [&](const Char& c) { return c.valid && (c.cp >= joins_.size() || joins_[c.cp]); };
+  std::vector<Symbol> sym;
+  std::priority_queue<Bigram> queue;
+  auto segment = [&](size_t c0, size_t c1) {
+    const size_t base = chars[c0].offset;
+    const size_t end = c1 < chars.size() ? chars[c1].offset : text.size();
+    const std::string_view seg = text.substr(base, end - base);
+    sym.clear();
+    for (size_t k = c0; k < c1; ++k) {
+      const int idx = static_cast<int>(k - c0);
+      sym.push_back({idx - 1, k + 1 < c1 ? idx + 1 : -1, chars[k].offset - base, chars[k].len});
+    }
+    auto try_pair = [&](int l, int r) {
+      if (l < 0 || r < 0) return;
+      const std::string_view s = seg.substr(sym[l].start, sym[l].len + sym[r].len);
+      const int32_t id = find(s);
+      if (id < 0 || !mergeable(types_[id])) return;
+      queue.push({scores_[id], l, r, s.size()});
+    };
+    for (int k = 0; k + 1 < static_cast<int>(sym.size()); ++k) try_pair(k, k + 1);
+    while (!queue.empty()) {
+      const Bigram b = queue.top();
+      queue.pop();
+      Symbol& l = sym[b.left];
+      Symbol& r = sym[b.right];
+      if (l.len == 0 || r.len == 0 || l.len + r.len != b.size) continue;
+      l.len += r.len;
+      r.len = 0;
+      l.next = r.next;
+      if (r.next >= 0) sym[r.next].prev = b.left;
+      try_pair(l.prev, b.left);
+      try_pair(b.left, l.next);
+    }
+    for (int k = 0; k >= 0 && k < static_cast<int>(sym.size()); k = sym[k].next) {
+      const std::string_view s = seg.substr(sym[k].start, sym[k].len);
+      const int32_t id = find(s);
+      if (id >= 0 && types_[id] != TokenType::kControl && types_[id] != TokenType::kUnknown) {
+        out.push_back(id);
+        continue;
+      }
+      for (char ch : s) {  // byte fallback
+        const int32_t bt = byte_tokens_[static_cast<uint8_t>(ch)];
+        if (bt >= 0) out.push_back(bt);
+        else if (unk_ >= 0) out.push_back(unk_);
+      }
+    }
+  };
+  size_t start = 0;
+  for (size_t k = 0; k < chars.size(); ++k) {
+    if (joins(chars[k])) continue;
+    if (k > start) segment(start, k);
+    segment(k, k + 1);
+    start = k + 1;
+  }
+  if (chars.size() > start) segment(start, chars.size());
+}
+
+// Byte-level BPE on one pre-tokenized word: bytes become printable symbols, then the adjacent
+// pair with the lowest merge rank merges, leftmost first, until no pair has a rank.
+void Tokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>& out) const {
+  std::string s;
+  s.reserve(word.size() * 2);
+  for (char ch : word) unicode::append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(ch)), s);
+  if (ignore_merges_) {
+    if (const int32_t id = find(s); id >= 0) {
+      out.push_back(id);
+      return;
+    }
+  }
+  const auto chars = unicode::split_utf8(s);
+  std::vector<Symbol> sym;
+  for (size_t k = 0; k < chars.size(); ++k) {
+    const int idx = static_cast<int>(k);
+    sym.push_back({idx - 1, k + 1 < chars.size() ? idx + 1 : -1, chars[k].offset, chars[k].len});
+  }
+  std::priority_queue<Bigram> queue;
+  std::string key;
+  auto try_pair = [&](int l, int r) {
+    if (l < 0 || r < 0) return;
+    key.assign(s, sym[l].start, sym[l].len);
+    key += ' ';
+    key.append(s, sym[r].start, sym[r].len);
+    auto it = merge_rank_.find(key);
+    if (it == merge_rank_.end()) return;
+    queue.push({-static_cast<double>(it->second), l, r, sym[l].len + sym[r].len});
+  };
+  for (int k = 0; k + 1 < static_cast<int>(sym.size()); ++k) try_pair(k, k + 1);
+  while (!queue.empty()) {
+    const Bigram b = queue.top();
+    queue.pop();
+    Symbol& l = sym[b.left];
+    Symbol& r = sym[b.right];
+    if (l.len == 0 || r.len == 0 || l.len + r.len != b.size) continue;
+    l.len += r.len;
+    r.len = 0;
+    l.next = r.next;
+    if (r.next >= 0) sym[r.next].prev = b.left;
+    try_pair(l.prev, b.left);
+    try_pair(b.left, l.next);
+  }
+  for (int k = 0; k >= 0 && k < static_cast<int>(sym.size()); k = sym[k].next) {
+    const std::string_view piece(s.data() + sym[k].start, sym[k].len);
+    if (const int32_t id = find(piece); id >= 0) {
+      out.push_back(id);
+      continue;
+    }
+    for (const Char& c : unicode::split_utf8(piece)) {  // symbols the merges never reached
+      const int32_t id = find(piece.substr(c.offset, c.len));
+      if (id >= 0) out.push_back(id);
+      else if (unk_ >= 0) out.push_back(unk_);
+    }
+  }
+}
+
+std::string Tokenizer::piece(int32_t id, bool render_special) const {
+  if (id < 0 || id >= n_vocab()) return {};
+  const std::string& text = tokens_[id];
+  const TokenType type = types_[id];
+  if (type == TokenType::kControl || type == TokenType::kUnknown || type == TokenType::kUnused) {
+    return render_special ? text : std::string();
+  }
+  if (model_ == Model::kSpm) {
+    if (type == TokenType::kByte && text.size() == 6) {
+      return std::string(1, static_cast<char>(std::stoi(text.substr(3, 2), nullptr, 16)));
+    }
+    std::string out;
+    for (size_t i = 0; i < text.size();) {
+      if (text.compare(i, kSpmSpace.size(), kSpmSpace) == 0) {
+        out += ' ';
+        i += kSpmSpace.size();
+      } else {
+        out += text[i++];
+      }
+    }
+    return out;
+  }
+  if (type == TokenType::kUserDefined) return text;
+  std::string out;
+  for (const Char& c : unicode::split_utf8(text)) {
+    const int b = c.valid ? unicode::symbol_to_byte(c.cp) : -1;
+    if (b >= 0) out += static_cast<char>(b);
+    else out.append(text, c.offset, c.len);
+  }
+  return out;
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids, bool render_special) const {
+  std::string out;
+  bool started = false;
+  for (int32_t id : ids) {
+    std::string p = piece(id, render_special);
+    if (!started && !p.empty()) {
+      started = true;
+      if (strips_leading_space() && p[0] == ' ') p.erase(0, 1);
+    }
+    out += p;
+  }
+  return out;
+}
+
+std::string StreamDecoder::push(int32_t id) {
+  std::string p = tok_->piece(id, render_special_);
+  if (!started_ && !p.empty()) {
+    started_ = true;
+    if (tok_->strips_leading_space() && p[0] == ' ') p.erase(0, 1);
+  }
+  pending_ += p;
+  const size_t n = unicode::complete_prefix(pending_);
+  std::string out = pending_.substr(0, n);
+  pending_.erase(0, n);
+  return out;
+}
+
+std::string StreamDecoder::finish() {
+  std::string out;
+  out.swap(pending_);
+  return out;
+}
+
+}  // namespace combs
