@@ -233,7 +233,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
 }
 
 int32_t Tokenizer::find(std::string_view text) const {
-  auto it = index_.find(std::string(text));
+  auto it = index_.find(text);
   return it == index_.end() ? -1 : it->second;
 }
 

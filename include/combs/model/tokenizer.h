@@ -29,6 +29,13 @@ enum class TokenType : int32_t {  // llama.cpp's values
   kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6,
 };
 
+// Hashes std::string keys and std::string_view lookups alike (no temporary strings).
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+using StringMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
+
 class Tokenizer {
  public:
   enum class Model : uint8_t { kSpm, kBpe };
@@ -74,8 +81,8 @@ class Tokenizer {
   std::vector<std::string> tokens_;
   std::vector<float> scores_;
   std::vector<TokenType> types_;
-  std::unordered_map<std::string, int32_t> index_;
-  std::unordered_map<std::string, int32_t> merge_rank_;  // "left right" -> rank
+  StringMap index_;
+  StringMap merge_rank_;  // "left right" -> rank
   std::vector<int32_t> byte_tokens_;                     // byte -> <0xNN> token (spm) or symbol token
   std::vector<bool> joins_;   // code point < 0x30000 appears in a multi-character token (spm)
   std::vector<std::pair<std::string, int32_t>> specials_;  // longest first

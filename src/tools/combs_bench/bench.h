@@ -21,5 +21,6 @@ double measure_read_bandwidth(CpuBackend& backend, int64_t bytes, int reps);
 
 int run_kv(int argc, char** argv);
 int run_model(int argc, char** argv);
+int run_tokenizer(int argc, char** argv);
 
 }  // namespace combs::bench

@@ -12,6 +12,7 @@
 #include "combs/model/model.h"
 #include "combs/model/runner.h"
 #include "combs/model/sampler.h"
+#include "combs/model/tokenizer.h"
 #include "common/flags.h"
 
 namespace {
@@ -45,10 +46,6 @@ int main(int argc, char** argv) {
   if (flags.given("prompt") == flags.given("prompt-ids")) {
     return std::fprintf(stderr, "combs-generate: give exactly one of --prompt and --prompt-ids\n"), 2;
   }
-  if (flags.given("prompt") || !flags.on("ids")) {
-    return std::fprintf(stderr, "combs-generate: text input and output need the tokenizer, which is "
-                                "not built yet: use --prompt-ids and --ids\n"), 2;
-  }
   long long max_tokens, top_k, seed, threads, ctx;
   double temperature, top_p, min_p, rep, pres, freq;
   if (!flags.integer("max-tokens", &max_tokens, 0, 1 << 24) ||
@@ -65,15 +62,27 @@ int main(int argc, char** argv) {
   }
   std::vector<long long> prompt_ll;
   if (!flags.ints("prompt-ids", &prompt_ll)) return 2;
-  std::vector<int32_t> prompt(prompt_ll.begin(), prompt_ll.end());
-  if (prompt.empty()) return std::fprintf(stderr, "combs-generate: --prompt-ids is empty\n"), 2;
 
   auto model = Model::load(flags.str("model"));
   if (!model.ok()) return fail(model.status().to_string());
   const ModelConfig& c = (*model)->config();
-  for (long long id : prompt_ll) {
+  // The tokenizer is needed for text in (--prompt) or out (without --ids).
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (flags.given("prompt") || !flags.on("ids")) {
+    auto t = Tokenizer::from_gguf((*model)->file());
+    if (!t.ok()) return fail(t.status().to_string());
+    if ((*t)->n_vocab() != c.n_vocab) {
+      return fail("the tokenizer has " + std::to_string((*t)->n_vocab()) +
+                  " tokens but the model's embedding has " + std::to_string(c.n_vocab));
+    }
+    tokenizer = std::move(t).value();
+  }
+  std::vector<int32_t> prompt(prompt_ll.begin(), prompt_ll.end());
+  if (flags.given("prompt")) prompt = tokenizer->encode(flags.str("prompt"));
+  if (prompt.empty()) return std::fprintf(stderr, "combs-generate: the prompt is empty\n"), 2;
+  for (int32_t id : prompt) {
     if (id < 0 || id >= c.n_vocab) {
-      return std::fprintf(stderr, "combs-generate: --prompt-ids: %lld is outside the vocabulary [0, %d)\n",
+      return std::fprintf(stderr, "combs-generate: --prompt-ids: %d is outside the vocabulary [0, %d)\n",
                           id, c.n_vocab), 2;
     }
   }
@@ -104,7 +113,7 @@ int main(int argc, char** argv) {
   StopCriteria stop;
   stop.max_tokens = static_cast<int>(max_tokens);
   if (!flags.on("ignore-eos")) {
-    for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {
+    for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {  // NOLINT
       if (auto id = (*model)->file().get_uint(key); id.ok() && *id < uint64_t(c.n_vocab)) {
         stop.eos_ids.push_back(static_cast<int32_t>(*id));
       }
@@ -134,6 +143,8 @@ int main(int argc, char** argv) {
   }
 
   Sampler sampler(sp);
+  std::unique_ptr<StreamDecoder> text_out;
+  if (!flags.on("ids")) text_out = std::make_unique<StreamDecoder>(*tokenizer);
   std::vector<int32_t> history = prompt, generated;
   FinishReason reason = check_stop(stop, generated);
   const double t1 = now();
@@ -141,7 +152,8 @@ int main(int argc, char** argv) {
     const int32_t token = sampler.sample(logits, history);
     generated.push_back(token);
     history.push_back(token);
-    std::printf(generated.size() > 1 ? " %d" : "%d", token);
+    if (text_out) std::fputs(text_out->push(token).c_str(), stdout);
+    else std::printf(generated.size() > 1 ? " %d" : "%d", token);
     std::fflush(stdout);
     reason = check_stop(stop, generated);
     if (reason != FinishReason::kNone) break;
@@ -149,6 +161,7 @@ int main(int argc, char** argv) {
     if (Status s = (*runner)->forward({&in, 1}, logits.data()); !s.ok()) return fail(s.to_string());
   }
   const double t_gen = now() - t1;
+  if (text_out) std::fputs(text_out->finish().c_str(), stdout);
   std::printf("\n");
   std::fprintf(stderr,
                "combs-generate: prompt %zu tokens in %.3f s (%.1f tokens/s); generated %zu tokens in "
