@@ -146,8 +146,9 @@ struct Scratch {
 // Rows of one work item: tokens [i0, i1) x the n_rep query heads of KV head g.
 struct Item {
   const SeqWork* seq;
-  int g;
+  int g;           // KV head (the first of [g, g_end) for the fast path)
   int64_t r0, r1;  // rows r = i * n_rep + j
+  int g_end;
 };
 
 struct Problem {
@@ -367,52 +368,42 @@ void accumulate_group(float* acc, int hd, const float* p, int p_stride, const ch
   }
 }
 
+// The flash pass of one KV head over an item's rows, a key block at a time (see flash_fast).
 template <int NV, DType DT>
-void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
-  const KVLayout& kv = it.seq->kv;
-  const int hd = pb.hd;
-  const int rows = static_cast<int>(it.r1 - it.r0);
-  sc.fit(kRowBlock, hd, kKeyBlock);
-  float* q = sc.q.data();
-  float* acc = sc.acc.data();
-  float* s = sc.s.data();
-  pb.load_queries(it, q);
-  std::fill_n(acc, rows * hd, 0.0f);
-  float m[kRowBlock], l[kRowBlock];
-  std::fill_n(m, rows, -std::numeric_limits<float>::infinity());
-  std::fill_n(l, rows, 0.0f);
+class HeadPass {
+ public:
+  // `it` names this head; q, acc: [kRowBlock, hd] and s: [kRowBlock, kKeyBlock] scratch.
+  void begin(const Problem& pb, const Item& it, float* q, float* acc, float* s) {
+    pb_ = &pb;
+    it_ = it;
+    q_ = q, acc_ = acc, s_ = s;
+    rows_ = static_cast<int>(it.r1 - it.r0);
+    pb.load_queries(it, q_);
+    std::fill_n(acc_, rows_ * pb.hd, 0.0f);
+    std::fill_n(m_, rows_, -std::numeric_limits<float>::infinity());
+    std::fill_n(l_, rows_, 0.0f);
+    key_end_ = it.seq->pos + (it.r1 - 1) / pb.n_rep + 1;  // the last row's causal horizon
+    n_blocks_ = (key_end_ + kKeyBlock - 1) / kKeyBlock;
+    for (int64_t b = 0; b < kAhead; ++b) find_rows(b);
+  }
+  int64_t n_blocks() const { return n_blocks_; }
 
-  const int64_t row_bytes = int64_t{hd} * static_cast<int64_t>(dtype_size(DT));
-  const int64_t pos = it.seq->pos;
-  const int64_t key_end = pos + (it.r1 - 1) / pb.n_rep + 1;  // the last row's causal horizon
-  // Row addresses of blocks b .. b + kAhead in a ring; block b + kAhead is prefetched while block
-  // b is computed.
-  constexpr int kAhead = 2, kRing = kAhead + 1;
-  const char* krows_ring[kRing][kKeyBlock];
-  const char* vrows_ring[kRing][kKeyBlock];
-  const int64_t n_blocks = (key_end + kKeyBlock - 1) / kKeyBlock;
-  auto block_len = [&](int64_t b) {
-    return static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - b * kKeyBlock));
-  };
-  auto find_rows = [&](int64_t b) {
-    if (b >= n_blocks) return;
-    row_addresses(kv, kv.k, it.g, b * kKeyBlock, block_len(b), krows_ring[b % kRing]);
-    row_addresses(kv, kv.v, it.g, b * kKeyBlock, block_len(b), vrows_ring[b % kRing]);
-  };
-  for (int64_t b = 0; b < kAhead; ++b) find_rows(b);
-  for (int64_t blk = 0; blk < n_blocks; ++blk) {
+  void block(int64_t blk) {
+    const int hd = pb_->hd;
+    const int64_t row_bytes = int64_t{hd} * static_cast<int64_t>(dtype_size(DT));
+    const int64_t pos = it_.seq->pos;
     const int64_t k0 = blk * kKeyBlock;
     const int len = block_len(blk);
     find_rows(blk + kAhead);
-    const int n_next = blk + kAhead < n_blocks ? block_len(blk + kAhead) : 0;
-    const char* const* krows = krows_ring[blk % kRing];
-    const char* const* vrows = vrows_ring[blk % kRing];
-    const char* const* kpre = krows_ring[(blk + kAhead) % kRing];
-    const char* const* vpre = vrows_ring[(blk + kAhead) % kRing];
+    const int n_next = blk + kAhead < n_blocks_ ? block_len(blk + kAhead) : 0;
+    const char* const* krows = krows_[blk % kRing];
+    const char* const* vrows = vrows_[blk % kRing];
+    const char* const* kpre = krows_[(blk + kAhead) % kRing];
+    const char* const* vpre = vrows_[(blk + kAhead) % kRing];
     int count[kRowBlock];
     int max_count = 0;
-    for (int r = 0; r < rows; ++r) {
-      const int64_t horizon = pos + (it.r0 + r) / pb.n_rep;  // last key this row may see
+    for (int r = 0; r < rows_; ++r) {
+      const int64_t horizon = pos + (it_.r0 + r) / pb_->n_rep;  // last key this row may see
       count[r] = static_cast<int>(std::clamp<int64_t>(horizon - k0 + 1, 0, len));
       max_count = std::max(max_count, count[r]);
     }
@@ -424,32 +415,32 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
       }
       f32x16 k[NV];
       for (int j = 0; j < NV; ++j) k[j] = load_kv16<DT>(krows[c], j);
-      for (int r = 0; r < rows; ++r) {
+      for (int r = 0; r < rows_; ++r) {
         if (c >= count[r]) continue;
-        const float* qr = q + r * hd;
+        const float* qr = q_ + r * hd;
         f32x16 a0 = load16(qr) * k[0];
         f32x16 a1 = NV > 1 ? load16(qr + 16) * k[1] : f32x16{};
         for (int j = 2; j < NV; j += 2) {
           a0 += load16(qr + 16 * j) * k[j];
           if (j + 1 < NV) a1 += load16(qr + 16 * j + 16) * k[j + 1];
         }
-        s[r * kKeyBlock + c] = hsum(a0 + a1);
+        s_[r * kKeyBlock + c] = hsum(a0 + a1);
       }
     }
     // Online softmax; probabilities past a row's horizon are 0 so groups share one count.
-    for (int r = 0; r < rows; ++r) {
-      float* sr = s + r * kKeyBlock;
+    for (int r = 0; r < rows_; ++r) {
+      float* sr = s_ + r * kKeyBlock;
       const int n = count[r];
-      float mx = m[r];
+      float mx = m_[r];
       for (int c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
-      if (mx > m[r]) {
-        const float corr = exp_nonpositive(m[r] - mx);
-        l[r] *= corr;
-        float* ar = acc + r * hd;
+      if (mx > m_[r]) {
+        const float corr = exp_nonpositive(m_[r] - mx);
+        l_[r] *= corr;
+        float* ar = acc_ + r * hd;
         for (int d = 0; d < hd; ++d) ar[d] *= corr;
-        m[r] = mx;
+        m_[r] = mx;
       }
-      const float mr = m[r];
+      const float mr = m_[r];
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int c = 0; c < n; ++c) {
@@ -457,15 +448,15 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
         sum += sr[c];
       }
       for (int c = n; c < max_count; ++c) sr[c] = 0.0f;
-      l[r] += sum;
+      l_[r] += sum;
     }
     // P @ V in groups of 4 rows: each V row is loaded once per group.
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-      const int rg = std::min(4, rows - r0);
+    for (int r0 = 0; r0 < rows_; r0 += 4) {
+      const int rg = std::min(4, rows_ - r0);
       int gcount = 0;
       for (int r = r0; r < r0 + rg; ++r) gcount = std::max(gcount, count[r]);
-      float* ar = acc + r0 * hd;
-      const float* pr = s + r0 * kKeyBlock;
+      float* ar = acc_ + r0 * hd;
+      const float* pr = s_ + r0 * kKeyBlock;
       switch (rg) {
         case 4: accumulate_group<NV, DT, 4>(ar, hd, pr, kKeyBlock, vrows, gcount); break;
         case 3: accumulate_group<NV, DT, 3>(ar, hd, pr, kKeyBlock, vrows, gcount); break;
@@ -474,12 +465,59 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
       }
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    float* ar = acc + r * hd;
-    const float inv = 1.0f / l[r];
-    for (int d = 0; d < hd; ++d) ar[d] *= inv;
-    pb.store_row(it, it.r0 + r, ar);
+
+  void end() {
+    const int hd = pb_->hd;
+    for (int r = 0; r < rows_; ++r) {
+      float* ar = acc_ + r * hd;
+      const float inv = 1.0f / l_[r];
+      for (int d = 0; d < hd; ++d) ar[d] *= inv;
+      pb_->store_row(it_, it_.r0 + r, ar);
+    }
   }
+
+ private:
+  // Row addresses of blocks b .. b + kAhead in a ring; block b + kAhead is prefetched while
+  // block b is computed.
+  static constexpr int kAhead = 2, kRing = kAhead + 1;
+  int block_len(int64_t b) const {
+    return static_cast<int>(std::min<int64_t>(kKeyBlock, key_end_ - b * kKeyBlock));
+  }
+  void find_rows(int64_t b) {
+    if (b >= n_blocks_) return;
+    const KVLayout& kv = it_.seq->kv;
+    row_addresses(kv, kv.k, it_.g, b * kKeyBlock, block_len(b), krows_[b % kRing]);
+    row_addresses(kv, kv.v, it_.g, b * kKeyBlock, block_len(b), vrows_[b % kRing]);
+  }
+
+  const Problem* pb_ = nullptr;
+  Item it_{};
+  float *q_ = nullptr, *acc_ = nullptr, *s_ = nullptr;
+  int rows_ = 0;
+  int64_t key_end_ = 0, n_blocks_ = 0;
+  float m_[kRowBlock], l_[kRowBlock];
+  const char* krows_[kRing][kKeyBlock];
+  const char* vrows_[kRing][kKeyBlock];
+};
+
+// The fast flash path for one item: its KV heads [g, g_end) advance together a key block at a
+// time, so a page's K/V of all those heads (adjacent in the arena) are read together.
+template <int NV, DType DT>
+void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
+  const int heads = it.g_end - it.g;
+  sc.fit(static_cast<size_t>(heads) * kRowBlock, pb.hd, kKeyBlock);
+  thread_local std::vector<HeadPass<NV, DT>> passes;
+  if (passes.size() < static_cast<size_t>(heads)) passes.resize(heads);
+  for (int h = 0; h < heads; ++h) {
+    Item one = it;
+    one.g = it.g + h;
+    passes[h].begin(pb, one, sc.q.data() + h * kRowBlock * pb.hd, sc.acc.data() + h * kRowBlock * pb.hd,
+                    sc.s.data() + h * kRowBlock * kKeyBlock);
+  }
+  const int64_t n_blocks = passes[0].n_blocks();
+  for (int64_t blk = 0; blk < n_blocks; ++blk)
+    for (int h = 0; h < heads; ++h) passes[h].block(blk);
+  for (int h = 0; h < heads; ++h) passes[h].end();
 }
 
 template <int NV>
@@ -537,10 +575,17 @@ void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_head
   thread_local std::vector<Item> items_storage;
   std::vector<Item>& items = items_storage;
   items.clear();
+  // With enough (sequence, row block) pairs to keep every thread busy, an item takes all KV heads
+  // (the fast path then reads each page's heads together); otherwise one head per item.
+  const bool fast = impl == AttentionImpl::kFlash && (pb.hd == 64 || pb.hd == 128 || pb.hd == 256);
+  int64_t pairs = 0;
+  for (const SeqWork& s : seqs) pairs += (s.n_new * pb.n_rep + block - 1) / block;
+  const int heads_per_item = fast && pairs >= 2 * backend.num_threads() ? std::min(n_kv_heads, 8) : 1;
   for (const SeqWork& s : seqs) {
     const int64_t rows = s.n_new * pb.n_rep;
-    for (int g = 0; g < n_kv_heads; ++g)
-      for (int64_t r0 = 0; r0 < rows; r0 += block) items.push_back({&s, g, r0, std::min(rows, r0 + block)});
+    for (int64_t r0 = 0; r0 < rows; r0 += block)
+      for (int g = 0; g < n_kv_heads; g += heads_per_item)
+        items.push_back({&s, g, r0, std::min(rows, r0 + block), std::min(n_kv_heads, g + heads_per_item)});
   }
   backend.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local Scratch scratch;

@@ -27,11 +27,13 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 struct Figures {
-  double prompt_tps, decode_tps;
+  double prompt_tps, decode_tps, bandwidth_gbs, decode_over_bound;
 };
 
-// Median prompt and decode speeds over `reps` fresh sequences.
-StatusOr<Figures> measure(Runner& runner, CpuBackend& backend, int prompt, int gen, int reps) {
+// Median prompt and decode speeds over `reps` fresh sequences. The read bandwidth is measured
+// right before each decode run and each run's ratio to its bound taken: the machines are noisy.
+StatusOr<Figures> measure(Runner& runner, CpuBackend& backend, int prompt, int gen, int reps,
+                          int64_t bandwidth_bytes, double weight_bytes) {
   const ModelConfig& c = runner.model().config();
   const int64_t ctx = prompt + gen + 1;
   PagePoolOptions po{c.kv_geometry(DType::kF16), 16, pages_for_tokens(ctx, 16)};
@@ -39,13 +41,14 @@ StatusOr<Figures> measure(Runner& runner, CpuBackend& backend, int prompt, int g
   std::vector<float> logits(c.n_vocab);
   std::vector<int32_t> tokens(prompt);
   for (int i = 0; i < prompt; ++i) tokens[i] = (i * 7919 + 13) % c.n_vocab;
-  std::vector<double> tp, td;
+  std::vector<double> tp, td, bw, ratio;
   for (int r = 0; r < reps + 1; ++r) {  // the first round warms up
     COMBS_ASSIGN_OR_RETURN(auto cache, PagedKVCache::create(*pool, ctx));
     const SequenceInput in{cache.get(), tokens};
     double t0 = now_seconds();
     COMBS_RETURN_IF_ERROR(runner.forward({&in, 1}, logits.data()));
     const double dt_prompt = now_seconds() - t0;
+    const double gbs = measure_read_bandwidth(backend, bandwidth_bytes, 3);
     t0 = now_seconds();
     for (int i = 0; i < gen; ++i) {
       const int32_t next = static_cast<int32_t>((i * 31 + 7) % c.n_vocab);
@@ -56,9 +59,11 @@ StatusOr<Figures> measure(Runner& runner, CpuBackend& backend, int prompt, int g
     if (r > 0) {
       tp.push_back(prompt / dt_prompt);
       td.push_back(gen / dt_gen);
+      bw.push_back(gbs);
+      ratio.push_back(gen / dt_gen / (gbs * 1e9 / weight_bytes));
     }
   }
-  return Figures{median(tp), median(td)};
+  return Figures{median(tp), median(td), median(bw), median(ratio)};
 }
 
 }  // namespace
@@ -66,7 +71,7 @@ StatusOr<Figures> measure(Runner& runner, CpuBackend& backend, int prompt, int g
 int run_model(int argc, char** argv) {
   tools::Flags flags("combs-bench model",
                      {{"shapes", "tiny,llama-1b"}, {"dtypes", "bf16,q8_0"}, {"prompt", "512"},
-                      {"gen", "128"}, {"threads", "0"}, {"reps", "3"}, {"bandwidth-mib", "1024"},
+                      {"gen", "128"}, {"threads", "0"}, {"reps", "3"}, {"bandwidth-mib", "512"},
                       {"dir", "/tmp/combs-bench-models"}, {"vocab", ""}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
@@ -80,13 +85,11 @@ int run_model(int argc, char** argv) {
     return 2;
   }
   CpuBackend backend({static_cast<int>(threads)});
-  const double bandwidth = measure_read_bandwidth(backend, bw_mib << 20, 5);
   std::printf("# combs-bench model: %d threads, matmul %s, prompt %lld tokens, decode %lld tokens, "
-              "median of %lld\n# measured read bandwidth: %.1f GB/s\n\n",
-              backend.num_threads(), std::string(cpu::matmul_isa()).c_str(), prompt, gen, reps,
-              bandwidth);
-  std::printf("| model | dtype | weights read/token | prompt tok/s | decode tok/s | decode bound tok/s "
-              "| decode / bound |\n|---|---|---|---|---|---|---|\n");
+              "median of %lld; read bandwidth (%lld MiB, all threads) measured before each decode run\n\n",
+              backend.num_threads(), std::string(cpu::matmul_isa()).c_str(), prompt, gen, reps, bw_mib);
+  std::printf("| model | dtype | weights read/token | prompt tok/s | decode tok/s | bandwidth GB/s "
+              "| decode bound tok/s | decode / bound |\n|---|---|---|---|---|---|---|---|\n");
   std::error_code ec;
   std::filesystem::create_directories(flags.str("dir"), ec);
   for (const std::string& shape_name : split(flags.str("shapes"))) {
@@ -113,16 +116,15 @@ int run_model(int argc, char** argv) {
         return 1;
       }
       auto runner = Runner::create(**model, backend);
-      auto f = measure(**runner, backend, int(prompt), int(gen), int(reps));
+      const double bytes = double((*model)->weight_bytes_per_token());
+      auto f = measure(**runner, backend, int(prompt), int(gen), int(reps), bw_mib << 20, bytes);
       if (!f.ok()) {
         std::fprintf(stderr, "combs-bench: %s\n", f.status().to_string().c_str());
         return 1;
       }
-      const double bytes = double((*model)->weight_bytes_per_token());
-      const double bound = bandwidth * 1e9 / bytes;
-      std::printf("| %s | %s | %.1f MB | %.1f | %.2f | %.2f | %.0f%% |\n", shape_name.c_str(),
-                  dtype_str.c_str(), bytes / 1e6, f->prompt_tps, f->decode_tps, bound,
-                  100.0 * f->decode_tps / bound);
+      std::printf("| %s | %s | %.1f MB | %.1f | %.2f | %.1f | %.2f | %.0f%% |\n", shape_name.c_str(),
+                  dtype_str.c_str(), bytes / 1e6, f->prompt_tps, f->decode_tps, f->bandwidth_gbs,
+                  f->bandwidth_gbs * 1e9 / bytes, 100.0 * f->decode_over_bound);
       std::fflush(stdout);
     }
   }
