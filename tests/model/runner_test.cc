@@ -65,15 +65,19 @@ TEST_CASE("runner logits agree with the float64 reference in every weight dtype"
   }
 }
 
-// Same greedy token at every position and logits within a summation-order tolerance (a single
-// token's matmul may sum in another order than a tile of several).
+// Logits within tolerance and the same greedy token at every position (unless the top two are
+// closer than the tolerance). A single token's matmul sums in another order than a tile of
+// several, and with bf16 weights the activations are rounded to bf16 between layers, so a last-bit
+// difference can move a value by one bf16 step (2^-8 relative).
 void require_same(const std::vector<float>& a, const std::vector<float>& b, int n_vocab) {
   REQUIRE(a.size() == b.size());
+  const float tol = 1e-2f;
   for (size_t t = 0; t < a.size() / n_vocab; ++t) {
     const float* x = a.data() + t * n_vocab;
     const float* y = b.data() + t * n_vocab;
-    CHECK(std::max_element(x, x + n_vocab) - x == std::max_element(y, y + n_vocab) - y);
-    for (int v = 0; v < n_vocab; ++v) REQUIRE(std::abs(x[v] - y[v]) <= 1e-4f * (1.0f + std::abs(y[v])));
+    for (int v = 0; v < n_vocab; ++v) REQUIRE(std::abs(x[v] - y[v]) <= tol * (1.0f + std::abs(y[v])));
+    const auto ax = std::max_element(x, x + n_vocab) - x, ay = std::max_element(y, y + n_vocab) - y;
+    if (ax != ay) CHECK(std::abs(y[ax] - y[ay]) <= 2 * tol * (1.0f + std::abs(y[ay])));
   }
 }
 
