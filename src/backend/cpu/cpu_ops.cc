@@ -7,6 +7,7 @@
 
 #include "kernels/matmul_kernels.h"
 #include "onednn_matmul.h"
+#include "vec_math.h"
 
 namespace combs::cpu {
 namespace {
@@ -112,7 +113,8 @@ void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_
 }
 
 void silu_mul(float* gate, const float* up, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) gate[i] = silu(gate[i]) * up[i];
 }
 
 void dequantize_row(const void* src, DType dtype, float* dst, int64_t n) {

@@ -1,5 +1,7 @@
 #include "kv/cpu/attention_cpu.h"
 
+#include "backend/cpu/vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -94,26 +96,6 @@ inline float hsum(f32x16 v) {
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
   const f32x8 s = lo + hi;
   return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max), relative error < 3e-7; 0 below -87.
-// Branch-free so the loops over it vectorize: 2^n * p(r) with r = x - n ln2 (Cephes' expf).
-inline float exp_nonpositive(float x) {
-  x = x > -87.0f ? x : -87.0f;
-  // Round to nearest by adding and removing 1.5 * 2^23 (vectorizes, unlike floor).
-  const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // s[r * stride + c] = q_r . k_c for rows r < n_rows and keys c < count[r].
@@ -407,6 +389,40 @@ class HeadPass {
       count[r] = static_cast<int>(std::clamp<int64_t>(horizon - k0 + 1, 0, len));
       max_count = std::max(max_count, count[r]);
     }
+    if (rows_ >= 16) {
+      // Many rows (prefill): K^T for the block, then scores with the keys along the vector lanes
+      // (no horizontal sum per dot product).
+      for (int c = 0; c < n_next; ++c) {
+        prefetch_row(kpre[c], row_bytes);
+        prefetch_row(vpre[c], row_bytes);
+      }
+      float* kt = kt_;  // [hd][kKeyBlock]
+      for (int c = 0; c < max_count; ++c) {
+        for (int j = 0; j < NV; ++j) {
+          const f32x16 v = load_kv16<DT>(krows[c], j);
+          for (int e = 0; e < 16; ++e) kt[(16 * j + e) * kKeyBlock + c] = v[e];
+        }
+      }
+      for (int c = max_count; c < kKeyBlock; ++c)
+        for (int d = 0; d < hd; ++d) kt[d * kKeyBlock + c] = 0.0f;
+      for (int r = 0; r < rows_; ++r) {
+        const float* qr = q_ + r * hd;
+        f32x16 a0{}, a1{}, a2{}, a3{};
+        for (int d = 0; d < hd; ++d) {
+          const float qd = qr[d];
+          const float* row = kt + d * kKeyBlock;
+          a0 += qd * load16(row);
+          a1 += qd * load16(row + 16);
+          a2 += qd * load16(row + 32);
+          a3 += qd * load16(row + 48);
+        }
+        float* sr = s_ + r * kKeyBlock;
+        store16(sr, a0);
+        store16(sr + 16, a1);
+        store16(sr + 32, a2);
+        store16(sr + 48, a3);
+      }
+    } else {
     // Scores: each K row is loaded (and converted) once for all rows.
     for (int c = 0; c < max_count; ++c) {
       if (c < n_next) {  // spread over the block, so the prefetches do not queue up at once
@@ -426,6 +442,7 @@ class HeadPass {
         }
         s_[r * kKeyBlock + c] = hsum(a0 + a1);
       }
+    }
     }
     // Online softmax; probabilities past a row's horizon are 0 so groups share one count.
     for (int r = 0; r < rows_; ++r) {
@@ -496,6 +513,7 @@ class HeadPass {
   int rows_ = 0;
   int64_t key_end_ = 0, n_blocks_ = 0;
   float m_[kRowBlock], l_[kRowBlock];
+  alignas(64) float kt_[16 * NV * kKeyBlock];  // the block's K^T, for many rows
   const char* krows_[kRing][kKeyBlock];
   const char* vrows_[kRing][kKeyBlock];
 };
