@@ -67,11 +67,12 @@ TEST_CASE("runner logits agree with the float64 reference in every weight dtype"
 
 // Logits within tolerance and the same greedy token at every position (unless the top two are
 // closer than the tolerance). A single token's matmul sums in another order than a tile of
-// several, and with bf16 weights the activations are rounded to bf16 between layers, so a last-bit
-// difference can move a value by one bf16 step (2^-8 relative).
+// several; with bf16 weights the activations are rounded to bf16, so a last-bit difference can
+// move a value by one bf16 step (2^-8 relative); q8_0 prefill multiplies bf16-rounded weights
+// (oneDNN) while decode multiplies exact ones.
 void require_same(const std::vector<float>& a, const std::vector<float>& b, int n_vocab) {
   REQUIRE(a.size() == b.size());
-  const float tol = 1e-2f;
+  const float tol = 3e-2f;
   for (size_t t = 0; t < a.size() / n_vocab; ++t) {
     const float* x = a.data() + t * n_vocab;
     const float* y = b.data() + t * n_vocab;
