@@ -161,6 +161,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
   COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.eos_token_id", &t->eos_));
   COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.eot_token_id", &t->eot_));
   COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.unknown_token_id", &t->unk_));
+  COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.padding_token_id", &t->pad_));
 
   std::string pre = "default";
   if (f.find("tokenizer.ggml.pre")) {

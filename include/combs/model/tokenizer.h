@@ -63,6 +63,7 @@ class Tokenizer {
   int32_t bos_id() const { return bos_; }  // -1 when the model has none
   int32_t eos_id() const { return eos_; }
   int32_t eot_id() const { return eot_; }
+  int32_t pad_id() const { return pad_; }
   bool add_bos() const { return add_bos_; }
   bool add_eos() const { return add_eos_; }
   bool strips_leading_space() const { return model_ == Model::kSpm && add_space_prefix_; }
@@ -86,7 +87,7 @@ class Tokenizer {
   std::vector<int32_t> byte_tokens_;                     // byte -> <0xNN> token (spm) or symbol token
   std::vector<bool> joins_;   // code point < 0x30000 appears in a multi-character token (spm)
   std::vector<std::pair<std::string, int32_t>> specials_;  // longest first
-  int32_t bos_ = -1, eos_ = -1, eot_ = -1, unk_ = -1;
+  int32_t bos_ = -1, eos_ = -1, eot_ = -1, unk_ = -1, pad_ = -1;
   bool add_bos_ = false, add_eos_ = false, add_space_prefix_ = true, ignore_merges_ = false;
 };
 
