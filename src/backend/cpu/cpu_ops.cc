@@ -54,8 +54,13 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
   thread_local std::vector<uint16_t> x_bf16, w_bf16;  // grow to the largest call, then stay
   if ((w.dtype() == DType::kBF16 && chosen.name == "avx512bf16") || use_onednn) {
     if (x_bf16.size() < static_cast<size_t>(n_tokens * k.in)) x_bf16.resize(n_tokens * k.in);
-    for (int64_t i = 0; i < n_tokens * k.in; ++i) x_bf16[i] = f32_to_bf16(x[i]);
-    k.x_bf16 = x_bf16.data();
+    uint16_t* xb = x_bf16.data();
+    if (n_tokens >= 8) {  // spread large conversions (prefill) over the threads
+      backend.parallel_for(n_tokens, [&](int64_t t) { f32_to_bf16_row(x + t * k.in, xb + t * k.in, k.in); });
+    } else {
+      f32_to_bf16_row(x, xb, n_tokens * k.in);
+    }
+    k.x_bf16 = xb;
   }
   if (use_onednn) {
     const uint16_t* wb = static_cast<const uint16_t*>(k.w);

@@ -32,4 +32,16 @@ inline float silu(float x) {
   return x * (x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
 }
 
+// Rounds n floats to bf16 (nearest even; NaN stays NaN), branch-free so that it vectorizes.
+inline void f32_to_bf16_row(const float* x, uint16_t* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, &x[i], sizeof b);
+    const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    const bool nan = (b & 0x7fffffffu) > 0x7f800000u;
+    y[i] = static_cast<uint16_t>(nan ? ((b >> 16) | 0x40u) : rounded);
+  }
+}
+
 }  // namespace combs::cpu
