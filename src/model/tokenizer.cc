@@ -108,6 +108,27 @@ struct Symbol {
   size_t start, len;  // bytes in the text
 };
 
+// Offers every adjacent pair to try_pair (which queues those that may merge), then merges the best
+// queued pair whose sides are unchanged, again and again, offering each merged symbol's new
+// neighbours. Shared by the SentencePiece-style (by score) and BPE (by rank) tokenizers.
+template <typename TryPair>
+void merge_all(std::vector<Symbol>& sym, std::priority_queue<Bigram>& queue, TryPair&& try_pair) {
+  for (int k = 0; k + 1 < static_cast<int>(sym.size()); ++k) try_pair(k, k + 1);
+  while (!queue.empty()) {
+    const Bigram b = queue.top();
+    queue.pop();
+    Symbol& l = sym[b.left];
+    Symbol& r = sym[b.right];
+    if (l.len == 0 || r.len == 0 || l.len + r.len != b.size) continue;  // stale
+    l.len += r.len;
+    r.len = 0;
+    l.next = r.next;
+    if (r.next >= 0) sym[r.next].prev = b.left;
+    try_pair(l.prev, b.left);
+    try_pair(b.left, l.next);
+  }
+}
+
 }  // namespace
 
 StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& f) {
@@ -327,20 +348,7 @@ void Tokenizer::encode_spm(std::string_view text, std::vector<int32_t>& out) con
       if (id < 0 || !mergeable(types_[id])) return;
       queue.push({scores_[id], l, r, s.size()});
     };
-    for (int k = 0; k + 1 < static_cast<int>(sym.size()); ++k) try_pair(k, k + 1);
-    while (!queue.empty()) {
-      const Bigram b = queue.top();
-      queue.pop();
-      Symbol& l = sym[b.left];
-      Symbol& r = sym[b.right];
-      if (l.len == 0 || r.len == 0 || l.len + r.len != b.size) continue;
-      l.len += r.len;
-      r.len = 0;
-      l.next = r.next;
-      if (r.next >= 0) sym[r.next].prev = b.left;
-      try_pair(l.prev, b.left);
-      try_pair(b.left, l.next);
-    }
+    merge_all(sym, queue, try_pair);
     for (int k = 0; k >= 0 && k < static_cast<int>(sym.size()); k = sym[k].next) {
       const std::string_view s = seg.substr(sym[k].start, sym[k].len);
       const int32_t id = find(s);
@@ -394,20 +402,7 @@ void Tokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>& out
     if (it == merge_rank_.end()) return;
     queue.push({-static_cast<double>(it->second), l, r, sym[l].len + sym[r].len});
   };
-  for (int k = 0; k + 1 < static_cast<int>(sym.size()); ++k) try_pair(k, k + 1);
-  while (!queue.empty()) {
-    const Bigram b = queue.top();
-    queue.pop();
-    Symbol& l = sym[b.left];
-    Symbol& r = sym[b.right];
-    if (l.len == 0 || r.len == 0 || l.len + r.len != b.size) continue;
-    l.len += r.len;
-    r.len = 0;
-    l.next = r.next;
-    if (r.next >= 0) sym[r.next].prev = b.left;
-    try_pair(l.prev, b.left);
-    try_pair(b.left, l.next);
-  }
+  merge_all(sym, queue, try_pair);
   for (int k = 0; k >= 0 && k < static_cast<int>(sym.size()); k = sym[k].next) {
     const std::string_view piece(s.data() + sym[k].start, sym[k].len);
     if (const int32_t id = find(piece); id >= 0) {

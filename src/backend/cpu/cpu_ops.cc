@@ -5,6 +5,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "kernels/matmul_kernels.h"
 #include "onednn_matmul.h"
 #include "vec_math.h"
@@ -148,11 +152,19 @@ void dequantize_row(const void* src, DType dtype, float* dst, int64_t n) {
       return;
     case DType::kF16: {
       const auto* h = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(h[i]);
+      int64_t i = 0;
+#if defined(__F16C__)
+      for (; i + 8 <= n; i += 8) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i));
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(v));
+      }
+#endif
+      for (; i < n; ++i) dst[i] = f16_to_f32(h[i]);
       return;
     }
     case DType::kBF16: {
       const auto* h = static_cast<const uint16_t*>(src);
+#pragma omp simd
       for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(h[i]);
       return;
     }

@@ -1,6 +1,7 @@
 #include "kv/cpu/attention_cpu.h"
 
 #include "backend/cpu/vec_math.h"
+#include "combs/backend/cpu/cpu_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -21,33 +22,8 @@ namespace {
 constexpr int kKeyBlock = 64;  // keys converted and scored together
 constexpr int kRowBlock = 32;  // query rows (token x head of a GQA group) per work item
 
-void load_f32(const void* src, DType t, float* dst, int64_t n) {
-  switch (t) {
-    case DType::kF32:
-      std::memcpy(dst, src, n * sizeof(float));
-      return;
-    case DType::kBF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-      return;
-    }
-    case DType::kF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      int64_t i = 0;
-#if defined(__F16C__)
-      for (; i + 8 <= n; i += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
-      }
-#endif
-      for (; i < n; ++i) dst[i] = f16_to_f32(s[i]);
-      return;
-    }
-    case DType::kQ8_0:
-      break;  // rejected by attention_batch
-  }
-}
+// Rows of K/V, q and activations as f32 (the backend's conversion, with F16C where present).
+inline void load_f32(const void* src, DType t, float* dst, int64_t n) { dequantize_row(src, t, dst, n); }
 
 void store_f32(const float* src, DType t, void* dst, int64_t n) {
   switch (t) {
