@@ -562,8 +562,10 @@ void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_head
   pb.q = &q;
   pb.out = &out;
   pb.scale = scale;
-  // The manual path keeps whole sequences per item (its scores matrix is the point).
-  const int64_t block = impl == AttentionImpl::kFlash ? kRowBlock : std::numeric_limits<int64_t>::max();
+  // Rows of one item: the manual path keeps a whole sequence (its scores matrix is the point).
+  auto block_of = [&](const SeqWork& s) {
+    return impl == AttentionImpl::kFlash ? int64_t{kRowBlock} : std::max<int64_t>(1, s.n_new * pb.n_rep);
+  };
   // Reused from call to call (a decode step allocates nothing). A reference, so that the workers
   // below see this thread's list, not their own thread_local one.
   thread_local std::vector<Item> items_storage;
@@ -573,10 +575,11 @@ void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_head
   // (the fast path then reads each page's heads together); otherwise one head per item.
   const bool fast = impl == AttentionImpl::kFlash && (pb.hd == 64 || pb.hd == 128 || pb.hd == 256);
   int64_t pairs = 0;
-  for (const SeqWork& s : seqs) pairs += (s.n_new * pb.n_rep + block - 1) / block;
+  for (const SeqWork& s : seqs) pairs += (s.n_new * pb.n_rep + block_of(s) - 1) / block_of(s);
   const int heads_per_item = fast && pairs >= 2 * backend.num_threads() ? std::min(n_kv_heads, 8) : 1;
   for (const SeqWork& s : seqs) {
     const int64_t rows = s.n_new * pb.n_rep;
+    const int64_t block = block_of(s);
     for (int64_t r0 = 0; r0 < rows; r0 += block)
       for (int g = 0; g < n_kv_heads; g += heads_per_item)
         items.push_back({&s, g, r0, std::min(rows, r0 + block), std::min(n_kv_heads, g + heads_per_item)});
