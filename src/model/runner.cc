@@ -7,8 +7,9 @@
 
 namespace combs {
 
-StatusOr<std::unique_ptr<Runner>> Runner::create(const Model& model, CpuBackend& backend) {
-  return std::unique_ptr<Runner>(new Runner(model, backend));
+StatusOr<std::unique_ptr<Runner>> Runner::create(const Model& model, CpuBackend& backend,
+                                                 RunnerOptions options) {
+  return std::unique_ptr<Runner>(new Runner(model, backend, options));
 }
 
 void Runner::reserve(int64_t n) {
@@ -78,13 +79,18 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
   const Tensor v_t = Tensor::wrap(v_.data(), {total, nkv, hd}, DType::kF32);
   const Tensor att_t = Tensor::wrap(att_.data(), {total, nq, hd}, DType::kF32);
   auto bias = [](const Tensor& b) { return b.defined() ? b.data_as<float>() : nullptr; };
+  const cpu::MatmulPolicy policy = options_.batch_invariant ? cpu::MatmulPolicy::kBatchInvariant
+                                                            : cpu::MatmulPolicy::kFastest;
+  auto matmul = [&](const Tensor& w, const float* in, float* out, const float* b = nullptr) {
+    cpu::matmul(*backend_, w, in, total, out, b, policy);
+  };
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& w = m.layers[l];
     cpu::rms_norm(x, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps);
-    cpu::matmul(*backend_, w.wq, h, total, q_.data(), bias(w.bq));
-    cpu::matmul(*backend_, w.wk, h, total, k_.data(), bias(w.bk));
-    cpu::matmul(*backend_, w.wv, h, total, v_.data(), bias(w.bv));
+    matmul(w.wq, h, q_.data(), bias(w.bq));
+    matmul(w.wk, h, k_.data(), bias(w.bk));
+    matmul(w.wv, h, v_.data(), bias(w.bv));
     cpu::rope(q_.data(), pos_.data(), total, c.n_heads, c.head_dim, c.rope_dim, c.rope_freq_base,
               freq_factors, adjacent);
     cpu::rope(k_.data(), pos_.data(), total, c.n_kv_heads, c.head_dim, c.rope_dim,
@@ -95,13 +101,13 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
       for (const SeqAttention& b : batch_) b.cache->popn(b.cache->seq_len() - b.pos);
       return s;
     }
-    cpu::matmul(*backend_, w.wo, att_.data(), total, h);
+    matmul(w.wo, att_.data(), h);
     for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
     cpu::rms_norm(x, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps);
-    cpu::matmul(*backend_, w.w_gate, h, total, gate_.data());
-    cpu::matmul(*backend_, w.w_up, h, total, up_.data());
+    matmul(w.w_gate, h, gate_.data());
+    matmul(w.w_up, h, up_.data());
     cpu::silu_mul(gate_.data(), up_.data(), total * c.n_ff);
-    cpu::matmul(*backend_, w.w_down, gate_.data(), total, h);
+    matmul(w.w_down, gate_.data(), h);
     for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
   }
 
@@ -119,7 +125,7 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
   } else {
     cpu::rms_norm(x, m.output_norm.data_as<float>(), h, total, e, c.rms_eps);
   }
-  cpu::matmul(*backend_, m.output, h, n_out, logits);
+  cpu::matmul(*backend_, m.output, h, n_out, logits, nullptr, policy);
   return ok_status();
 }
 

@@ -16,7 +16,8 @@
 namespace combs::testing {
 
 struct TinyModel {
-  TinyModel(const std::string& shape, DType dtype, uint64_t seed = 7) : backend({2}) {
+  TinyModel(const std::string& shape, DType dtype, uint64_t seed = 7, RunnerOptions ro = {})
+      : backend({2}) {
     RandomModelOptions o;
     o.shape = std::move(named_shape(shape)).value();
     o.dtype = dtype;
@@ -26,7 +27,7 @@ struct TinyModel {
     auto m = Model::load(path);
     REQUIRE(m.ok());
     model = std::move(m).value();
-    runner = std::move(Runner::create(*model, backend)).value();
+    runner = std::move(Runner::create(*model, backend, ro)).value();
     PagePoolOptions po{model->config().kv_geometry(DType::kF32), 16, 256};
     pool = std::move(PagePool::create(backend, po)).value();
   }

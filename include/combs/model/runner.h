@@ -26,10 +26,18 @@ struct ForwardOptions {
   bool all_logits = false;  // logits of every token, not only of each sequence's last
 };
 
+struct RunnerOptions {
+  // Every token's logits bitwise independent of the other tokens in the forward (matmuls stay on
+  // combs' kernels; see cpu::MatmulPolicy). Off: prefill may use oneDNN, ~1.3x faster here.
+  // Attention is batch-invariant either way for a given split of a sequence into chunks.
+  bool batch_invariant = false;
+};
+
 class Runner {
  public:
   // The model and backend must outlive the runner.
-  static StatusOr<std::unique_ptr<Runner>> create(const Model& model, CpuBackend& backend);
+  static StatusOr<std::unique_ptr<Runner>> create(const Model& model, CpuBackend& backend,
+                                                  RunnerOptions options = {});
 
   // Appends every sequence's tokens to its cache and writes f32 logits into `logits`:
   // [n_seqs, n_vocab] (each sequence's last token), or [total tokens, n_vocab] with all_logits.
@@ -40,11 +48,13 @@ class Runner {
   const Model& model() const { return *model_; }
 
  private:
-  Runner(const Model& model, CpuBackend& backend) : model_(&model), backend_(&backend) {}
+  Runner(const Model& model, CpuBackend& backend, RunnerOptions options)
+      : model_(&model), backend_(&backend), options_(options) {}
   void reserve(int64_t n_tokens);
 
   const Model* model_;
   CpuBackend* backend_;
+  RunnerOptions options_;
   int64_t capacity_ = 0;
   std::vector<float> x_, h_, q_, k_, v_, att_, gate_, up_;
   std::vector<int32_t> tokens_, pos_;

@@ -48,12 +48,13 @@ constexpr int64_t kOneDnnMinTokens = 16;
 std::string_view matmul_isa() { return onednn::available() ? "avx512bf16+onednn" : isa().name; }
 
 void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
-            const float* bias) {
+            const float* bias, MatmulPolicy policy) {
   const Isa& chosen = isa();
   MatmulTask k{w.data(), w.dtype(), w.dim(1), x, nullptr, n_tokens, y, w.dim(0), bias};
   // Prefill of BF16 weights goes to oneDNN; so does that of Q8_0 weights, dequantized to BF16
   // first (a pass over the weights, repaid many times over by the faster products).
-  const bool use_onednn = (w.dtype() == DType::kBF16 || w.dtype() == DType::kQ8_0) &&
+  const bool use_onednn = policy == MatmulPolicy::kFastest &&
+                          (w.dtype() == DType::kBF16 || w.dtype() == DType::kQ8_0) &&
                           n_tokens >= kOneDnnMinTokens && onednn::available();
   thread_local std::vector<uint16_t> x_bf16, w_bf16;  // grow to the largest call, then stay
   if ((w.dtype() == DType::kBF16 && chosen.name == "avx512bf16") || use_onednn) {

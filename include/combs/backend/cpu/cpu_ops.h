@@ -10,10 +10,16 @@
 
 namespace combs::cpu {
 
+// kFastest may hand large products to a library (oneDNN) whose summation order depends on the
+// number of tokens; kBatchInvariant keeps to combs' kernels, where each output is computed in the
+// same order whatever else shares the call, so a token's result is bitwise independent of its
+// batch (what continuous batching needs to give every session the tokens it would get alone).
+enum class MatmulPolicy : uint8_t { kFastest, kBatchInvariant };
+
 // y[t, o] = sum_i w[o, i] * x[t, i] (+ bias[o]) for t < n_tokens. x: [n_tokens, in], y: [n_tokens,
 // out]; w: [out, in]. `in` must be a multiple of 32 for q8_0 weights.
 void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
-            const float* bias = nullptr);
+            const float* bias = nullptr, MatmulPolicy policy = MatmulPolicy::kFastest);
 
 // The instruction set matmul uses on this processor: "avx512bf16", "avx2" or "generic".
 std::string_view matmul_isa();
