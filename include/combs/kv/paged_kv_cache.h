@@ -38,6 +38,8 @@ class PagedKVCache final : public KVCache {
   std::span<const int32_t> page_table() const { return table_; }
   // Pages of this cache that another cache also holds.
   int64_t pages_shared() const;
+  // Pages that growing to `end` positions would take from the pool (new and copy-on-write).
+  int64_t pages_to_grow(int64_t end) const { return pages_needed(end); }
   PagePool& page_pool() const { return *pool_; }
 
  protected:

@@ -327,6 +327,9 @@ void accumulate_group(float* acc, int hd, const float* p, int p_stride, const ch
 }
 
 // The flash pass of one KV head over an item's rows, a key block at a time (see flash_fast).
+// Each row's arithmetic is the same whatever rows share its item, so a token's attention does not
+// depend on how its sequence was split into chunks (the engine relies on it to rebuild evicted
+// pages bit for bit).
 template <int NV, DType DT>
 class HeadPass {
  public:
@@ -365,40 +368,6 @@ class HeadPass {
       count[r] = static_cast<int>(std::clamp<int64_t>(horizon - k0 + 1, 0, len));
       max_count = std::max(max_count, count[r]);
     }
-    if (rows_ >= 16) {
-      // Many rows (prefill): K^T for the block, then scores with the keys along the vector lanes
-      // (no horizontal sum per dot product).
-      for (int c = 0; c < n_next; ++c) {
-        prefetch_row(kpre[c], row_bytes);
-        prefetch_row(vpre[c], row_bytes);
-      }
-      float* kt = kt_;  // [hd][kKeyBlock]
-      for (int c = 0; c < max_count; ++c) {
-        for (int j = 0; j < NV; ++j) {
-          const f32x16 v = load_kv16<DT>(krows[c], j);
-          for (int e = 0; e < 16; ++e) kt[(16 * j + e) * kKeyBlock + c] = v[e];
-        }
-      }
-      for (int c = max_count; c < kKeyBlock; ++c)
-        for (int d = 0; d < hd; ++d) kt[d * kKeyBlock + c] = 0.0f;
-      for (int r = 0; r < rows_; ++r) {
-        const float* qr = q_ + r * hd;
-        f32x16 a0{}, a1{}, a2{}, a3{};
-        for (int d = 0; d < hd; ++d) {
-          const float qd = qr[d];
-          const float* row = kt + d * kKeyBlock;
-          a0 += qd * load16(row);
-          a1 += qd * load16(row + 16);
-          a2 += qd * load16(row + 32);
-          a3 += qd * load16(row + 48);
-        }
-        float* sr = s_ + r * kKeyBlock;
-        store16(sr, a0);
-        store16(sr + 16, a1);
-        store16(sr + 32, a2);
-        store16(sr + 48, a3);
-      }
-    } else {
     // Scores: each K row is loaded (and converted) once for all rows.
     for (int c = 0; c < max_count; ++c) {
       if (c < n_next) {  // spread over the block, so the prefetches do not queue up at once
@@ -418,7 +387,6 @@ class HeadPass {
         }
         s_[r * kKeyBlock + c] = hsum(a0 + a1);
       }
-    }
     }
     // Online softmax; probabilities past a row's horizon are 0 so groups share one count.
     for (int r = 0; r < rows_; ++r) {
@@ -489,7 +457,6 @@ class HeadPass {
   int rows_ = 0;
   int64_t key_end_ = 0, n_blocks_ = 0;
   float m_[kRowBlock], l_[kRowBlock];
-  alignas(64) float kt_[16 * NV * kKeyBlock];  // the block's K^T, for many rows
   const char* krows_[kRing][kKeyBlock];
   const char* vrows_[kRing][kKeyBlock];
 };

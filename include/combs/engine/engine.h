@@ -1,0 +1,143 @@
+// Engine: sessions over one shared page pool, a scheduler thread that owns the backend and runs
+// continuous batching, and the session operations (generate, rollback, reset, fork, close).
+// The gRPC service only adapts this API.
+//
+// Thread-safety: every public method is thread-safe. One scheduler thread runs all forwards. Event
+// sinks are called from the scheduler thread, outside the engine's lock, in order per request;
+// they must not block for long (a sink may call the engine).
+//
+// Semantics:
+// - A session's token history is the source of truth; its KV pages are a cache of it. Under memory
+//   pressure the scheduler drops the pages of idle sessions, least recently used first, and a
+//   session rebuilds them by prefill on its next generate (transparently; usage reports it).
+// - A session runs one operation at a time: generate, rollback, reset and fork on a session that is
+//   generating fail with FAILED_PRECONDITION. close() cancels a running generate first.
+// - Cancellation stops a generate at the next step; the tokens generated so far stay in the
+//   session's history (and cache). The request finishes with reason "cancelled".
+// - When pages run out and nothing idle can be dropped: requests that do not fit wait for running
+//   ones to finish (EngineOptions::when_full = kWait) or fail with RESOURCE_EXHAUSTED (kFail); a
+//   request that could not fit even in an empty pool fails with RESOURCE_EXHAUSTED either way.
+// - Prompts are prefilled in chunks whose boundaries are multiples of prefill_chunk positions,
+//   whatever else is in the step, and the runner is batch-invariant: a session's tokens do not
+//   depend on the other sessions sharing its steps.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "combs/base/status.h"
+#include "combs/model/model.h"
+#include "combs/model/sampler.h"
+
+namespace combs {
+
+using SessionId = std::string;  // 32 lowercase hex digits: 128 random bits
+
+struct EngineOptions {
+  int64_t kv_memory_bytes = int64_t{1} << 30;  // the page pool's budget
+  DType kv_dtype = DType::kF16;                // K/V storage
+  int page_size = 16;
+  int threads = 0;                             // CPU threads; 0: all
+  int max_sessions = 1024;
+  int64_t max_context = 0;                     // per session; 0: the model's context length
+  int max_tokens_per_request = 4096;
+  int64_t step_token_budget = 512;             // tokens per forward (decodes + prefill chunks)
+  int64_t prefill_chunk = 128;                 // prefill chunk boundaries: multiples of this
+  std::chrono::milliseconds session_ttl{std::chrono::minutes(30)};  // idle sessions expire
+  enum class WhenFull : uint8_t { kWait, kFail } when_full = WhenFull::kWait;
+};
+
+struct SessionOptions {
+  SamplingParams sampling;  // defaults of its generates
+  int64_t max_context = 0;  // 0: the engine's
+};
+
+struct GenerateRequest {
+  std::vector<int32_t> input;                      // appended to the history first
+  int max_tokens = 0;                              // 0: only extend the session
+  std::optional<SamplingParams> sampling;          // else the session's defaults
+  std::vector<std::vector<int32_t>> stop_sequences;
+  bool ignore_eos = false;
+};
+
+struct Usage {
+  int64_t input_tokens = 0;      // appended by the request
+  int64_t output_tokens = 0;     // generated
+  int64_t prefilled_tokens = 0;  // positions computed by prefill (input + rebuilt history)
+  int64_t cached_tokens = 0;     // history positions whose pages were reused
+};
+
+enum class FinishKind : uint8_t { kLength, kEos, kStop, kCancelled, kError };
+std::string_view finish_kind_name(FinishKind k);
+
+struct GenerateEvent {
+  enum class Type : uint8_t { kToken, kFinished } type = Type::kToken;
+  int32_t token = -1;   // kToken
+  std::string text;     // kToken: the text this token completes (may be empty); kFinished:
+                        // bytes held back until the end (an unfinished UTF-8 character)
+  FinishKind finish = FinishKind::kLength;  // kFinished
+  Status status;                            // kFinished: the error for kError
+  Usage usage;                              // kFinished
+};
+using EventSink = std::function<void(const GenerateEvent&)>;
+
+// Returned by generate(): cancel() stops it at the next step (safe from any thread, any time).
+class GenerateHandle {
+ public:
+  void cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+
+ private:
+  std::atomic<bool> cancelled_{false};
+};
+
+struct SessionInfo {
+  SessionId id;
+  int64_t length = 0;         // tokens in the history
+  int64_t cached = 0;         // of which have K/V in pages
+  int64_t pages_held = 0;
+  int64_t pages_shared = 0;   // held pages another session holds too
+  bool generating = false;
+};
+
+struct EngineStats {
+  int64_t sessions = 0, pages_total = 0, pages_used = 0, pages_free = 0, evictions = 0, steps = 0;
+};
+
+class Engine {
+ public:
+  // Takes the model; starts the scheduler thread.
+  static StatusOr<std::unique_ptr<Engine>> create(std::unique_ptr<Model> model, EngineOptions options);
+  ~Engine();  // running generates finish with kError (UNAVAILABLE)
+
+  StatusOr<SessionId> create_session(const SessionOptions& options = {});
+  // INVALID_ARGUMENT (bad token or sampling value), NOT_FOUND, FAILED_PRECONDITION (busy),
+  // RESOURCE_EXHAUSTED (context or request limits).
+  StatusOr<std::shared_ptr<GenerateHandle>> generate(const SessionId& id, GenerateRequest request,
+                                                     EventSink sink);
+  // Drops the last n tokens; returns the new length. n > length is OUT_OF_RANGE.
+  StatusOr<int64_t> rollback(const SessionId& id, int64_t n);
+  Status reset(const SessionId& id);
+  StatusOr<SessionId> fork(const SessionId& id);
+  Status close(const SessionId& id);
+  StatusOr<SessionInfo> info(const SessionId& id);
+  std::vector<SessionInfo> list();
+  EngineStats stats();
+  const Model& model() const;
+
+  // Test hook: pages in use must equal the distinct pages the sessions hold.
+  Status check_invariants();
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace combs

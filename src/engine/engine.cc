@@ -1,0 +1,505 @@
+#include "combs/engine/engine.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "combs/backend/cpu/cpu_backend.h"
+#include "combs/kv/paged_kv_cache.h"
+#include "combs/model/runner.h"
+#include "combs/model/tokenizer.h"
+
+namespace combs {
+
+std::string_view finish_kind_name(FinishKind k) {
+  switch (k) {
+    case FinishKind::kLength: return "length";
+    case FinishKind::kEos: return "eos";
+    case FinishKind::kStop: return "stop";
+    case FinishKind::kCancelled: return "cancelled";
+    case FinishKind::kError: return "error";
+  }
+  return "error";
+}
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+// The state of a running generate.
+struct Active {
+  GenerateRequest request;
+  EventSink sink;
+  std::shared_ptr<GenerateHandle> handle;
+  std::unique_ptr<Sampler> sampler;
+  StopCriteria stop;
+  std::unique_ptr<StreamDecoder> text;
+  std::vector<int32_t> generated;
+  Usage usage;
+  bool counted_cache = false;
+};
+
+struct Session {
+  SessionId id;
+  SessionOptions options;
+  int64_t max_context = 0;
+  std::vector<int32_t> history;  // the source of truth
+  std::unique_ptr<PagedKVCache> cache;  // K/V of history[0, cache->seq_len())
+  Clock::time_point last_used;
+  std::unique_ptr<Active> active;
+  bool closing = false;  // closed while generating: the scheduler ends the request, then erases it
+};
+
+SessionId random_id() {
+  thread_local std::mt19937_64 gen{std::random_device{}() ^
+                                   (uint64_t(std::hash<std::thread::id>{}(std::this_thread::get_id())) << 1)};
+  char buf[33];
+  std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(gen()),
+                static_cast<unsigned long long>(gen()));
+  return buf;
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;  // null when the model file has none
+  EngineOptions options;
+  CpuBackend backend;
+  std::unique_ptr<PagePool> pool;
+  std::unique_ptr<Runner> runner;
+
+  std::mutex mu;
+  std::condition_variable wake;
+  std::unordered_map<SessionId, std::unique_ptr<Session>> sessions;
+  bool stopping = false;
+  int64_t evictions = 0, steps = 0;
+  std::thread scheduler;
+
+  // Scratch of the scheduler thread.
+  std::vector<float> logits;
+
+  explicit Impl(EngineOptions o) : options(o), backend(CpuBackendOptions{o.threads}) {}
+
+  Session* find(const SessionId& id) {
+    auto it = sessions.find(id);
+    return it == sessions.end() || it->second->closing ? nullptr : it->second.get();
+  }
+  StatusOr<Session*> idle(const SessionId& id) {
+    Session* s = find(id);
+    if (s == nullptr) return not_found_error("session " + id + " not found");
+    if (s->active) return failed_precondition_error("session " + id + " is generating");
+    return s;
+  }
+
+  void run();
+  void step(std::unique_lock<std::mutex>& lock);
+  void sweep_expired();
+  bool evict_one_idle(const std::set<Session*>& keep);
+  void finish(Session& s, FinishKind kind, Status status,
+              std::vector<std::pair<EventSink, GenerateEvent>>& out);
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, EngineOptions o) {
+  if (model == nullptr) return invalid_argument_error("engine: no model");
+  if (o.page_size < 1 || o.prefill_chunk < 1 || o.step_token_budget < 1 || o.max_sessions < 1 ||
+      o.max_tokens_per_request < 0) {
+    return invalid_argument_error("engine: page_size, prefill_chunk, step_token_budget and max_sessions must be >= 1");
+  }
+  auto impl = std::make_unique<Impl>(o);
+  const ModelConfig& c = model->config();
+  if (impl->options.max_context <= 0) impl->options.max_context = c.context_length;
+  PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size,
+                     pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, o.kv_memory_bytes)};
+  COMBS_ASSIGN_OR_RETURN(impl->pool, PagePool::create(impl->backend, po));
+  if (auto t = Tokenizer::from_gguf(model->file()); t.ok() && (*t)->n_vocab() == c.n_vocab) {
+    impl->tokenizer = std::move(t).value();
+  }
+  impl->model = std::move(model);
+  COMBS_ASSIGN_OR_RETURN(impl->runner,
+                         Runner::create(*impl->model, impl->backend, RunnerOptions{.batch_invariant = true}));
+  impl->logits.resize(c.n_vocab);
+  Impl* raw = impl.get();
+  impl->scheduler = std::thread([raw] { raw->run(); });
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Engine::~Engine() {
+  std::vector<std::pair<EventSink, GenerateEvent>> events;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->wake.notify_all();
+  impl_->scheduler.join();
+  for (auto& [id, s] : impl_->sessions) {
+    if (s->active) impl_->finish(*s, FinishKind::kError, Status(StatusCode::kUnavailable, "engine shutting down"), events);
+  }
+  for (auto& [sink, e] : events) sink(e);
+  impl_->sessions.clear();  // caches go before the pool
+}
+
+const Model& Engine::model() const { return *impl_->model; }
+
+StatusOr<SessionId> Engine::create_session(const SessionOptions& options) {
+  COMBS_RETURN_IF_ERROR(validate(options.sampling, impl_->model->config().n_vocab));
+  if (options.max_context < 0) return invalid_argument_error("session: max_context must be >= 0");
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (static_cast<int>(impl_->sessions.size()) >= impl_->options.max_sessions) {
+    return resource_exhausted_error("engine: the limit of " + std::to_string(impl_->options.max_sessions) + " sessions is reached");
+  }
+  auto s = std::make_unique<Session>();
+  s->id = random_id();
+  s->options = options;
+  s->max_context = options.max_context > 0 ? std::min(options.max_context, impl_->options.max_context)
+                                           : impl_->options.max_context;
+  COMBS_ASSIGN_OR_RETURN(s->cache, PagedKVCache::create(*impl_->pool, s->max_context));
+  s->last_used = Clock::now();
+  SessionId id = s->id;
+  impl_->sessions.emplace(id, std::move(s));
+  return id;
+}
+
+StatusOr<std::shared_ptr<GenerateHandle>> Engine::generate(const SessionId& id, GenerateRequest request,
+                                                           EventSink sink) {
+  const ModelConfig& c = impl_->model->config();
+  for (int32_t t : request.input) {
+    if (t < 0 || t >= c.n_vocab) {
+      return invalid_argument_error("generate: token id " + std::to_string(t) + " is outside the vocabulary [0, " +
+                                    std::to_string(c.n_vocab) + ")");
+    }
+  }
+  if (request.max_tokens < 0) return invalid_argument_error("generate: max_tokens must be >= 0");
+  if (request.max_tokens > impl_->options.max_tokens_per_request) {
+    return resource_exhausted_error("generate: max_tokens " + std::to_string(request.max_tokens) +
+                                    " exceeds the limit of " + std::to_string(impl_->options.max_tokens_per_request));
+  }
+  if (!sink) return invalid_argument_error("generate: no event sink");
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
+  const SamplingParams params = request.sampling.value_or(s->options.sampling);
+  COMBS_RETURN_IF_ERROR(validate(params, c.n_vocab));
+  const int64_t after = static_cast<int64_t>(s->history.size() + request.input.size()) + request.max_tokens;
+  if (after > s->max_context) {
+    return resource_exhausted_error("generate: " + std::to_string(after) + " tokens would exceed the session's context of " +
+                                    std::to_string(s->max_context));
+  }
+  if (s->history.empty() && request.input.empty()) {
+    return invalid_argument_error("generate: the session is empty and the request has no input");
+  }
+  auto a = std::make_unique<Active>();
+  a->handle = std::make_shared<GenerateHandle>();
+  a->sink = std::move(sink);
+  a->sampler = std::make_unique<Sampler>(params);
+  a->stop.max_tokens = request.max_tokens;
+  a->stop.stop_sequences = request.stop_sequences;
+  if (!request.ignore_eos && impl_->tokenizer) {
+    for (int32_t e : {impl_->tokenizer->eos_id(), impl_->tokenizer->eot_id()})
+      if (e >= 0) a->stop.eos_ids.push_back(e);
+  }
+  if (impl_->tokenizer) a->text = std::make_unique<StreamDecoder>(*impl_->tokenizer);
+  a->usage.input_tokens = static_cast<int64_t>(request.input.size());
+  s->history.insert(s->history.end(), request.input.begin(), request.input.end());
+  // Sampling needs the last position's logits: recompute it when the cache already holds it.
+  const int64_t len = static_cast<int64_t>(s->history.size());
+  if (s->cache->seq_len() >= len) s->cache->popn(s->cache->seq_len() - len + 1);
+  a->request = std::move(request);
+  auto handle = a->handle;
+  s->active = std::move(a);
+  s->last_used = Clock::now();
+  lock.unlock();
+  impl_->wake.notify_all();
+  return handle;
+}
+
+StatusOr<int64_t> Engine::rollback(const SessionId& id, int64_t n) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
+  const int64_t len = static_cast<int64_t>(s->history.size());
+  if (n < 0) return invalid_argument_error("rollback: n must be >= 0");
+  if (n > len) {
+    return out_of_range_error("rollback: " + std::to_string(n) + " tokens asked, the session holds " + std::to_string(len));
+  }
+  s->history.resize(len - n);
+  const int64_t cached = s->cache->seq_len();
+  if (cached > len - n) s->cache->popn(cached - (len - n));
+  s->last_used = Clock::now();
+  return len - n;
+}
+
+Status Engine::reset(const SessionId& id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
+  s->history.clear();
+  s->cache->reset();
+  s->last_used = Clock::now();
+  return ok_status();
+}
+
+StatusOr<SessionId> Engine::fork(const SessionId& id) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
+  if (static_cast<int>(impl_->sessions.size()) >= impl_->options.max_sessions) {
+    return resource_exhausted_error("fork: the limit of " + std::to_string(impl_->options.max_sessions) + " sessions is reached");
+  }
+  auto forked = s->cache->fork();
+  while (!forked.ok() && forked.status().code() == StatusCode::kResourceExhausted &&
+         impl_->evict_one_idle({s})) {
+    forked = s->cache->fork();
+  }
+  if (!forked.ok()) return forked.status();
+  auto child = std::make_unique<Session>();
+  child->id = random_id();
+  child->options = s->options;
+  child->max_context = s->max_context;
+  child->history = s->history;
+  child->cache = std::move(forked).value();
+  child->last_used = s->last_used = Clock::now();
+  SessionId cid = child->id;
+  impl_->sessions.emplace(cid, std::move(child));
+  return cid;
+}
+
+Status Engine::close(const SessionId& id) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    Session* s = impl_->find(id);
+    if (s == nullptr) return not_found_error("session " + id + " not found");
+    if (s->active) {
+      // The scheduler owns a running request's events: it ends it (after the events already on
+      // their way) and erases the session.
+      s->active->handle->cancel();
+      s->closing = true;
+    } else {
+      impl_->sessions.erase(id);
+    }
+  }
+  impl_->wake.notify_all();  // pages came free, or a request is to be ended
+  return ok_status();
+}
+
+namespace {
+SessionInfo info_of(const Session& s) {
+  SessionInfo i;
+  i.id = s.id;
+  i.length = static_cast<int64_t>(s.history.size());
+  i.cached = s.cache->seq_len();
+  i.pages_held = *s.cache->pages_used();
+  i.pages_shared = s.cache->pages_shared();
+  i.generating = s.active != nullptr;
+  return i;
+}
+}  // namespace
+
+StatusOr<SessionInfo> Engine::info(const SessionId& id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Session* s = impl_->find(id);
+  if (s == nullptr) return not_found_error("session " + id + " not found");
+  return info_of(*s);
+}
+
+std::vector<SessionInfo> Engine::list() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<SessionInfo> out;
+  for (auto& [id, s] : impl_->sessions)
+    if (!s->closing) out.push_back(info_of(*s));
+  return out;
+}
+
+EngineStats Engine::stats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  EngineStats st;
+  for (auto& [id, s] : impl_->sessions) st.sessions += s->closing ? 0 : 1;
+  st.pages_total = impl_->pool->num_pages();
+  st.pages_free = impl_->pool->num_free();
+  st.pages_used = impl_->pool->num_used();
+  st.evictions = impl_->evictions;
+  st.steps = impl_->steps;
+  return st;
+}
+
+Status Engine::check_invariants() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::set<int32_t> held;
+  for (auto& [id, s] : impl_->sessions) {
+    for (int32_t p : s->cache->page_table()) held.insert(p);
+    if (s->cache->seq_len() > static_cast<int64_t>(s->history.size())) {
+      return internal_error("session " + id + " caches more positions than its history holds");
+    }
+  }
+  if (static_cast<int64_t>(held.size()) != impl_->pool->num_used()) {
+    return internal_error("pages in use " + std::to_string(impl_->pool->num_used()) + " != distinct pages held " +
+                          std::to_string(held.size()));
+  }
+  return ok_status();
+}
+
+// ---- The scheduler ----
+
+void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
+                          std::vector<std::pair<EventSink, GenerateEvent>>& out) {
+  Active& a = *s.active;
+  GenerateEvent e;
+  e.type = GenerateEvent::Type::kFinished;
+  if (a.text) e.text = a.text->finish();  // bytes held back for an unfinished character
+  e.finish = kind;
+  e.status = std::move(status);
+  e.usage = a.usage;
+  e.usage.output_tokens = static_cast<int64_t>(a.generated.size());
+  out.emplace_back(a.sink, std::move(e));
+  s.active.reset();
+  s.last_used = Clock::now();
+}
+
+bool Engine::Impl::evict_one_idle(const std::set<Session*>& keep) {
+  Session* victim = nullptr;
+  for (auto& [id, s] : sessions) {
+    if (s->active || keep.count(s.get()) || *s->cache->pages_used() == 0) continue;
+    if (victim == nullptr || s->last_used < victim->last_used) victim = s.get();
+  }
+  if (victim == nullptr) return false;
+  victim->cache->reset();  // the history stays: the next generate rebuilds the pages
+  ++evictions;
+  return true;
+}
+
+void Engine::Impl::sweep_expired() {
+  const auto now = Clock::now();
+  for (auto it = sessions.begin(); it != sessions.end();) {
+    if (!it->second->active && now - it->second->last_used > options.session_ttl) it = sessions.erase(it);
+    else ++it;
+  }
+}
+
+void Engine::Impl::run() {
+  std::unique_lock<std::mutex> lock(mu);
+  while (!stopping) {
+    sweep_expired();
+    bool any_active = false;
+    for (auto& [id, s] : sessions) any_active |= s->active != nullptr;
+    if (!any_active) {
+      wake.wait_for(lock, std::chrono::seconds(1));  // idle: no busy-waiting; wakes for work or TTL
+      continue;
+    }
+    step(lock);
+  }
+}
+
+// One step: pick work, make room, run one forward for all of it, sample, emit.
+void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
+  std::vector<std::pair<EventSink, GenerateEvent>> events;
+  // Cancelled requests end here, keeping what they generated; closed sessions go.
+  for (auto it = sessions.begin(); it != sessions.end();) {
+    Session& s = *it->second;
+    if (s.active && s.active->handle->cancelled()) finish(s, FinishKind::kCancelled, ok_status(), events);
+    if (s.closing && !s.active) it = sessions.erase(it);
+    else ++it;
+  }
+  // Candidates, oldest activity first, so that every session gets its turn.
+  std::vector<Session*> order;
+  for (auto& [id, s] : sessions)
+    if (s->active) order.push_back(s.get());
+  std::sort(order.begin(), order.end(), [](Session* a, Session* b) { return a->last_used < b->last_used; });
+
+  struct Work {
+    Session* s;
+    int64_t from, n;  // history positions [from, from + n)
+  };
+  std::vector<Work> work;
+  std::set<Session*> chosen;
+  int64_t budget = options.step_token_budget;
+  int64_t free_pages = pool->num_free();
+  bool deferred = false;
+  for (Session* s : order) {
+    const int64_t cached = s->cache->seq_len();
+    const int64_t len = static_cast<int64_t>(s->history.size());
+    if (!s->active->counted_cache) {
+      s->active->usage.cached_tokens = std::min(cached, len - static_cast<int64_t>(s->active->request.input.size()));
+      s->active->counted_cache = true;
+    }
+    if (cached >= len) {  // the last token's logits are needed again: recompute it
+      s->cache->popn(cached - len + 1);
+      continue;  // next step
+    }
+    // Chunk boundaries at multiples of prefill_chunk, whatever else shares the step.
+    const int64_t boundary = (cached / options.prefill_chunk + 1) * options.prefill_chunk;
+    int64_t n = std::min(len, boundary) - cached;
+    if (n > budget) {
+      if (!work.empty()) continue;  // waits for a step with room
+      // Alone in the step it may exceed the budget by at most one chunk.
+    }
+    const int64_t need = s->cache->pages_to_grow(cached + n);
+    while (need > free_pages && evict_one_idle(chosen)) free_pages = pool->num_free();
+    if (need > free_pages) {
+      if (pages_for_tokens(cached + n, pool->page_size()) > pool->num_pages() || options.when_full == EngineOptions::WhenFull::kFail ||
+          (work.empty() && [&] {  // nothing runs and nothing else can free pages for it
+            for (Session* o : order)
+              if (o != s && *o->cache->pages_used() > 0) return false;
+            return true;
+          }())) {
+        finish(*s, FinishKind::kError,
+               resource_exhausted_error("no free KV pages: the request needs " + std::to_string(need) +
+                                        " more pages than can be freed"),
+               events);
+      } else {
+        deferred = true;
+      }
+      continue;
+    }
+    free_pages -= need;
+    budget -= n;
+    work.push_back({s, cached, n});
+    chosen.insert(s);
+  }
+
+  if (!work.empty()) {
+    std::vector<SequenceInput> inputs;
+    for (const Work& w : work) inputs.push_back({w.s->cache.get(), {w.s->history.data() + w.from, static_cast<size_t>(w.n)}});
+    const int V = model->config().n_vocab;
+    if (logits.size() < work.size() * V) logits.resize(work.size() * V);
+    // The forward runs under the lock: API calls wait for at most one step, and nothing touches
+    // a cache or the pool concurrently.
+    Status st = runner->forward(inputs, logits.data());
+    ++steps;
+    for (size_t i = 0; i < work.size(); ++i) {
+      Session& s = *work[i].s;
+      Active& a = *s.active;
+      if (!st.ok()) {
+        finish(s, FinishKind::kError, st, events);
+        continue;
+      }
+      a.usage.prefilled_tokens += work[i].n > 1 || a.generated.empty() ? work[i].n : 0;
+      s.last_used = Clock::now();
+      if (s.cache->seq_len() < static_cast<int64_t>(s.history.size())) continue;  // more prefill
+      if (a.request.max_tokens == 0) {
+        finish(s, FinishKind::kLength, ok_status(), events);
+        continue;
+      }
+      std::span<float> l(logits.data() + i * V, V);
+      const int32_t token = a.sampler->sample(l, s.history);
+      a.generated.push_back(token);
+      s.history.push_back(token);
+      GenerateEvent e;
+      e.token = token;
+      if (a.text) e.text = a.text->push(token);
+      events.emplace_back(a.sink, std::move(e));
+      switch (check_stop(a.stop, a.generated)) {
+        case FinishReason::kNone: break;
+        case FinishReason::kEos: finish(s, FinishKind::kEos, ok_status(), events); break;
+        case FinishReason::kStopSequence: finish(s, FinishKind::kStop, ok_status(), events); break;
+        case FinishReason::kLength: finish(s, FinishKind::kLength, ok_status(), events); break;
+      }
+    }
+  }
+  lock.unlock();
+  for (auto& [sink, e] : events) sink(e);
+  lock.lock();
+  if (work.empty() && deferred && !stopping) wake.wait_for(lock, std::chrono::milliseconds(50));
+}
+
+}  // namespace combs

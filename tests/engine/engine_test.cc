@@ -1,0 +1,360 @@
+// The engine: batching is invisible to each session, fork/rollback/reset semantics, eviction under
+// a tiny pool, cancellation, and a randomized many-thread run that checks the page invariants.
+#include <catch2/catch.hpp>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "combs/engine/engine.h"
+#include "combs/model/random_model.h"
+#include "support/random.h"
+#include "support/temp_dir.h"
+
+using namespace combs;
+using namespace combs::testing;
+
+namespace {
+
+// Collects one generate's events; wait() returns when it has finished.
+struct Collector {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int32_t> tokens;
+  bool done = false;
+  FinishKind finish = FinishKind::kError;
+  Status status;
+  Usage usage;
+
+  EventSink sink() {
+    return [this](const GenerateEvent& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (e.type == GenerateEvent::Type::kToken) {
+        if (e.token >= 0) tokens.push_back(e.token);
+        return;
+      }
+      finish = e.finish;
+      status = e.status;
+      usage = e.usage;
+      done = true;
+      cv.notify_all();
+    };
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+  }
+};
+
+struct ModelFile {
+  TempDir dir;
+  std::string path;
+  explicit ModelFile(DType dtype = DType::kBF16) {
+    RandomModelOptions o;
+    o.shape = std::move(named_shape("tiny")).value();
+    o.dtype = dtype;
+    o.seed = 3;
+    path = dir.file("tiny.gguf");
+    REQUIRE(write_random_model(o, path).ok());
+  }
+  std::unique_ptr<Engine> engine(EngineOptions eo = {}) const {
+    eo.threads = 2;
+    if (eo.kv_memory_bytes == (int64_t{1} << 30)) eo.kv_memory_bytes = 64 << 20;
+    auto m = Model::load(path);
+    REQUIRE(m.ok());
+    auto e = Engine::create(std::move(m).value(), eo);
+    REQUIRE(e.ok());
+    return std::move(e).value();
+  }
+};
+
+std::vector<int32_t> prompt_of(Rng& rng, int n, int vocab) {
+  std::vector<int32_t> p(n);
+  for (auto& t : p) t = static_cast<int32_t>(rng.integer(3, vocab - 1));
+  return p;
+}
+
+// Generates synchronously; returns the tokens (REQUIREs success).
+std::vector<int32_t> run(Engine& e, const SessionId& id, GenerateRequest r) {
+  Collector c;
+  auto h = e.generate(id, std::move(r), c.sink());
+  REQUIRE(h.ok());
+  c.wait();
+  INFO(c.status.to_string());
+  REQUIRE(c.finish != FinishKind::kError);
+  return c.tokens;
+}
+
+GenerateRequest request(std::vector<int32_t> input, int max_tokens, float temperature, uint64_t seed) {
+  GenerateRequest r;
+  r.input = std::move(input);
+  r.max_tokens = max_tokens;
+  SamplingParams p;
+  p.temperature = temperature;
+  p.top_k = 40;
+  p.seed = seed;
+  r.sampling = p;
+  r.ignore_eos = true;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("sessions decoded together produce exactly the tokens each produces alone", "[engine]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf;
+  const int n = 6;
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < n; ++i) {
+    reqs.push_back(request(prompt_of(rng, 5 + 37 * i % 150, 259), 24, i % 2 ? 0.0f : 0.8f, 100 + i));
+  }
+  std::vector<std::vector<int32_t>> alone(n), together(n);
+  {
+    auto e = mf.engine();
+    for (int i = 0; i < n; ++i) alone[i] = run(*e, e->create_session().value(), reqs[i]);
+  }
+  auto e = mf.engine();
+  std::vector<Collector> cs(n);
+  std::vector<SessionId> ids;
+  for (int i = 0; i < n; ++i) ids.push_back(e->create_session().value());
+  for (int i = 0; i < n; ++i) REQUIRE(e->generate(ids[i], reqs[i], cs[i].sink()).ok());
+  for (int i = 0; i < n; ++i) {
+    cs[i].wait();
+    REQUIRE(cs[i].finish == FinishKind::kLength);
+    CHECK(cs[i].tokens == alone[i]);
+  }
+  CHECK(e->stats().steps < 6 * 24);  // they really shared steps
+  REQUIRE(e->check_invariants().ok());
+}
+
+TEST_CASE("rollback then generate equals a fresh session fed the truncated history", "[engine]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf;
+  auto e = mf.engine();
+  const auto prompt = prompt_of(rng, 40, 259);
+  const SessionId a = e->create_session().value();
+  const auto first = run(*e, a, request(prompt, 20, 0.0f, 0));
+  CHECK(e->info(a)->length == 60);
+  CHECK(e->rollback(a, 61).status().code() == StatusCode::kOutOfRange);  // not a clamp
+  CHECK(e->rollback(a, 25).value() == 35);
+  const auto again = run(*e, a, request({}, 12, 0.0f, 0));
+  const SessionId b = e->create_session().value();
+  const auto fresh = run(*e, b, request(std::vector<int32_t>(prompt.begin(), prompt.begin() + 35), 12, 0.0f, 0));
+  CHECK(again == fresh);
+  // Rolling back only generated tokens regenerates them (greedy).
+  CHECK(e->rollback(a, 12).value() == 35);
+  CHECK(run(*e, a, request({}, 12, 0.0f, 0)) == fresh);
+  CHECK(e->reset(a).ok());
+  CHECK(e->info(a)->length == 0);
+  CHECK(e->info(a)->pages_held == 0);
+  REQUIRE(e->check_invariants().ok());
+}
+
+TEST_CASE("forks continue independently and share pages counted once", "[engine]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf;
+  auto e = mf.engine();
+  const SessionId parent = e->create_session().value();
+  run(*e, parent, request(prompt_of(rng, 70, 259), 10, 0.0f, 0));
+  const int64_t used_before = e->stats().pages_used;
+  const SessionId child = e->fork(parent).value();
+  CHECK(e->info(child)->length == 80);
+  CHECK(e->info(child)->pages_shared > 0);
+  CHECK(e->stats().pages_used <= used_before + 1);  // only the partial last page is copied
+  REQUIRE(e->check_invariants().ok());
+  // Same request on both: same tokens (and neither disturbs the other).
+  const auto cont = request({7, 8, 9}, 15, 0.7f, 5);
+  const auto p1 = run(*e, parent, cont);
+  const auto c1 = run(*e, child, cont);
+  CHECK(p1 == c1);
+  // The child rolls back into shared pages and writes there: the parent is unchanged.
+  CHECK(e->rollback(child, 50).ok());
+  run(*e, child, request({1, 2, 3, 4, 5}, 20, 0.9f, 11));
+  REQUIRE(e->check_invariants().ok());
+  const SessionId twin = e->fork(parent).value();  // a copy of the parent as it was
+  const auto p2 = run(*e, parent, request({42}, 10, 0.0f, 0));
+  const auto t2 = run(*e, twin, request({42}, 10, 0.0f, 0));
+  CHECK(p2 == t2);
+  // Closing the parent leaves the child whole.
+  CHECK(e->close(parent).ok());
+  CHECK(e->info(parent).status().code() == StatusCode::kNotFound);
+  REQUIRE(e->check_invariants().ok());
+  CHECK(run(*e, child, request({3}, 5, 0.0f, 0)).size() == 5);
+  CHECK(e->close(child).ok());
+  CHECK(e->close(twin).ok());
+  CHECK(e->stats().pages_used == 0);
+}
+
+TEST_CASE("evicted sessions rebuild transparently and produce the same tokens", "[engine]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf;
+  const int n = 5, turns = 3;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < n; ++i) prompts.push_back(prompt_of(rng, 60, 259));
+  auto play = [&](Engine& e) {
+    std::vector<SessionId> ids;
+    for (int i = 0; i < n; ++i) ids.push_back(e.create_session().value());
+    std::vector<int32_t> all;
+    for (int t = 0; t < turns; ++t)
+      for (int i = 0; i < n; ++i) {
+        auto out = run(e, ids[i], request(t == 0 ? prompts[i] : std::vector<int32_t>{int32_t(10 + t)}, 8, 0.8f, 7 * i + t));
+        all.insert(all.end(), out.begin(), out.end());
+        REQUIRE(e.check_invariants().ok());
+      }
+    return all;
+  };
+  auto big = mf.engine();
+  const auto expected = play(*big);
+  EngineOptions small;
+  // Room for about two sessions' pages at a time: 2 layers x 2 KV heads x 64 x 2 bytes x 2 (K, V)
+  // per position, pages of 16.
+  const int64_t per_page = 2 * 2 * 64 * 2 * 2 * 16;
+  small.kv_memory_bytes = per_page * 16;
+  auto tiny = mf.engine(small);
+  CHECK(play(*tiny) == expected);
+  CHECK(tiny->stats().evictions > 0);
+}
+
+TEST_CASE("limits busy sessions and bad input are refused with their status", "[engine]") {
+  ModelFile mf;
+  EngineOptions o;
+  o.max_sessions = 2;
+  o.max_context = 64;
+  o.max_tokens_per_request = 16;
+  auto e = mf.engine(o);
+  const SessionId a = e->create_session().value();
+  REQUIRE(e->create_session().ok());
+  CHECK(e->create_session().status().code() == StatusCode::kResourceExhausted);
+  Collector c;
+  CHECK(e->generate(a, request({1, 300}, 4, 0, 0), c.sink()).status().code() == StatusCode::kInvalidArgument);
+  CHECK(e->generate(a, request({1}, 17, 0, 0), c.sink()).status().code() == StatusCode::kResourceExhausted);
+  CHECK(e->generate(a, request(std::vector<int32_t>(60, 5), 10, 0, 0), c.sink()).status().code() ==
+        StatusCode::kResourceExhausted);
+  auto bad = request({1}, 4, 0, 0);
+  bad.sampling->top_p = 0;
+  CHECK(e->generate(a, bad, c.sink()).status().code() == StatusCode::kInvalidArgument);
+  CHECK(e->generate("nope", request({1}, 4, 0, 0), c.sink()).status().code() == StatusCode::kNotFound);
+  // Busy: a long generate, then everything else on that session is refused until it ends.
+  Collector long_run;
+  auto h = e->generate(a, request({1, 2, 3}, 16, 0.5f, 1), long_run.sink());
+  REQUIRE(h.ok());
+  Collector second;
+  const auto busy = e->generate(a, request({4}, 1, 0, 0), second.sink());
+  if (!long_run.done) {  // (it may already have finished on a fast machine)
+    CHECK((busy.status().code() == StatusCode::kFailedPrecondition || busy.ok()));
+  }
+  (*h)->cancel();
+  long_run.wait();
+  if (busy.ok()) second.wait();
+  CHECK((long_run.finish == FinishKind::kCancelled || long_run.finish == FinishKind::kLength));
+  // Cancelled tokens stay in the session.
+  CHECK(e->info(a)->length >= 3 + static_cast<int64_t>(long_run.tokens.size()));
+  REQUIRE(e->check_invariants().ok());
+}
+
+TEST_CASE("a cancelled generate stops and keeps its tokens", "[engine]") {
+  ModelFile mf;
+  auto e = mf.engine();
+  const SessionId a = e->create_session().value();
+  std::mutex mu;
+  std::condition_variable cv;
+  int seen = 0;
+  bool done = false;
+  FinishKind finish = FinishKind::kError;
+  std::shared_ptr<GenerateHandle> handle;
+  auto h = e->generate(a, request({1, 2, 3}, 2000, 0.8f, 3), [&](const GenerateEvent& ev) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (ev.type == GenerateEvent::Type::kToken) ++seen;
+    else {
+      finish = ev.finish;
+      done = true;
+    }
+    cv.notify_all();
+  });
+  REQUIRE(h.ok());
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return seen >= 5 || done; });
+  }
+  (*h)->cancel();
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
+  CHECK(finish == FinishKind::kCancelled);
+  CHECK(seen < 2000);
+  CHECK(e->info(a)->length == 3 + seen);
+  REQUIRE(e->check_invariants().ok());
+}
+
+TEST_CASE("thousands of mixed operations from many threads keep the page invariants", "[engine]") {
+  Rng seed_rng(test_seed());
+  const uint64_t seed = seed_rng.integer(0, 1 << 30);
+  INFO("seed " << seed);
+  ModelFile mf;
+  EngineOptions o;
+  o.kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 40;  // 40 pages: eviction and waiting happen
+  o.max_context = 256;
+  auto e = mf.engine(o);
+  std::mutex ids_mu;
+  std::vector<SessionId> ids;
+  std::atomic<int> failures{0};
+  auto worker = [&](int w) {
+    Rng rng(seed + w);
+    for (int op = 0; op < 400; ++op) {
+      SessionId id;
+      {
+        std::lock_guard<std::mutex> lock(ids_mu);
+        if (!ids.empty()) id = ids[rng.integer(0, ids.size() - 1)];
+      }
+      switch (id.empty() ? 0 : rng.integer(0, 7)) {
+        case 0: {
+          auto s = e->create_session();
+          if (s.ok()) {
+            std::lock_guard<std::mutex> lock(ids_mu);
+            ids.push_back(*s);
+          }
+          break;
+        }
+        case 1:
+        case 2: {
+          auto c = std::make_shared<Collector>();
+          auto h = e->generate(id, request(prompt_of(rng, rng.integer(1, 20), 259), rng.integer(0, 6), 0.7f, op), c->sink());
+          if (h.ok()) {
+            if (rng.integer(0, 3) == 0) (*h)->cancel();
+            c->wait();
+            if (c->finish == FinishKind::kError && c->status.code() != StatusCode::kResourceExhausted) ++failures;
+          }
+          break;
+        }
+        case 3: e->rollback(id, rng.integer(0, 10)).status().ignore(); break;
+        case 4: e->reset(id).ignore(); break;
+        case 5: {
+          auto f = e->fork(id);
+          if (f.ok()) {
+            std::lock_guard<std::mutex> lock(ids_mu);
+            ids.push_back(*f);
+          }
+          break;
+        }
+        case 6: {
+          e->close(id).ignore();
+          std::lock_guard<std::mutex> lock(ids_mu);
+          ids.erase(std::remove(ids.begin(), ids.end(), id), ids.end());
+          break;
+        }
+        default: e->info(id).status().ignore(); break;
+      }
+      if (!e->check_invariants().ok()) ++failures;
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 4; ++w) threads.emplace_back(worker, w);
+  for (auto& t : threads) t.join();
+  CHECK(failures == 0);
+  for (const SessionInfo& s : e->list()) CHECK(e->close(s.id).ok());
+  CHECK(e->stats().pages_used == 0);
+  CHECK(e->stats().sessions == 0);
+}
