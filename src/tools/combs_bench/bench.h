@@ -2,7 +2,9 @@
 // Markdown table with its figures and the bound or baseline measured in the same run.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <vector>
 
 #include "combs/backend/cpu/cpu_backend.h"
@@ -22,5 +24,6 @@ double measure_read_bandwidth(CpuBackend& backend, int64_t bytes, int reps);
 int run_kv(int argc, char** argv);
 int run_model(int argc, char** argv);
 int run_tokenizer(int argc, char** argv);
+int run_engine(int argc, char** argv);
 
 }  // namespace combs::bench

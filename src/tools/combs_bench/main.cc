@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
       "  kv    decode attention, paged vs contiguous, against measured memory bandwidth\n"
       "  model prompt processing and decode tokens/s against the memory-bandwidth bound\n"
       "  tokenizer  encode/decode speed on 1 MB of English text\n"
+      "  engine  aggregate tokens/s and inter-token latency of 1/8/64 sessions at once\n"
       "  (combs-bench SUBCOMMAND --help for the flags of each)\n";
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     std::fputs(usage, argc < 2 ? stderr : stdout);
@@ -29,6 +30,7 @@ int main(int argc, char** argv) {
   if (!std::strcmp(argv[1], "kv")) return combs::bench::run_kv(argc, argv);
   if (!std::strcmp(argv[1], "model")) return combs::bench::run_model(argc, argv);
   if (!std::strcmp(argv[1], "tokenizer")) return combs::bench::run_tokenizer(argc, argv);
+  if (!std::strcmp(argv[1], "engine")) return combs::bench::run_engine(argc, argv);
   std::fprintf(stderr, "combs-bench: unknown subcommand '%s'\n%s", argv[1], usage);
   return 2;
 }
