@@ -303,7 +303,7 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
   std::atomic<int> failures{0};
   auto worker = [&](int w) {
     Rng rng(seed + w);
-    for (int op = 0; op < 400; ++op) {
+    for (int op = 0; op < 600; ++op) {  // 4 threads: 2,400 operations
       SessionId id;
       {
         std::lock_guard<std::mutex> lock(ids_mu);
@@ -357,4 +357,19 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
   for (const SessionInfo& s : e->list()) CHECK(e->close(s.id).ok());
   CHECK(e->stats().pages_used == 0);
   CHECK(e->stats().sessions == 0);
+}
+
+TEST_CASE("idle sessions expire after their time to live", "[engine]") {
+  ModelFile mf;
+  EngineOptions o;
+  o.session_ttl = std::chrono::milliseconds(20);
+  auto e = mf.engine(o);
+  const SessionId a = e->create_session().value();
+  run(*e, a, request({1, 2, 3}, 2, 0.0f, 0));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (e->info(a).ok() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  CHECK(e->info(a).status().code() == StatusCode::kNotFound);
+  CHECK(e->stats().pages_used == 0);
 }
