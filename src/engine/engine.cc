@@ -414,7 +414,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   std::set<Session*> chosen;
   int64_t budget = options.step_token_budget;
   int64_t free_pages = pool->num_free();
-  bool deferred = false;
+  std::vector<Session*> deferred;
   for (Session* s : order) {
     const int64_t cached = s->cache->seq_len();
     const int64_t len = static_cast<int64_t>(s->history.size());
@@ -447,7 +447,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
                                         " more pages than can be freed"),
                events);
       } else {
-        deferred = true;
+        deferred.push_back(s);
       }
       continue;
     }
@@ -496,10 +496,17 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       }
     }
   }
+  // Nothing ran and requests wait for pages that only they hold among them: none can move, so the
+  // most recently active one gives way (its pages stay, the others may fit after eviction next step).
+  if (work.empty() && !deferred.empty()) {
+    Session* youngest = *std::max_element(deferred.begin(), deferred.end(),
+                                          [](Session* a, Session* b) { return a->last_used < b->last_used; });
+    finish(*youngest, FinishKind::kError,
+           resource_exhausted_error("no free KV pages: the waiting requests hold the pool between them"), events);
+  }
   lock.unlock();
   for (auto& [sink, e] : events) sink(e);
   lock.lock();
-  if (work.empty() && deferred && !stopping) wake.wait_for(lock, std::chrono::milliseconds(50));
 }
 
 }  // namespace combs

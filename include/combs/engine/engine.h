@@ -16,7 +16,9 @@
 //   session's history (and cache). The request finishes with reason "cancelled".
 // - When pages run out and nothing idle can be dropped: requests that do not fit wait for running
 //   ones to finish (EngineOptions::when_full = kWait) or fail with RESOURCE_EXHAUSTED (kFail); a
-//   request that could not fit even in an empty pool fails with RESOURCE_EXHAUSTED either way.
+//   request that could not fit even in an empty pool fails with RESOURCE_EXHAUSTED either way, and
+//   when only waiting requests hold the pool (none can run), the most recent one fails so that the
+//   others can go on (its session keeps its pages, which become evictable).
 // - Prompts are prefilled in chunks whose boundaries are multiples of prefill_chunk positions,
 //   whatever else is in the step, and the runner is batch-invariant: a session's tokens do not
 //   depend on the other sessions sharing its steps.
