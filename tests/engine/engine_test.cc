@@ -279,7 +279,15 @@ TEST_CASE("a cancelled generate stops and keeps its tokens", "[engine]") {
   {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return seen >= 5 || done; });
+    REQUIRE_FALSE(done);  // 2,000 tokens: still running
   }
+  // One operation at a time: everything else on a generating session is refused.
+  Collector other;
+  CHECK(e->generate(a, request({4}, 1, 0, 0), other.sink()).status().code() == StatusCode::kFailedPrecondition);
+  CHECK(e->rollback(a, 1).status().code() == StatusCode::kFailedPrecondition);
+  CHECK(e->reset(a).code() == StatusCode::kFailedPrecondition);
+  CHECK(e->fork(a).status().code() == StatusCode::kFailedPrecondition);
+  CHECK(e->info(a)->generating);
   (*h)->cancel();
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return done; });
