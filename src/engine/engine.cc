@@ -40,6 +40,7 @@ struct Active {
   std::vector<int32_t> generated;
   Usage usage;
   bool counted_cache = false;
+  size_t history_before = 0;  // a request that fails leaves the session as it found it
 };
 
 struct Session {
@@ -204,6 +205,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::generate(const SessionId& id, 
   }
   if (impl_->tokenizer) a->text = std::make_unique<StreamDecoder>(*impl_->tokenizer);
   a->usage.input_tokens = static_cast<int64_t>(request.input.size());
+  a->history_before = s->history.size();
   s->history.insert(s->history.end(), request.input.begin(), request.input.end());
   // Sampling needs the last position's logits: recompute it when the cache already holds it.
   const int64_t len = static_cast<int64_t>(s->history.size());
@@ -352,6 +354,11 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
   e.usage = a.usage;
   e.usage.output_tokens = static_cast<int64_t>(a.generated.size());
   out.emplace_back(a.sink, std::move(e));
+  if (kind == FinishKind::kError) {  // undo the request: its input and any tokens it generated
+    s.history.resize(a.history_before);
+    const int64_t cached = s.cache->seq_len();
+    if (cached > static_cast<int64_t>(a.history_before)) s.cache->popn(cached - static_cast<int64_t>(a.history_before));
+  }
   s.active.reset();
   s.last_used = Clock::now();
 }

@@ -381,3 +381,23 @@ TEST_CASE("idle sessions expire after their time to live", "[engine]") {
   CHECK(e->info(a).status().code() == StatusCode::kNotFound);
   CHECK(e->stats().pages_used == 0);
 }
+
+TEST_CASE("a request that cannot get pages fails and leaves its session as it was", "[engine]") {
+  ModelFile mf;
+  EngineOptions o;
+  o.kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 4;  // 4 pages: 64 positions
+  o.max_context = 1024;
+  auto e = mf.engine(o);
+  const SessionId a = e->create_session().value();
+  run(*e, a, request({1, 2, 3}, 2, 0.0f, 0));
+  CHECK(e->info(a)->length == 5);
+  Collector c;
+  REQUIRE(e->generate(a, request(std::vector<int32_t>(100, 7), 1, 0.0f, 0), c.sink()).ok());
+  c.wait();
+  CHECK(c.finish == FinishKind::kError);
+  CHECK(c.status.code() == StatusCode::kResourceExhausted);
+  CHECK(e->info(a)->length == 5);
+  REQUIRE(e->check_invariants().ok());
+  // The session still works.
+  CHECK(run(*e, a, request({4}, 3, 0.0f, 0)).size() == 3);
+}

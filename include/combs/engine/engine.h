@@ -13,7 +13,8 @@
 // - A session runs one operation at a time: generate, rollback, reset and fork on a session that is
 //   generating fail with FAILED_PRECONDITION. close() cancels a running generate first.
 // - Cancellation stops a generate at the next step; the tokens generated so far stay in the
-//   session's history (and cache). The request finishes with reason "cancelled".
+//   session's history (and cache). The request finishes with reason "cancelled". A request that
+//   fails (kError) is undone: the session's history is as before it.
 // - When pages run out and nothing idle can be dropped: requests that do not fit wait for running
 //   ones to finish (EngineOptions::when_full = kWait) or fail with RESOURCE_EXHAUSTED (kFail); a
 //   request that could not fit even in an empty pool fails with RESOURCE_EXHAUSTED either way, and
