@@ -52,7 +52,15 @@ struct Session {
   Clock::time_point last_used;
   std::unique_ptr<Active> active;
   bool closing = false;  // closed while generating: the scheduler ends the request, then erases it
+  // What info() reports while the session is generating (its cache is then the scheduler's).
+  int64_t snap_cached = 0, snap_pages = 0, snap_shared = 0;
 };
+
+void snapshot(Session& s) {
+  s.snap_cached = s.cache->seq_len();
+  s.snap_pages = *s.cache->pages_used();
+  s.snap_shared = s.cache->pages_shared();
+}
 
 SessionId random_id() {
   thread_local std::mt19937_64 gen{std::random_device{}() ^
@@ -75,6 +83,9 @@ struct Engine::Impl {
 
   std::mutex mu;
   std::condition_variable wake;
+  // Set while a forward runs outside the lock: the caches in the step belong to the scheduler.
+  bool in_forward = false;
+  std::condition_variable forward_done;
   std::unordered_map<SessionId, std::unique_ptr<Session>> sessions;
   bool stopping = false;
   int64_t evictions = 0, steps = 0;
@@ -212,6 +223,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::generate(const SessionId& id, 
   if (s->cache->seq_len() >= len) s->cache->popn(s->cache->seq_len() - len + 1);
   a->request = std::move(request);
   auto handle = a->handle;
+  snapshot(*s);
   s->active = std::move(a);
   s->last_used = Clock::now();
   lock.unlock();
@@ -290,10 +302,16 @@ SessionInfo info_of(const Session& s) {
   SessionInfo i;
   i.id = s.id;
   i.length = static_cast<int64_t>(s.history.size());
-  i.cached = s.cache->seq_len();
-  i.pages_held = *s.cache->pages_used();
-  i.pages_shared = s.cache->pages_shared();
   i.generating = s.active != nullptr;
+  if (i.generating) {  // as of the last step
+    i.cached = s.snap_cached;
+    i.pages_held = s.snap_pages;
+    i.pages_shared = s.snap_shared;
+  } else {
+    i.cached = s.cache->seq_len();
+    i.pages_held = *s.cache->pages_used();
+    i.pages_shared = s.cache->pages_shared();
+  }
   return i;
 }
 }  // namespace
@@ -326,7 +344,8 @@ EngineStats Engine::stats() {
 }
 
 Status Engine::check_invariants() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  impl_->forward_done.wait(lock, [&] { return !impl_->in_forward; });
   std::set<int32_t> held;
   for (auto& [id, s] : impl_->sessions) {
     for (int32_t p : s->cache->page_table()) held.insert(p);
@@ -469,13 +488,21 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     for (const Work& w : work) inputs.push_back({w.s->cache.get(), {w.s->history.data() + w.from, static_cast<size_t>(w.n)}});
     const int V = model->config().n_vocab;
     if (logits.size() < work.size() * V) logits.resize(work.size() * V);
-    // The forward runs under the lock: API calls wait for at most one step, and nothing touches
-    // a cache or the pool concurrently.
+    // The forward runs outside the lock: API calls go on meanwhile. The sessions in the step are
+    // generating, so no call touches their history or cache (close() only marks them); calls on
+    // other sessions meet the forward only in the page pool, whose bookkeeping has its own lock.
+    in_forward = true;
+    lock.unlock();
     Status st = runner->forward(inputs, logits.data());
+    lock.lock();
+    in_forward = false;
+    forward_done.notify_all();
     ++steps;
     for (size_t i = 0; i < work.size(); ++i) {
       Session& s = *work[i].s;
       Active& a = *s.active;
+      snapshot(s);
+      if (st.code() == StatusCode::kResourceExhausted) continue;  // pages went to a concurrent fork: next step
       if (!st.ok()) {
         finish(s, FinishKind::kError, st, events);
         continue;

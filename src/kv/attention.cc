@@ -95,15 +95,23 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
   if (backend.device_type() != DeviceType::kCpu) {
     return unimplemented_error("attention: no kernels for backend " + std::string(backend.name()));
   }
-  // Pages: every pool must have what its caches need, all together.
+  // Pages: every pool must have what its caches need, all together; the pools' bookkeeping stays
+  // locked (in a fixed order) from the count through the reservations.
   demand.clear();
   for (const SeqAttention& s : seqs) {
     PagePool* pool = s.cache->pool();
-    const int64_t n = pool ? s.cache->pages_needed(s.pos + s.n_new) : 0;
-    if (n == 0) continue;
-    auto it = std::find_if(demand.begin(), demand.end(), [&](auto& d) { return d.first == pool; });
-    if (it == demand.end()) demand.emplace_back(pool, n);
-    else it->second += n;
+    if (pool && std::find_if(demand.begin(), demand.end(), [&](auto& d) { return d.first == pool; }) == demand.end()) {
+      demand.emplace_back(pool, 0);
+    }
+  }
+  std::sort(demand.begin(), demand.end());
+  std::vector<std::unique_lock<std::recursive_mutex>> locks;
+  for (const auto& d : demand) locks.push_back(d.first->bookkeeping_lock());
+  for (const SeqAttention& s : seqs) {
+    if (PagePool* pool = s.cache->pool()) {
+      std::find_if(demand.begin(), demand.end(), [&](auto& d) { return d.first == pool; })->second +=
+          s.cache->pages_needed(s.pos + s.n_new);
+    }
   }
   for (const auto& [pool, n] : demand) {
     if (n > pool->num_free()) {
@@ -122,6 +130,7 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
     work.push_back({s.cache->layout(layer), row, s.pos, s.n_new});
     row += s.n_new;
   }
+  locks.clear();
   auto& cpu_backend = static_cast<CpuBackend&>(backend);
   cpu::write_kv(cpu_backend, work, g.n_kv_heads, k, v);
   for (const SeqAttention& s : seqs) s.cache->layer_len_[layer] = s.pos + s.n_new;

@@ -51,6 +51,7 @@ PagePool::PagePool(Backend& backend, const PagePoolOptions& options)
 }
 
 std::optional<int32_t> PagePool::alloc() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   if (free_.empty()) return std::nullopt;
   const int32_t page = free_.back();
   free_.pop_back();
@@ -60,11 +61,13 @@ std::optional<int32_t> PagePool::alloc() {
 }
 
 void PagePool::retain(int32_t page) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   assert(refcount_[page] > 0);
   ++refcount_[page];
 }
 
 void PagePool::release(int32_t page) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   assert(refcount_[page] > 0);
   if (--refcount_[page] == 0) free_.push_back(page);
 }

@@ -2,9 +2,10 @@
 // continuous batching, and the session operations (generate, rollback, reset, fork, close).
 // The gRPC service only adapts this API.
 //
-// Thread-safety: every public method is thread-safe. One scheduler thread runs all forwards. Event
-// sinks are called from the scheduler thread, outside the engine's lock, in order per request;
-// they must not block for long (a sink may call the engine).
+// Thread-safety: every public method is thread-safe. One scheduler thread runs all forwards,
+// outside the engine's lock, so API calls do not wait for a step (info() on a generating session
+// reports its cache as of the last step). Event sinks are called from the scheduler thread, outside
+// the lock, in order per request; they must not block for long (a sink may call the engine).
 //
 // Semantics:
 // - A session's token history is the source of truth; its KV pages are a cache of it. Under memory

@@ -7,11 +7,15 @@
 // stack that hands out page 0 first, so allocation order is deterministic.
 //
 // Bookkeeping (free list, counts) is plain host data; the arenas live on the backend's device.
-// Thread-compatible: the engine's scheduler thread owns the pool and every cache on it.
+// Thread-safety: the bookkeeping is guarded by the pool's own (recursive) mutex, so caches of
+// different sequences may grow, shrink and fork from different threads at once; hold
+// bookkeeping_lock() across a check and the allocations that rely on it. A page's data is touched
+// only by the one thread that owns the cache writing it (shared pages are never written).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -44,8 +48,14 @@ class PagePool {
   const KVGeometry& geometry() const { return options_.geometry; }
   int page_size() const { return options_.page_size; }
   int64_t num_pages() const { return options_.num_pages; }
-  int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
+  int64_t num_free() const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return static_cast<int64_t>(free_.size());
+  }
   int64_t num_used() const { return num_pages() - num_free(); }
+  std::unique_lock<std::recursive_mutex> bookkeeping_lock() const {
+    return std::unique_lock<std::recursive_mutex>(mu_);
+  }
   Backend& backend() const { return *backend_; }
 
   // A free page with reference count 1, or nullopt when none is free.
@@ -54,7 +64,10 @@ class PagePool {
   void retain(int32_t page);
   // Drops a reference; at zero the page returns to the free list.
   void release(int32_t page);
-  int32_t refcount(int32_t page) const { return refcount_[page]; }
+  int32_t refcount(int32_t page) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return refcount_[page];
+  }
 
   // Copies page src into page dst in every layer, K and V.
   void copy_page(int32_t src, int32_t dst);
@@ -71,6 +84,7 @@ class PagePool {
   Backend* backend_;
   PagePoolOptions options_;
   std::vector<Tensor> k_, v_;
+  mutable std::recursive_mutex mu_;  // guards free_ and refcount_
   std::vector<int32_t> free_;  // stack: back() is handed out next
   std::vector<int32_t> refcount_;
 };
