@@ -303,6 +303,7 @@ SessionInfo info_of(const Session& s) {
   i.id = s.id;
   i.length = static_cast<int64_t>(s.history.size());
   i.generating = s.active != nullptr;
+  i.sampling = s.options.sampling;
   if (i.generating) {  // as of the last step
     i.cached = s.snap_cached;
     i.pages_held = s.snap_pages;

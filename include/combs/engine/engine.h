@@ -108,6 +108,7 @@ struct SessionInfo {
   int64_t pages_held = 0;
   int64_t pages_shared = 0;   // held pages another session holds too
   bool generating = false;
+  SamplingParams sampling;    // the session's defaults
 };
 
 struct EngineStats {

@@ -1,0 +1,306 @@
+#include "combs/server/combs_service.h"
+
+#include <deque>
+#include <mutex>
+
+namespace combs::server {
+
+grpc::Status to_grpc(const Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
+}
+
+namespace {
+
+grpc::ServerUnaryReactor* done(grpc::CallbackServerContext* ctx, const Status& s) {
+  auto* r = ctx->DefaultReactor();
+  r->Finish(to_grpc(s));
+  return r;
+}
+
+SamplingParams merge(const SamplingParams& base, const v1::SamplingParams& p) {
+  SamplingParams out = base;
+  if (p.has_temperature()) out.temperature = p.temperature();
+  if (p.has_top_k()) out.top_k = p.top_k();
+  if (p.has_top_p()) out.top_p = p.top_p();
+  if (p.has_min_p()) out.min_p = p.min_p();
+  if (p.has_repetition_penalty()) out.repetition_penalty = p.repetition_penalty();
+  if (p.has_presence_penalty()) out.presence_penalty = p.presence_penalty();
+  if (p.has_frequency_penalty()) out.frequency_penalty = p.frequency_penalty();
+  if (p.has_penalty_last_n()) out.penalty_last_n = p.penalty_last_n();
+  if (p.has_seed()) out.seed = p.seed();
+  for (const auto& [id, bias] : p.logit_bias()) out.logit_bias.emplace_back(id, bias);
+  return out;
+}
+
+void fill_info(const SessionInfo& i, v1::SessionInfo* out) {
+  out->set_session_id(i.id);
+  out->set_length(i.length);
+  out->set_cached(i.cached);
+  out->set_pages_held(i.pages_held);
+  out->set_pages_shared(i.pages_shared);
+  out->set_generating(i.generating);
+}
+
+// proto3 strings must be UTF-8: bytes that can never become a character (a random model can emit
+// any byte) go out as U+FFFD; the token ids stay exact.
+std::string valid_utf8(const std::string& in) {
+  std::string out;
+  out.reserve(in.size());
+  for (size_t i = 0; i < in.size();) {
+    const auto b0 = static_cast<unsigned char>(in[i]);
+    const size_t len = b0 < 0x80 ? 1 : (b0 >> 5) == 0x6 ? 2 : (b0 >> 4) == 0xe ? 3 : (b0 >> 3) == 0x1e ? 4 : 0;
+    bool ok = len > 0 && i + len <= in.size();
+    uint32_t cp = len == 1 ? b0 : len == 2 ? (b0 & 0x1f) : len == 3 ? (b0 & 0x0f) : (b0 & 0x07);
+    for (size_t k = 1; ok && k < len; ++k) {
+      const auto b = static_cast<unsigned char>(in[i + k]);
+      ok = (b & 0xc0) == 0x80;
+      cp = (cp << 6) | (b & 0x3f);
+    }
+    ok = ok && !((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
+                 (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff);
+    if (ok) {
+      out.append(in, i, len);
+      i += len;
+    } else {
+      out += "\xEF\xBF\xBD";
+      ++i;
+    }
+  }
+  return out;
+}
+
+v1::FinishReason finish_reason(FinishKind k) {
+  switch (k) {
+    case FinishKind::kLength: return v1::FINISH_REASON_LENGTH;
+    case FinishKind::kEos: return v1::FINISH_REASON_EOS;
+    case FinishKind::kStop: return v1::FINISH_REASON_STOP;
+    case FinishKind::kCancelled: return v1::FINISH_REASON_CANCELLED;
+    case FinishKind::kError: return v1::FINISH_REASON_UNSPECIFIED;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+// One Generate stream. The engine's sink (scheduler thread) queues responses; one write is in
+// flight at a time, the next started from OnWriteDone. The shared State outlives the reactor, so a
+// late engine event after the client went away is harmless.
+class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  struct State {
+    std::mutex mu;
+    GenerateReactor* reactor = nullptr;  // null once the RPC is done
+    std::deque<v1::GenerateResponse> queue;
+    bool writing = false, finished = false;
+    grpc::Status final_status;
+    std::vector<std::string> stop;
+    std::string text;  // generated so far, for stop strings
+    bool stopped = false;
+    std::shared_ptr<GenerateHandle> handle;
+  };
+
+  GenerateReactor(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req)
+      : state_(std::make_shared<State>()) {
+    state_->reactor = this;
+    Status s = start(engine, tok, req);
+    if (!s.ok()) Finish(to_grpc(s));
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->writing = false;
+    if (!ok) {  // the stream broke: stop generating; Finish comes with the engine's last event
+      state_->queue.clear();
+      if (state_->handle) state_->handle->cancel();
+    }
+    pump();
+  }
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->handle) state_->handle->cancel();  // deadline or client cancellation
+  }
+  void OnDone() override {
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->reactor = nullptr;
+      if (state_->handle) state_->handle->cancel();
+    }
+    delete this;
+  }
+
+ private:
+  Status start(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req) {
+    GenerateRequest r;
+    if (req.has_tokens()) {
+      r.input.assign(req.tokens().ids().begin(), req.tokens().ids().end());
+    } else if (req.has_text()) {
+      if (tok == nullptr) return invalid_argument_error("generate: this model has no tokenizer: send token ids");
+      r.input = tok->encode(req.text(), {req.add_bos(), false});
+    }
+    if (req.max_tokens() < 0) return invalid_argument_error("generate: max_tokens must be >= 0");
+    r.max_tokens = req.max_tokens();
+    COMBS_ASSIGN_OR_RETURN(SessionInfo info, engine.info(req.session_id()));
+    r.sampling = merge(info.sampling, req.sampling());
+    for (const auto& seq : req.stop_token_sequences()) r.stop_sequences.emplace_back(seq.ids().begin(), seq.ids().end());
+    r.ignore_eos = req.ignore_eos();
+    state_->stop.assign(req.stop().begin(), req.stop().end());
+    for (const auto& s : state_->stop)
+      if (s.empty()) return invalid_argument_error("generate: empty stop string");
+    std::shared_ptr<State> st = state_;
+    Engine* eng = &engine;
+    const std::string id = req.session_id();
+    COMBS_ASSIGN_OR_RETURN(auto handle, engine.generate(id, std::move(r), [st, eng, id](const GenerateEvent& e) {
+      v1::GenerateResponse resp;
+      std::lock_guard<std::mutex> lock(st->mu);
+      if (e.type == GenerateEvent::Type::kToken) {
+        if (st->stopped) return;
+        resp.set_token_id(e.token);
+        resp.set_text(valid_utf8(e.text));
+        st->text += e.text;
+        for (const auto& s : st->stop) {
+          if (st->text.find(s) != std::string::npos) {
+            st->stopped = true;  // ends at the next step; the stream reports "stop"
+            if (st->handle) st->handle->cancel();
+          }
+        }
+      } else {
+        if (!e.status.ok()) {
+          st->final_status = to_grpc(e.status);
+        } else {
+          resp.set_finished(true);
+          resp.set_text(valid_utf8(e.text));
+          resp.set_finish_reason(st->stopped && e.finish == FinishKind::kCancelled ? v1::FINISH_REASON_STOP
+                                                                                    : finish_reason(e.finish));
+          auto* u = resp.mutable_usage();
+          u->set_input_tokens(e.usage.input_tokens);
+          u->set_output_tokens(e.usage.output_tokens);
+          u->set_prefilled_tokens(e.usage.prefilled_tokens);
+          u->set_cached_tokens(e.usage.cached_tokens);
+        }
+        st->finished = true;
+      }
+      if (resp.ByteSizeLong() > 0 || resp.finished()) st->queue.push_back(std::move(resp));
+      if (st->reactor) st->reactor->pump();
+      (void)eng;
+    }));
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->handle = handle;
+    return ok_status();
+  }
+
+  // Called with state_->mu held.
+  void pump() {
+    State& st = *state_;
+    if (st.writing) return;
+    if (!st.queue.empty()) {
+      current_ = std::move(st.queue.front());
+      st.queue.pop_front();
+      st.writing = true;
+      StartWrite(&current_);
+      return;
+    }
+    if (st.finished) {
+      st.finished = false;  // finish once
+      Finish(st.final_status);
+    }
+  }
+
+  std::shared_ptr<State> state_;
+  v1::GenerateResponse current_;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* CombsService::CreateSession(grpc::CallbackServerContext* ctx,
+                                                      const v1::CreateSessionRequest* req,
+                                                      v1::CreateSessionResponse* resp) {
+  SessionOptions o;
+  o.sampling = merge(SamplingParams{}, req->sampling());
+  o.max_context = req->max_context();
+  auto id = engine_->create_session(o);
+  if (id.ok()) resp->set_session_id(*id);
+  return done(ctx, id.status());
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* CombsService::Generate(grpc::CallbackServerContext*,
+                                                                       const v1::GenerateRequest* req) {
+  return new GenerateReactor(*engine_, tokenizer_, *req);
+}
+
+grpc::ServerUnaryReactor* CombsService::Rollback(grpc::CallbackServerContext* ctx, const v1::RollbackRequest* req,
+                                                 v1::RollbackResponse* resp) {
+  auto len = engine_->rollback(req->session_id(), req->n());
+  if (len.ok()) resp->set_length(*len);
+  return done(ctx, len.status());
+}
+
+grpc::ServerUnaryReactor* CombsService::Reset(grpc::CallbackServerContext* ctx, const v1::ResetRequest* req,
+                                              v1::ResetResponse*) {
+  return done(ctx, engine_->reset(req->session_id()));
+}
+
+grpc::ServerUnaryReactor* CombsService::Fork(grpc::CallbackServerContext* ctx, const v1::ForkRequest* req,
+                                             v1::ForkResponse* resp) {
+  auto id = engine_->fork(req->session_id());
+  if (id.ok()) resp->set_session_id(*id);
+  return done(ctx, id.status());
+}
+
+grpc::ServerUnaryReactor* CombsService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                     const v1::CloseSessionRequest* req, v1::CloseSessionResponse*) {
+  return done(ctx, engine_->close(req->session_id()));
+}
+
+grpc::ServerUnaryReactor* CombsService::GetSession(grpc::CallbackServerContext* ctx, const v1::GetSessionRequest* req,
+                                                   v1::SessionInfo* resp) {
+  auto info = engine_->info(req->session_id());
+  if (info.ok()) fill_info(*info, resp);
+  return done(ctx, info.status());
+}
+
+grpc::ServerUnaryReactor* CombsService::ListSessions(grpc::CallbackServerContext* ctx, const v1::ListSessionsRequest*,
+                                                     v1::ListSessionsResponse* resp) {
+  for (const SessionInfo& i : engine_->list()) fill_info(i, resp->add_sessions());
+  return done(ctx, ok_status());
+}
+
+grpc::ServerUnaryReactor* CombsService::Tokenize(grpc::CallbackServerContext* ctx, const v1::TokenizeRequest* req,
+                                                 v1::TokenizeResponse* resp) {
+  if (tokenizer_ == nullptr) return done(ctx, failed_precondition_error("tokenize: this model has no tokenizer"));
+  for (int32_t id : tokenizer_->encode(req->text(), {req->add_special(), req->parse_special()})) resp->add_ids(id);
+  return done(ctx, ok_status());
+}
+
+grpc::ServerUnaryReactor* CombsService::Detokenize(grpc::CallbackServerContext* ctx, const v1::DetokenizeRequest* req,
+                                                   v1::DetokenizeResponse* resp) {
+  if (tokenizer_ == nullptr) return done(ctx, failed_precondition_error("detokenize: this model has no tokenizer"));
+  std::vector<int32_t> ids(req->ids().begin(), req->ids().end());
+  for (int32_t id : ids) {
+    if (id < 0 || id >= tokenizer_->n_vocab()) {
+      return done(ctx, invalid_argument_error("detokenize: token id " + std::to_string(id) + " is outside the vocabulary"));
+    }
+  }
+  resp->set_text(tokenizer_->decode(ids, req->render_special()));
+  return done(ctx, ok_status());
+}
+
+grpc::ServerUnaryReactor* CombsService::GetModelInfo(grpc::CallbackServerContext* ctx, const v1::GetModelInfoRequest*,
+                                                     v1::ModelInfo* resp) {
+  const Model& m = engine_->model();
+  const ModelConfig& c = m.config();
+  resp->set_architecture(c.arch_name);
+  if (auto name = m.file().get_string("general.name"); name.ok()) resp->set_name(*name);
+  resp->set_n_vocab(c.n_vocab);
+  resp->set_n_layers(c.n_layers);
+  resp->set_n_embd(c.n_embd);
+  resp->set_n_heads(c.n_heads);
+  resp->set_n_kv_heads(c.n_kv_heads);
+  resp->set_context_length(c.context_length);
+  resp->set_weight_dtype(std::string(dtype_name(m.layers[0].wq.dtype())));
+  resp->set_bos_id(tokenizer_ ? tokenizer_->bos_id() : -1);
+  resp->set_eos_id(tokenizer_ ? tokenizer_->eos_id() : -1);
+  const EngineStats st = engine_->stats();
+  resp->set_kv_pages_total(st.pages_total);
+  return done(ctx, ok_status());
+}
+
+}  // namespace combs::server

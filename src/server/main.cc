@@ -1,0 +1,94 @@
+// combs-server: serves combs.v1.Combs (plus grpc.health.v1.Health and server reflection) over gRPC
+// for one model. Without --model it writes (once) a small random-weight model with the built-in
+// byte-level vocabulary into --cache-dir and serves that.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include "combs/engine/engine.h"
+#include "combs/model/random_model.h"
+#include "combs/server/combs_service.h"
+#include "common/flags.h"
+
+namespace {
+volatile std::sig_atomic_t g_signal = 0;
+void on_signal(int sig) { g_signal = sig; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace combs;
+  tools::Flags flags("combs-server",
+                     {{"model", ""}, {"listen", "127.0.0.1:50051"}, {"threads", "0"},
+                      {"kv-memory-mib", "1024"}, {"max-sessions", "1024"}, {"session-ttl-s", "1800"},
+                      {"cache-dir", ""}, {"grace-s", "10"}});
+  if (!flags.parse(argc, argv)) return 2;
+  if (flags.help_requested()) {
+    flags.print_usage("[--model PATH] [--listen HOST:PORT] [flags]");
+    return 0;
+  }
+  long long threads, kv_mib, max_sessions, ttl, grace;
+  if (!flags.integer("threads", &threads, 0, 1024) || !flags.integer("kv-memory-mib", &kv_mib, 1, 1 << 24) ||
+      !flags.integer("max-sessions", &max_sessions, 1, 1 << 24) || !flags.integer("session-ttl-s", &ttl, 1, 1ll << 31) ||
+      !flags.integer("grace-s", &grace, 0, 3600)) {
+    return 2;
+  }
+  std::string path = flags.str("model");
+  if (path.empty()) {
+    std::string dir = flags.str("cache-dir");
+    if (dir.empty()) {
+      const char* home = std::getenv("HOME");
+      dir = std::string(home ? home : "/tmp") + "/.cache/combs";
+    }
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    path = dir + "/default-tiny.gguf";
+    if (!std::filesystem::exists(path)) {
+      RandomModelOptions o;
+      o.shape = std::move(named_shape("tiny")).value();
+      if (Status s = write_random_model(o, path + ".tmp"); !s.ok()) {
+        return std::fprintf(stderr, "combs-server: %s\n", s.to_string().c_str()), 1;
+      }
+      std::filesystem::rename(path + ".tmp", path, ec);
+    }
+  }
+  auto model = Model::load(path);
+  if (!model.ok()) return std::fprintf(stderr, "combs-server: %s\n", model.status().to_string().c_str()), 1;
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (auto t = Tokenizer::from_gguf((*model)->file()); t.ok() && (*t)->n_vocab() == (*model)->config().n_vocab) {
+    tokenizer = std::move(t).value();
+  }
+  EngineOptions eo;
+  eo.threads = static_cast<int>(threads);
+  eo.kv_memory_bytes = kv_mib << 20;
+  eo.max_sessions = static_cast<int>(max_sessions);
+  eo.session_ttl = std::chrono::seconds(ttl);
+  auto engine = Engine::create(std::move(model).value(), eo);
+  if (!engine.ok()) return std::fprintf(stderr, "combs-server: %s\n", engine.status().to_string().c_str()), 1;
+
+  server::CombsService service(**engine, tokenizer.get());
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(flags.str("listen"), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> srv = builder.BuildAndStart();
+  if (!srv || port == 0) return std::fprintf(stderr, "combs-server: cannot listen on %s\n", flags.str("listen").c_str()), 1;
+  const std::string host = flags.str("listen").substr(0, flags.str("listen").rfind(':'));
+  std::printf("combs-server: serving %s on %s:%d\n", path.c_str(), host.c_str(), port);
+  std::fflush(stdout);
+
+  std::signal(SIGTERM, on_signal);
+  std::signal(SIGINT, on_signal);
+  while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Graceful: health NOT_SERVING, no new calls, in-flight ones get the grace period.
+  srv->GetHealthCheckService()->SetServingStatus(false);
+  srv->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(grace));
+  std::fprintf(stderr, "combs-server: stopped\n");
+  return 0;
+}

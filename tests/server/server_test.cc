@@ -1,0 +1,196 @@
+// combs-server as a subprocess on a free loopback port, driven by a real gRPC client.
+#include <catch2/catch.hpp>
+
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include "combs/v1/combs.grpc.pb.h"
+#include "support/temp_dir.h"
+
+using namespace combs::v1;
+
+namespace {
+
+// Starts combs-server with --listen 127.0.0.1:0 and reads the port it prints.
+struct ServerProcess {
+  pid_t pid = -1;
+  std::string address;
+  combs::testing::TempDir dir;
+
+  ServerProcess() {
+    int out[2];
+    REQUIRE(pipe(out) == 0);
+    pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      const std::string cache = dir.file("cache");
+      execl(COMBS_SERVER_BIN, COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", cache.c_str(),
+            "--threads", "2", "--kv-memory-mib", "64", nullptr);
+      _exit(127);
+    }
+    close(out[1]);
+    FILE* f = fdopen(out[0], "r");
+    char line[512] = {};
+    REQUIRE(std::fgets(line, sizeof line, f) != nullptr);  // "combs-server: serving ... on HOST:PORT"
+    std::string s(line);
+    address = s.substr(s.rfind(" on ") + 4);
+    while (!address.empty() && (address.back() == '\n' || address.back() == '\r')) address.pop_back();
+  }
+  // SIGTERM: the server drains and exits 0.
+  int stop() {
+    kill(pid, SIGTERM);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  ~ServerProcess() {
+    if (pid > 0) stop();
+  }
+};
+
+struct Streamed {
+  std::vector<int32_t> tokens;
+  GenerateResponse last;
+  grpc::Status status;
+};
+
+Streamed generate(Combs::Stub& stub, const GenerateRequest& req) {
+  grpc::ClientContext ctx;
+  auto reader = stub.Generate(&ctx, req);
+  Streamed out;
+  GenerateResponse r;
+  while (reader->Read(&r)) {
+    if (r.finished()) out.last = r;
+    else out.tokens.push_back(r.token_id());
+  }
+  out.status = reader->Finish();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("combs-server serves sessions over gRPC", "[server]") {
+  ServerProcess server;
+  INFO("server at " << server.address);
+  auto channel = grpc::CreateChannel(server.address, grpc::InsecureChannelCredentials());
+  REQUIRE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
+  auto stub = Combs::NewStub(channel);
+
+  CreateSessionResponse created;
+  {
+    grpc::ClientContext ctx;
+    REQUIRE(stub->CreateSession(&ctx, CreateSessionRequest(), &created).ok());
+  }
+  CHECK(created.session_id().size() == 32);
+
+  GenerateRequest g;
+  g.set_session_id(created.session_id());
+  for (int t : {1, 72, 105}) g.mutable_tokens()->add_ids(t);
+  g.set_max_tokens(8);
+  g.mutable_sampling()->set_temperature(0.0f);
+  g.set_ignore_eos(true);
+  Streamed first = generate(*stub, g);
+  REQUIRE(first.status.ok());
+  CHECK(first.tokens.size() == 8);
+  CHECK(first.last.finished());
+  CHECK(first.last.finish_reason() == FINISH_REASON_LENGTH);
+  CHECK(first.last.usage().output_tokens() == 8);
+
+  SessionInfo info;
+  {
+    grpc::ClientContext ctx;
+    GetSessionRequest q;
+    q.set_session_id(created.session_id());
+    REQUIRE(stub->GetSession(&ctx, q, &info).ok());
+  }
+  CHECK(info.length() == 11);
+
+  // Roll back the generated tokens and regenerate: greedy gives them again.
+  {
+    grpc::ClientContext ctx;
+    RollbackRequest rb;
+    rb.set_session_id(created.session_id());
+    rb.set_n(8);
+    RollbackResponse resp;
+    REQUIRE(stub->Rollback(&ctx, rb, &resp).ok());
+    CHECK(resp.length() == 3);
+  }
+  GenerateRequest again = g;
+  again.clear_tokens();
+  CHECK(generate(*stub, again).tokens == first.tokens);
+  {
+    grpc::ClientContext ctx;
+    RollbackRequest rb;
+    rb.set_session_id(created.session_id());
+    rb.set_n(1000);
+    RollbackResponse resp;
+    CHECK(stub->Rollback(&ctx, rb, &resp).error_code() == grpc::StatusCode::OUT_OF_RANGE);
+  }
+  // Fork, then the child continues; text input through the model's tokenizer.
+  ForkResponse forked;
+  {
+    grpc::ClientContext ctx;
+    ForkRequest f;
+    f.set_session_id(created.session_id());
+    REQUIRE(stub->Fork(&ctx, f, &forked).ok());
+  }
+  GenerateRequest text;
+  text.set_session_id(forked.session_id());
+  text.set_text("hello");
+  text.set_max_tokens(4);
+  text.set_ignore_eos(true);
+  Streamed child = generate(*stub, text);
+  REQUIRE(child.status.ok());
+  // The built-in vocabulary has only byte tokens: "hello" with its SentencePiece space prefix
+  // (U+2581, 3 bytes) is 8 byte tokens.
+  CHECK(child.last.usage().input_tokens() == 8);
+  // Bad input and unknown sessions.
+  GenerateRequest bad = g;
+  bad.mutable_tokens()->add_ids(1 << 30);
+  CHECK(generate(*stub, bad).status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  {
+    grpc::ClientContext ctx;
+    CloseSessionRequest c;
+    c.set_session_id(forked.session_id());
+    CloseSessionResponse resp;
+    REQUIRE(stub->CloseSession(&ctx, c, &resp).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    GetSessionRequest q;
+    q.set_session_id(forked.session_id());
+    CHECK(stub->GetSession(&ctx, q, &info).error_code() == grpc::StatusCode::NOT_FOUND);
+  }
+  // A long generate: a second operation on the session is FAILED_PRECONDITION; the client's
+  // cancellation stops it.
+  {
+    GenerateRequest longer = g;
+    longer.clear_tokens();
+    longer.set_max_tokens(2000);
+    longer.mutable_sampling()->set_temperature(0.8f);
+    grpc::ClientContext ctx;
+    auto reader = stub->Generate(&ctx, longer);
+    GenerateResponse r;
+    REQUIRE(reader->Read(&r));  // it is running
+    grpc::ClientContext ctx2;
+    RollbackRequest rb;
+    rb.set_session_id(created.session_id());
+    rb.set_n(1);
+    RollbackResponse resp;
+    CHECK(stub->Rollback(&ctx2, rb, &resp).error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    ctx.TryCancel();
+    while (reader->Read(&r)) {
+    }
+    CHECK(reader->Finish().error_code() == grpc::StatusCode::CANCELLED);
+  }
+  CHECK(server.stop() == 0);
+}
