@@ -91,6 +91,16 @@ TEST_CASE("combs-server serves sessions over gRPC", "[server]") {
     REQUIRE(stub->CreateSession(&ctx, CreateSessionRequest(), &created).ok());
   }
   CHECK(created.session_id().size() == 32);
+  // The combs CLI against the same server: health, then info of the session.
+  {
+    const std::string cmd = std::string(COMBS_CLI_BIN) + " --server " + server.address + " health";
+    FILE* p = popen(cmd.c_str(), "r");
+    REQUIRE(p != nullptr);
+    char out[64] = {};
+    const bool got = std::fgets(out, sizeof out, p) != nullptr;
+    CHECK(pclose(p) == 0);
+    CHECK((got && std::string(out) == "SERVING\n"));
+  }
 
   GenerateRequest g;
   g.set_session_id(created.session_id());
