@@ -1,6 +1,7 @@
 // combs-server: serves combs.v1.Combs (plus grpc.health.v1.Health and server reflection) over gRPC
-// for one model. Without --model it writes (once) a small random-weight model with the built-in
-// byte-level vocabulary into --cache-dir and serves that.
+// for one model. Without --model it writes (once) a small random-weight model into --cache-dir and
+// serves that: with the vocabulary of --vocab (by default the Llama 3 vocabulary of the source
+// tree, where it exists), else the built-in byte-level one.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -25,7 +26,7 @@ int main(int argc, char** argv) {
   tools::Flags flags("combs-server",
                      {{"model", ""}, {"listen", "127.0.0.1:50051"}, {"threads", "0"},
                       {"kv-memory-mib", "1024"}, {"max-sessions", "1024"}, {"session-ttl-s", "1800"},
-                      {"cache-dir", ""}, {"grace-s", "10"}});
+                      {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB}});
   if (!flags.parse(argc, argv)) return 2;
   if (flags.help_requested()) {
     flags.print_usage("[--model PATH] [--listen HOST:PORT] [flags]");
@@ -46,10 +47,16 @@ int main(int argc, char** argv) {
     }
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
-    path = dir + "/default-tiny.gguf";
+    std::string vocab = flags.str("vocab");
+    if (!vocab.empty() && !std::filesystem::exists(vocab)) {
+      if (flags.given("vocab")) return std::fprintf(stderr, "combs-server: --vocab %s: no such file\n", vocab.c_str()), 2;
+      vocab.clear();  // the built-in default is not there (an installed binary): byte-level vocabulary
+    }
+    path = dir + "/default-tiny" + (vocab.empty() ? "" : "-" + std::filesystem::path(vocab).stem().string()) + ".gguf";
     if (!std::filesystem::exists(path)) {
       RandomModelOptions o;
       o.shape = std::move(named_shape("tiny")).value();
+      o.vocab_path = vocab;
       if (Status s = write_random_model(o, path + ".tmp"); !s.ok()) {
         return std::fprintf(stderr, "combs-server: %s\n", s.to_string().c_str()), 1;
       }

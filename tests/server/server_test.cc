@@ -32,8 +32,9 @@ struct ServerProcess {
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
       const std::string cache = dir.file("cache");
+      const std::string vocab = std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf";
       execl(COMBS_SERVER_BIN, COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", cache.c_str(),
-            "--threads", "2", "--kv-memory-mib", "64", nullptr);
+            "--threads", "2", "--kv-memory-mib", "64", "--vocab", vocab.c_str(), nullptr);
       _exit(127);
     }
     close(out[1]);
@@ -104,7 +105,7 @@ TEST_CASE("combs-server serves sessions over gRPC", "[server]") {
 
   GenerateRequest g;
   g.set_session_id(created.session_id());
-  for (int t : {1, 72, 105}) g.mutable_tokens()->add_ids(t);
+  for (int t : {128000, 9906, 1917}) g.mutable_tokens()->add_ids(t);
   g.set_max_tokens(8);
   g.mutable_sampling()->set_temperature(0.0f);
   g.set_ignore_eos(true);
@@ -160,9 +161,8 @@ TEST_CASE("combs-server serves sessions over gRPC", "[server]") {
   text.set_ignore_eos(true);
   Streamed child = generate(*stub, text);
   REQUIRE(child.status.ok());
-  // The built-in vocabulary has only byte tokens: "hello" with its SentencePiece space prefix
-  // (U+2581, 3 bytes) is 8 byte tokens.
-  CHECK(child.last.usage().input_tokens() == 8);
+  // The default model has the Llama 3 vocabulary: "hello" is one token (15339, no BOS asked).
+  CHECK(child.last.usage().input_tokens() == 1);
   // Bad input and unknown sessions.
   GenerateRequest bad = g;
   bad.mutable_tokens()->add_ids(1 << 30);

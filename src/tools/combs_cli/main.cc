@@ -86,6 +86,11 @@ int main(int argc, char** argv) {
                                              {"temperature", "0.8"}, {"seed", "0"}, {"n", "0"}});
   if (!flags.parse(argc, argv, first + 1)) return 2;
   auto channel = grpc::CreateChannel(server, grpc::InsecureChannelCredentials());
+  // A server just started may still be loading: wait for it a while.
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30))) {
+    std::fprintf(stderr, "combs: no server at %s\n", server.c_str());
+    return 1;
+  }
   auto stub = Combs::NewStub(channel);
   grpc::ClientContext ctx;
   if (cmd == "health") return health(*channel);
