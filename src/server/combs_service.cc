@@ -98,10 +98,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     std::shared_ptr<GenerateHandle> handle;
   };
 
-  GenerateReactor(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req)
+  GenerateReactor(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req, Status allowed)
       : state_(std::make_shared<State>()) {
     state_->reactor = this;
-    Status s = start(engine, tok, req);
+    Status s = allowed.ok() ? start(engine, tok, req) : allowed;
     if (!s.ok()) Finish(to_grpc(s));
   }
 
@@ -210,24 +210,58 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
 
 }  // namespace
 
+StatusOr<std::string> CombsService::caller(grpc::CallbackServerContext* ctx) const {
+  if (keys_.empty()) return std::string();
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return Status(StatusCode::kUnauthenticated, "missing 'authorization: Bearer <key>' metadata");
+  const std::string value(it->second.data(), it->second.size());
+  const std::string prefix = "Bearer ";
+  if (value.rfind(prefix, 0) != 0 || !keys_.count(value.substr(prefix.size()))) {
+    return Status(StatusCode::kUnauthenticated, "unknown API key");
+  }
+  return value.substr(prefix.size());
+}
+
+Status CombsService::check_owner(grpc::CallbackServerContext* ctx, const std::string& session) {
+  COMBS_ASSIGN_OR_RETURN(std::string key, caller(ctx));
+  if (keys_.empty()) return ok_status();
+  std::lock_guard<std::mutex> lock(owners_mu_);
+  auto it = owners_.find(session);
+  if (it == owners_.end() || it->second != key) return not_found_error("session " + session + " not found");
+  return ok_status();
+}
+
+void CombsService::own(const std::string& session, const std::string& key) {
+  if (keys_.empty()) return;
+  std::lock_guard<std::mutex> lock(owners_mu_);
+  owners_[session] = key;
+}
+
 grpc::ServerUnaryReactor* CombsService::CreateSession(grpc::CallbackServerContext* ctx,
                                                       const v1::CreateSessionRequest* req,
                                                       v1::CreateSessionResponse* resp) {
+  auto key = caller(ctx);
+  if (!key.ok()) return done(ctx, key.status());
   SessionOptions o;
   o.sampling = merge(SamplingParams{}, req->sampling());
   o.max_context = req->max_context();
   auto id = engine_->create_session(o);
-  if (id.ok()) resp->set_session_id(*id);
+  if (id.ok()) {
+    own(*id, *key);
+    resp->set_session_id(*id);
+  }
   return done(ctx, id.status());
 }
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* CombsService::Generate(grpc::CallbackServerContext*,
+grpc::ServerWriteReactor<v1::GenerateResponse>* CombsService::Generate(grpc::CallbackServerContext* ctx,
                                                                        const v1::GenerateRequest* req) {
-  return new GenerateReactor(*engine_, tokenizer_, *req);
+  return new GenerateReactor(*engine_, tokenizer_, *req, check_owner(ctx, req->session_id()));
 }
 
 grpc::ServerUnaryReactor* CombsService::Rollback(grpc::CallbackServerContext* ctx, const v1::RollbackRequest* req,
                                                  v1::RollbackResponse* resp) {
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
   auto len = engine_->rollback(req->session_id(), req->n());
   if (len.ok()) resp->set_length(*len);
   return done(ctx, len.status());
@@ -235,23 +269,35 @@ grpc::ServerUnaryReactor* CombsService::Rollback(grpc::CallbackServerContext* ct
 
 grpc::ServerUnaryReactor* CombsService::Reset(grpc::CallbackServerContext* ctx, const v1::ResetRequest* req,
                                               v1::ResetResponse*) {
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
   return done(ctx, engine_->reset(req->session_id()));
 }
 
 grpc::ServerUnaryReactor* CombsService::Fork(grpc::CallbackServerContext* ctx, const v1::ForkRequest* req,
                                              v1::ForkResponse* resp) {
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
   auto id = engine_->fork(req->session_id());
-  if (id.ok()) resp->set_session_id(*id);
+  if (id.ok()) {
+    own(*id, caller(ctx).value());
+    resp->set_session_id(*id);
+  }
   return done(ctx, id.status());
 }
 
 grpc::ServerUnaryReactor* CombsService::CloseSession(grpc::CallbackServerContext* ctx,
                                                      const v1::CloseSessionRequest* req, v1::CloseSessionResponse*) {
-  return done(ctx, engine_->close(req->session_id()));
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
+  Status s = engine_->close(req->session_id());
+  if (s.ok() && !keys_.empty()) {
+    std::lock_guard<std::mutex> lock(owners_mu_);
+    owners_.erase(req->session_id());
+  }
+  return done(ctx, s);
 }
 
 grpc::ServerUnaryReactor* CombsService::GetSession(grpc::CallbackServerContext* ctx, const v1::GetSessionRequest* req,
                                                    v1::SessionInfo* resp) {
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
   auto info = engine_->info(req->session_id());
   if (info.ok()) fill_info(*info, resp);
   return done(ctx, info.status());
@@ -259,12 +305,26 @@ grpc::ServerUnaryReactor* CombsService::GetSession(grpc::CallbackServerContext* 
 
 grpc::ServerUnaryReactor* CombsService::ListSessions(grpc::CallbackServerContext* ctx, const v1::ListSessionsRequest*,
                                                      v1::ListSessionsResponse* resp) {
-  for (const SessionInfo& i : engine_->list()) fill_info(i, resp->add_sessions());
+  auto key = caller(ctx);
+  if (!key.ok()) return done(ctx, key.status());
+  std::lock_guard<std::mutex> lock(owners_mu_);
+  std::unordered_map<std::string, std::string> live;
+  for (const SessionInfo& i : engine_->list()) {
+    if (!keys_.empty()) {
+      auto it = owners_.find(i.id);
+      if (it == owners_.end()) continue;
+      live.insert(*it);  // ownership of sessions that expired is dropped below
+      if (it->second != *key) continue;
+    }
+    fill_info(i, resp->add_sessions());
+  }
+  if (!keys_.empty()) owners_.swap(live);
   return done(ctx, ok_status());
 }
 
 grpc::ServerUnaryReactor* CombsService::Tokenize(grpc::CallbackServerContext* ctx, const v1::TokenizeRequest* req,
                                                  v1::TokenizeResponse* resp) {
+  if (auto key = caller(ctx); !key.ok()) return done(ctx, key.status());
   if (tokenizer_ == nullptr) return done(ctx, failed_precondition_error("tokenize: this model has no tokenizer"));
   for (int32_t id : tokenizer_->encode(req->text(), {req->add_special(), req->parse_special()})) resp->add_ids(id);
   return done(ctx, ok_status());
@@ -272,6 +332,7 @@ grpc::ServerUnaryReactor* CombsService::Tokenize(grpc::CallbackServerContext* ct
 
 grpc::ServerUnaryReactor* CombsService::Detokenize(grpc::CallbackServerContext* ctx, const v1::DetokenizeRequest* req,
                                                    v1::DetokenizeResponse* resp) {
+  if (auto key = caller(ctx); !key.ok()) return done(ctx, key.status());
   if (tokenizer_ == nullptr) return done(ctx, failed_precondition_error("detokenize: this model has no tokenizer"));
   std::vector<int32_t> ids(req->ids().begin(), req->ids().end());
   for (int32_t id : ids) {
@@ -285,6 +346,7 @@ grpc::ServerUnaryReactor* CombsService::Detokenize(grpc::CallbackServerContext* 
 
 grpc::ServerUnaryReactor* CombsService::GetModelInfo(grpc::CallbackServerContext* ctx, const v1::GetModelInfoRequest*,
                                                      v1::ModelInfo* resp) {
+  if (auto key = caller(ctx); !key.ok()) return done(ctx, key.status());
   const Model& m = engine_->model();
   const ModelConfig& c = m.config();
   resp->set_architecture(c.arch_name);

@@ -9,6 +9,8 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <set>
 #include <thread>
 
 #include "combs/engine/engine.h"
@@ -26,7 +28,7 @@ int main(int argc, char** argv) {
   tools::Flags flags("combs-server",
                      {{"model", ""}, {"listen", "127.0.0.1:50051"}, {"threads", "0"},
                       {"kv-memory-mib", "1024"}, {"max-sessions", "1024"}, {"session-ttl-s", "1800"},
-                      {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB}});
+                      {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB}, {"api-keys", ""}});
   if (!flags.parse(argc, argv)) return 2;
   if (flags.help_requested()) {
     flags.print_usage("[--model PATH] [--listen HOST:PORT] [flags]");
@@ -77,7 +79,18 @@ int main(int argc, char** argv) {
   auto engine = Engine::create(std::move(model).value(), eo);
   if (!engine.ok()) return std::fprintf(stderr, "combs-server: %s\n", engine.status().to_string().c_str()), 1;
 
-  server::CombsService service(**engine, tokenizer.get());
+  // API keys: one a line ('#' comments and blank lines ignored); none: no authentication.
+  std::set<std::string> keys;
+  if (!flags.str("api-keys").empty()) {
+    std::ifstream f(flags.str("api-keys"));
+    if (!f) return std::fprintf(stderr, "combs-server: --api-keys %s: cannot read\n", flags.str("api-keys").c_str()), 2;
+    for (std::string line; std::getline(f, line);) {
+      while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+      if (!line.empty() && line[0] != '#') keys.insert(line);
+    }
+    if (keys.empty()) return std::fprintf(stderr, "combs-server: --api-keys %s holds no key\n", flags.str("api-keys").c_str()), 2;
+  }
+  server::CombsService service(**engine, tokenizer.get(), std::move(keys));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

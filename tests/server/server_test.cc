@@ -23,7 +23,7 @@ struct ServerProcess {
   std::string address;
   combs::testing::TempDir dir;
 
-  ServerProcess() {
+  explicit ServerProcess(const std::string& api_keys = "") {
     int out[2];
     REQUIRE(pipe(out) == 0);
     pid = fork();
@@ -34,7 +34,8 @@ struct ServerProcess {
       const std::string cache = dir.file("cache");
       const std::string vocab = std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf";
       execl(COMBS_SERVER_BIN, COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", cache.c_str(),
-            "--threads", "2", "--kv-memory-mib", "64", "--vocab", vocab.c_str(), nullptr);
+            "--threads", "2", "--kv-memory-mib", "64", "--vocab", vocab.c_str(), "--api-keys",
+            api_keys.c_str(), nullptr);
       _exit(127);
     }
     close(out[1]);
@@ -201,6 +202,87 @@ TEST_CASE("combs-server serves sessions over gRPC", "[server]") {
     while (reader->Read(&r)) {
     }
     CHECK(reader->Finish().error_code() == grpc::StatusCode::CANCELLED);
+  }
+  CHECK(server.stop() == 0);
+}
+
+TEST_CASE("api keys authenticate callers and sessions are invisible to other keys", "[server]") {
+  combs::testing::TempDir keys_dir;
+  const std::string keys = keys_dir.file("keys");
+  {
+    std::FILE* f = std::fopen(keys.c_str(), "w");
+    std::fputs("# two clients\nkey-alice\n\nkey-bob\n", f);
+    std::fclose(f);
+  }
+  ServerProcess server(keys);
+  auto channel = grpc::CreateChannel(server.address, grpc::InsecureChannelCredentials());
+  REQUIRE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
+  auto stub = Combs::NewStub(channel);
+  auto as = [](grpc::ClientContext& ctx, const char* key) {
+    if (key) ctx.AddMetadata("authorization", std::string("Bearer ") + key);
+  };
+  {
+    grpc::ClientContext ctx;
+    CreateSessionResponse r;
+    CHECK(stub->CreateSession(&ctx, CreateSessionRequest(), &r).error_code() == grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext ctx;
+    as(ctx, "key-mallory");
+    CreateSessionResponse r;
+    CHECK(stub->CreateSession(&ctx, CreateSessionRequest(), &r).error_code() == grpc::StatusCode::UNAUTHENTICATED);
+  }
+  CreateSessionResponse alice;
+  {
+    grpc::ClientContext ctx;
+    as(ctx, "key-alice");
+    REQUIRE(stub->CreateSession(&ctx, CreateSessionRequest(), &alice).ok());
+  }
+  GetSessionRequest q;
+  q.set_session_id(alice.session_id());
+  SessionInfo info;
+  {
+    grpc::ClientContext ctx;
+    as(ctx, "key-alice");
+    CHECK(stub->GetSession(&ctx, q, &info).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    as(ctx, "key-bob");
+    CHECK(stub->GetSession(&ctx, q, &info).error_code() == grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    grpc::ClientContext ctx;
+    as(ctx, "key-bob");
+    CloseSessionRequest c;
+    c.set_session_id(alice.session_id());
+    CloseSessionResponse r;
+    CHECK(stub->CloseSession(&ctx, c, &r).error_code() == grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    grpc::ClientContext ctx;
+    as(ctx, "key-bob");
+    GenerateRequest g;
+    g.set_session_id(alice.session_id());
+    g.mutable_tokens()->add_ids(9906);
+    auto reader = stub->Generate(&ctx, g);
+    GenerateResponse r;
+    while (reader->Read(&r)) {
+    }
+    CHECK(reader->Finish().error_code() == grpc::StatusCode::NOT_FOUND);
+  }
+  ListSessionsResponse listed;
+  {
+    grpc::ClientContext ctx;
+    as(ctx, "key-bob");
+    REQUIRE(stub->ListSessions(&ctx, ListSessionsRequest(), &listed).ok());
+    CHECK(listed.sessions_size() == 0);
+  }
+  {
+    grpc::ClientContext ctx;
+    as(ctx, "key-alice");
+    REQUIRE(stub->ListSessions(&ctx, ListSessionsRequest(), &listed).ok());
+    CHECK(listed.sessions_size() == 1);
   }
   CHECK(server.stop() == 0);
 }
