@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <thread>
 
@@ -28,7 +29,8 @@ int main(int argc, char** argv) {
   tools::Flags flags("combs-server",
                      {{"model", ""}, {"listen", "127.0.0.1:50051"}, {"threads", "0"},
                       {"kv-memory-mib", "1024"}, {"max-sessions", "1024"}, {"session-ttl-s", "1800"},
-                      {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB}, {"api-keys", ""}});
+                      {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB}, {"api-keys", ""},
+                      {"tls-cert", ""}, {"tls-key", ""}});
   if (!flags.parse(argc, argv)) return 2;
   if (flags.help_requested()) {
     flags.print_usage("[--model PATH] [--listen HOST:PORT] [flags]");
@@ -93,9 +95,29 @@ int main(int argc, char** argv) {
   server::CombsService service(**engine, tokenizer.get(), std::move(keys));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // TLS: a certificate chain and its private key (PEM), both or neither.
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (flags.given("tls-cert") != flags.given("tls-key")) {
+    return std::fprintf(stderr, "combs-server: --tls-cert and --tls-key go together\n"), 2;
+  }
+  if (flags.given("tls-cert")) {
+    auto slurp = [](const std::string& path, std::string* out) {
+      std::ifstream f(path, std::ios::binary);
+      if (!f) return false;
+      out->assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+      return !out->empty();
+    };
+    grpc::SslServerCredentialsOptions ssl;
+    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+    if (!slurp(flags.str("tls-cert"), &pair.cert_chain) || !slurp(flags.str("tls-key"), &pair.private_key)) {
+      return std::fprintf(stderr, "combs-server: cannot read --tls-cert / --tls-key\n"), 2;
+    }
+    ssl.pem_key_cert_pairs.push_back(std::move(pair));
+    creds = grpc::SslServerCredentials(ssl);
+  }
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(flags.str("listen"), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(flags.str("listen"), creds, &port);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> srv = builder.BuildAndStart();
   if (!srv || port == 0) return std::fprintf(stderr, "combs-server: cannot listen on %s\n", flags.str("listen").c_str()), 1;

@@ -23,7 +23,8 @@ struct ServerProcess {
   std::string address;
   combs::testing::TempDir dir;
 
-  explicit ServerProcess(const std::string& api_keys = "") {
+  explicit ServerProcess(const std::string& api_keys = "", const std::string& tls_cert = "",
+                         const std::string& tls_key = "") {
     int out[2];
     REQUIRE(pipe(out) == 0);
     pid = fork();
@@ -33,9 +34,15 @@ struct ServerProcess {
       close(out[0]);
       const std::string cache = dir.file("cache");
       const std::string vocab = std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf";
-      execl(COMBS_SERVER_BIN, COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", cache.c_str(),
-            "--threads", "2", "--kv-memory-mib", "64", "--vocab", vocab.c_str(), "--api-keys",
-            api_keys.c_str(), nullptr);
+      if (tls_cert.empty()) {
+        execl(COMBS_SERVER_BIN, COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", cache.c_str(),
+              "--threads", "2", "--kv-memory-mib", "64", "--vocab", vocab.c_str(), "--api-keys",
+              api_keys.c_str(), nullptr);
+      } else {
+        execl(COMBS_SERVER_BIN, COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", cache.c_str(),
+              "--threads", "2", "--kv-memory-mib", "64", "--vocab", vocab.c_str(), "--tls-cert",
+              tls_cert.c_str(), "--tls-key", tls_key.c_str(), nullptr);
+      }
       _exit(127);
     }
     close(out[1]);
@@ -284,5 +291,37 @@ TEST_CASE("api keys authenticate callers and sessions are invisible to other key
     REQUIRE(stub->ListSessions(&ctx, ListSessionsRequest(), &listed).ok());
     CHECK(listed.sessions_size() == 1);
   }
+  CHECK(server.stop() == 0);
+}
+
+TEST_CASE("the server speaks TLS with a certificate and key", "[server]") {
+  combs::testing::TempDir dir;
+  const std::string cert = dir.file("cert.pem"), key = dir.file("key.pem");
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+                          "-addext subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " + key + " -out " + cert +
+                          " >/dev/null 2>&1";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  ServerProcess server("", cert, key);
+  std::string pem;
+  {
+    std::FILE* f = std::fopen(cert.c_str(), "r");
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) pem.append(buf, n);
+    std::fclose(f);
+  }
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = pem;
+  auto channel = grpc::CreateChannel(server.address, grpc::SslCredentials(ssl));
+  REQUIRE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
+  auto stub = Combs::NewStub(channel);
+  grpc::ClientContext ctx;
+  CreateSessionResponse r;
+  CHECK(stub->CreateSession(&ctx, CreateSessionRequest(), &r).ok());
+  // A plaintext client gets nowhere.
+  auto plain = grpc::CreateChannel(server.address, grpc::InsecureChannelCredentials());
+  auto plain_stub = Combs::NewStub(plain);
+  grpc::ClientContext ctx2;
+  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  CHECK_FALSE(plain_stub->CreateSession(&ctx2, CreateSessionRequest(), &r).ok());
   CHECK(server.stop() == 0);
 }

@@ -5,6 +5,8 @@
 
 #include <condition_variable>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <string>
 
@@ -62,7 +64,7 @@ void print_info(const SessionInfo& i) {
 
 int main(int argc, char** argv) {
   const char* usage =
-      "usage: combs [--server ADDR] COMMAND [flags]\n"
+      "usage: combs [--server ADDR] [--api-key KEY] [--tls-ca CA.pem] COMMAND [flags]\n"
       "  health                         is the server serving?\n"
       "  create                         open a session, print its id\n"
       "  generate [--session ID] (--prompt TEXT | --ids \"1 2\") [--max-tokens N] [--temperature T]\n"
@@ -71,11 +73,15 @@ int main(int argc, char** argv) {
       "  reset|fork|info|close --session ID\n"
       "  list                           the sessions\n"
       "  tokenize --prompt TEXT         print the token ids\n";
-  std::string server = "127.0.0.1:50051";
+  std::string server = "127.0.0.1:50051", api_key, tls_ca;
   int first = 1;
-  if (argc > 2 && std::string(argv[1]) == "--server") {
-    server = argv[2];
-    first = 3;
+  while (first + 1 < argc) {  // options before the command
+    const std::string opt = argv[first];
+    if (opt == "--server") server = argv[first + 1];
+    else if (opt == "--api-key") api_key = argv[first + 1];
+    else if (opt == "--tls-ca") tls_ca = argv[first + 1];
+    else break;
+    first += 2;
   }
   if (argc <= first || std::string(argv[first]) == "--help") {
     std::fputs(usage, argc <= first ? stderr : stdout);
@@ -85,7 +91,15 @@ int main(int argc, char** argv) {
   combs::tools::Flags flags("combs " + cmd, {{"session", ""}, {"prompt", ""}, {"ids", ""}, {"max-tokens", "64"},
                                              {"temperature", "0.8"}, {"seed", "0"}, {"n", "0"}});
   if (!flags.parse(argc, argv, first + 1)) return 2;
-  auto channel = grpc::CreateChannel(server, grpc::InsecureChannelCredentials());
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!tls_ca.empty()) {
+    std::ifstream f(tls_ca, std::ios::binary);
+    if (!f) return std::fprintf(stderr, "combs: cannot read --tls-ca %s\n", tls_ca.c_str()), 2;
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    creds = grpc::SslCredentials(ssl);
+  }
+  auto channel = grpc::CreateChannel(server, creds);
   // A server just started may still be loading: wait for it a while.
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30))) {
     std::fprintf(stderr, "combs: no server at %s\n", server.c_str());
@@ -93,6 +107,7 @@ int main(int argc, char** argv) {
   }
   auto stub = Combs::NewStub(channel);
   grpc::ClientContext ctx;
+  if (!api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + api_key);
   if (cmd == "health") return health(*channel);
   if (cmd == "create") {
     CreateSessionResponse r;
@@ -105,6 +120,7 @@ int main(int argc, char** argv) {
     std::string id = flags.str("session");
     if (id.empty()) {
       grpc::ClientContext c2;
+      if (!api_key.empty()) c2.AddMetadata("authorization", "Bearer " + api_key);
       CreateSessionResponse r;
       if (auto s = stub->CreateSession(&c2, CreateSessionRequest(), &r); !s.ok()) return fail(s);
       id = r.session_id();
