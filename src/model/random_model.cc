@@ -4,6 +4,7 @@
 #include <cstring>
 #include <memory>
 
+#include "combs/backend/cpu/cpu_ops.h"
 #include "combs/model/gguf.h"
 #include "combs/model/model.h"
 
@@ -29,31 +30,6 @@ void fill_uniform(float* dst, int64_t n, uint64_t seed, float center, float half
   for (int64_t i = 0; i < n; ++i) {
     const double u = static_cast<double>(splitmix(s) >> 11) * 0x1.0p-53;
     dst[i] = center + half_width * static_cast<float>(2.0 * u - 1.0);
-  }
-}
-
-void store_as(const float* src, int64_t n, DType dtype, void* dst) {
-  switch (dtype) {
-    case DType::kF32: std::memcpy(dst, src, n * sizeof(float)); return;
-    case DType::kF16:
-      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = f32_to_f16(src[i]);
-      return;
-    case DType::kBF16:
-      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = f32_to_bf16(src[i]);
-      return;
-    case DType::kQ8_0: {
-      auto* b = static_cast<BlockQ8_0*>(dst);
-      for (int64_t blk = 0; blk < n / 32; ++blk) {
-        const float* x = src + blk * 32;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
-        const float d = amax / 127.0f;
-        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-        b[blk].d = f32_to_f16(d);
-        for (int j = 0; j < 32; ++j) b[blk].qs[j] = static_cast<int8_t>(std::lround(x[j] * inv));
-      }
-      return;
-    }
   }
 }
 
@@ -175,11 +151,10 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
     w.add_tensor(spec.name, spec.dims, dt, [=](void* dst) {
       constexpr int64_t kChunk = 1 << 20;  // convert through a bounded f32 buffer
       std::vector<float> buf(std::min(numel, kChunk));
-      const size_t block_elems = static_cast<size_t>(dtype_block_elems(dt));
       for (int64_t i = 0; i < numel; i += kChunk) {
         const int64_t n = std::min(kChunk, numel - i);
         fill_uniform(buf.data(), n, seed + static_cast<uint64_t>(i), center, half);
-        store_as(buf.data(), n, dt, static_cast<char*>(dst) + nbytes_for(dt, i / block_elems * block_elems));
+        cpu::quantize_row(buf.data(), dt, static_cast<char*>(dst) + nbytes_for(dt, i), n);
       }
     });
   }

@@ -180,6 +180,33 @@ void dequantize_row(const void* src, DType dtype, float* dst, int64_t n) {
   }
 }
 
+void quantize_row(const float* src, DType dtype, void* dst, int64_t n) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kF16:
+      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = f32_to_f16(src[i]);
+      return;
+    case DType::kBF16:
+      f32_to_bf16_row(src, static_cast<uint16_t*>(dst), n);
+      return;
+    case DType::kQ8_0: {
+      auto* b = static_cast<BlockQ8_0*>(dst);
+      for (int64_t blk = 0; blk < n / 32; ++blk) {
+        const float* x = src + blk * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
+        const float d = amax / 127.0f;
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        b[blk].d = f32_to_f16(d);
+        for (int j = 0; j < 32; ++j) b[blk].qs[j] = static_cast<int8_t>(std::lround(x[j] * inv));
+      }
+      return;
+    }
+  }
+}
+
 void embedding(const Tensor& table, const int32_t* ids, int64_t n, float* out) {
   const int64_t dim = table.dim(1);
   const size_t row_bytes = nbytes_for(table.dtype(), dim);

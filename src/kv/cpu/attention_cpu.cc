@@ -25,25 +25,7 @@ constexpr int kRowBlock = 32;  // query rows (token x head of a GQA group) per w
 // Rows of K/V, q and activations as f32 (the backend's conversion, with F16C where present).
 inline void load_f32(const void* src, DType t, float* dst, int64_t n) { dequantize_row(src, t, dst, n); }
 
-void store_f32(const float* src, DType t, void* dst, int64_t n) {
-  switch (t) {
-    case DType::kF32:
-      std::memcpy(dst, src, n * sizeof(float));
-      return;
-    case DType::kBF16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
-      return;
-    }
-    case DType::kF16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
-      return;
-    }
-    case DType::kQ8_0:
-      break;  // rejected by attention_batch
-  }
-}
+inline void store_f32(const float* src, DType t, void* dst, int64_t n) { quantize_row(src, t, dst, n); }
 
 inline const char* at(const void* base, int64_t elem, DType t) {
   return static_cast<const char*>(base) + elem * static_cast<int64_t>(dtype_size(t));

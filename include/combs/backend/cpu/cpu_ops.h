@@ -41,5 +41,8 @@ void embedding(const Tensor& table, const int32_t* ids, int64_t n, float* out);
 
 // n elements of `src` (a row of `dtype`; n a multiple of 32 for q8_0) as f32.
 void dequantize_row(const void* src, DType dtype, float* dst, int64_t n);
+// The reverse: n f32 values stored as `dtype` (round to nearest even; q8_0: per block of 32,
+// d = max|x| / 127 and q = round(x / d)).
+void quantize_row(const float* src, DType dtype, void* dst, int64_t n);
 
 }  // namespace combs::cpu
