@@ -463,6 +463,16 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool render_special)
   return out;
 }
 
+std::string to_valid_utf8(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const Char& c : unicode::split_utf8(text)) {
+    if (c.valid) out.append(text, c.offset, c.len);
+    else out += "\xEF\xBF\xBD";
+  }
+  return out;
+}
+
 std::string StreamDecoder::push(int32_t id) {
   std::string p = tok_->piece(id, render_special_);
   if (!started_ && !p.empty()) {

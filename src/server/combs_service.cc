@@ -42,34 +42,6 @@ void fill_info(const SessionInfo& i, v1::SessionInfo* out) {
   out->set_generating(i.generating);
 }
 
-// proto3 strings must be UTF-8: bytes that can never become a character (a random model can emit
-// any byte) go out as U+FFFD; the token ids stay exact.
-std::string valid_utf8(const std::string& in) {
-  std::string out;
-  out.reserve(in.size());
-  for (size_t i = 0; i < in.size();) {
-    const auto b0 = static_cast<unsigned char>(in[i]);
-    const size_t len = b0 < 0x80 ? 1 : (b0 >> 5) == 0x6 ? 2 : (b0 >> 4) == 0xe ? 3 : (b0 >> 3) == 0x1e ? 4 : 0;
-    bool ok = len > 0 && i + len <= in.size();
-    uint32_t cp = len == 1 ? b0 : len == 2 ? (b0 & 0x1f) : len == 3 ? (b0 & 0x0f) : (b0 & 0x07);
-    for (size_t k = 1; ok && k < len; ++k) {
-      const auto b = static_cast<unsigned char>(in[i + k]);
-      ok = (b & 0xc0) == 0x80;
-      cp = (cp << 6) | (b & 0x3f);
-    }
-    ok = ok && !((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
-                 (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff);
-    if (ok) {
-      out.append(in, i, len);
-      i += len;
-    } else {
-      out += "\xEF\xBF\xBD";
-      ++i;
-    }
-  }
-  return out;
-}
-
 v1::FinishReason finish_reason(FinishKind k) {
   switch (k) {
     case FinishKind::kLength: return v1::FINISH_REASON_LENGTH;
@@ -146,15 +118,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     for (const auto& s : state_->stop)
       if (s.empty()) return invalid_argument_error("generate: empty stop string");
     std::shared_ptr<State> st = state_;
-    Engine* eng = &engine;
-    const std::string id = req.session_id();
-    COMBS_ASSIGN_OR_RETURN(auto handle, engine.generate(id, std::move(r), [st, eng, id](const GenerateEvent& e) {
+    COMBS_ASSIGN_OR_RETURN(auto handle, engine.generate(req.session_id(), std::move(r), [st](const GenerateEvent& e) {
       v1::GenerateResponse resp;
       std::lock_guard<std::mutex> lock(st->mu);
       if (e.type == GenerateEvent::Type::kToken) {
         if (st->stopped) return;
         resp.set_token_id(e.token);
-        resp.set_text(valid_utf8(e.text));
+        resp.set_text(to_valid_utf8(e.text));
         st->text += e.text;
         for (const auto& s : st->stop) {
           if (st->text.find(s) != std::string::npos) {
@@ -167,7 +137,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
           st->final_status = to_grpc(e.status);
         } else {
           resp.set_finished(true);
-          resp.set_text(valid_utf8(e.text));
+          resp.set_text(to_valid_utf8(e.text));
           resp.set_finish_reason(st->stopped && e.finish == FinishKind::kCancelled ? v1::FINISH_REASON_STOP
                                                                                     : finish_reason(e.finish));
           auto* u = resp.mutable_usage();
@@ -180,7 +150,6 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
       }
       if (resp.ByteSizeLong() > 0 || resp.finished()) st->queue.push_back(std::move(resp));
       if (st->reactor) st->reactor->pump();
-      (void)eng;
     }));
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->handle = handle;

@@ -204,3 +204,10 @@ TEST_CASE("inconsistent tokenizer metadata is a clear error", "[tokenizer]") {
   none.set("general.architecture", Value::str("llama"));
   check(none, "tokenizer.ggml.model");
 }
+
+TEST_CASE("to_valid_utf8 keeps valid characters and replaces stray bytes", "[tokenizer]") {
+  CHECK(to_valid_utf8("caf\xc3\xa9 \xf0\x9f\xa6\x99") == "caf\xc3\xa9 \xf0\x9f\xa6\x99");
+  CHECK(to_valid_utf8("a\xff" "b") == "a\xef\xbf\xbd" "b");
+  CHECK(to_valid_utf8("\xe2\x96") == "\xef\xbf\xbd\xef\xbf\xbd");  // a truncated character
+  CHECK(to_valid_utf8("\xc0\x80") == "\xef\xbf\xbd\xef\xbf\xbd");  // overlong
+}

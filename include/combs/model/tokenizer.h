@@ -91,6 +91,10 @@ class Tokenizer {
   bool add_bos_ = false, add_eos_ = false, add_space_prefix_ = true, ignore_merges_ = false;
 };
 
+// `text` with every byte that is not part of a valid UTF-8 character replaced by U+FFFD (what a
+// protocol with UTF-8 strings can carry; token ids stay exact).
+std::string to_valid_utf8(std::string_view text);
+
 // Detokenizes one token at a time: push() returns the text that is complete so far, holding back a
 // piece that ends inside a multi-byte UTF-8 character until the character is complete.
 // The concatenation of every push() and finish() equals Tokenizer::decode of all the tokens.
