@@ -89,6 +89,7 @@ struct Engine::Impl {
   std::unordered_map<SessionId, std::unique_ptr<Session>> sessions;
   bool stopping = false;
   int64_t evictions = 0, steps = 0;
+  int64_t waiting = 0, batch_sequences = 0, batch_tokens = 0, forward_tokens = 0;  // for stats()
   std::thread scheduler;
 
   // Scratch of the scheduler thread.
@@ -341,7 +342,23 @@ EngineStats Engine::stats() {
   st.pages_used = impl_->pool->num_used();
   st.evictions = impl_->evictions;
   st.steps = impl_->steps;
+  for (auto& [id, s] : impl_->sessions) st.generating += s->active != nullptr;
+  st.waiting = impl_->waiting;
+  st.batch_sequences = impl_->batch_sequences;
+  st.batch_tokens = impl_->batch_tokens;
+  st.forward_tokens = impl_->forward_tokens;
   return st;
+}
+
+void Engine::abort_generating(const Status& why) {
+  std::vector<std::pair<EventSink, GenerateEvent>> events;
+  {
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    impl_->forward_done.wait(lock, [&] { return !impl_->in_forward; });
+    for (auto& [id, s] : impl_->sessions)
+      if (s->active) impl_->finish(*s, FinishKind::kError, why, events);
+  }
+  for (auto& [sink, e] : events) sink(e);
 }
 
 Status Engine::check_invariants() {
@@ -410,6 +427,7 @@ void Engine::Impl::run() {
     bool any_active = false;
     for (auto& [id, s] : sessions) any_active |= s->active != nullptr;
     if (!any_active) {
+      waiting = batch_sequences = batch_tokens = 0;
       wake.wait_for(lock, std::chrono::seconds(1));  // idle: no busy-waiting; wakes for work or TTL
       continue;
     }
@@ -483,6 +501,9 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     work.push_back({s, cached, n});
     chosen.insert(s);
   }
+  waiting = static_cast<int64_t>(order.size() - work.size());
+  batch_sequences = static_cast<int64_t>(work.size());
+  batch_tokens = options.step_token_budget - budget;
 
   if (!work.empty()) {
     std::vector<SequenceInput> inputs;
@@ -499,6 +520,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     in_forward = false;
     forward_done.notify_all();
     ++steps;
+    forward_tokens += batch_tokens;
     for (size_t i = 0; i < work.size(); ++i) {
       Session& s = *work[i].s;
       Active& a = *s.active;

@@ -1,7 +1,10 @@
-#include "combs/server/combs_service.h"
+#include "combs_service.h"
 
+#include <chrono>
 #include <deque>
 #include <mutex>
+
+#include "log.h"
 
 namespace combs::server {
 
@@ -12,7 +15,42 @@ grpc::Status to_grpc(const Status& s) {
 
 namespace {
 
-grpc::ServerUnaryReactor* done(grpc::CallbackServerContext* ctx, const Status& s) {
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// One RPC: its request id, for the log line and the metrics at its end.
+struct Call {
+  const char* method;
+  std::string request_id;
+  std::string session;
+  Clock::time_point start = Clock::now();
+  Metrics* metrics;
+
+  Call(grpc::CallbackServerContext* ctx, const char* m, std::string s, Metrics* mx)
+      : method(m), session(std::move(s)), metrics(mx) {
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("x-request-id");
+    request_id = server::request_id(it == md.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size()));
+    ctx->AddInitialMetadata("x-request-id", request_id);
+  }
+
+  // Counts and logs the outcome; `extra` adds fields to the log line.
+  void end(int grpc_code, const std::string& message, const std::function<void(LogLine&)>& extra = {}) const {
+    if (metrics) metrics->count_request(method, grpc_code);
+    LogLine line("rpc");
+    line.add("method", method).add("request_id", request_id);
+    if (!session.empty()) line.add("session", session);
+    line.add("code", grpc_code_name(grpc_code)).add("ms", seconds_since(start) * 1e3);
+    if (extra) extra(line);
+    if (!message.empty()) line.add("error", message);
+    if (grpc_code == 13 /* INTERNAL */ || grpc_code == 2 /* UNKNOWN */) line.error();
+    else line.info();
+  }
+};
+
+grpc::ServerUnaryReactor* done(grpc::CallbackServerContext* ctx, const Call& call, const Status& s) {
+  call.end(static_cast<int>(s.code()), s.message());
   auto* r = ctx->DefaultReactor();
   r->Finish(to_grpc(s));
   return r;
@@ -68,13 +106,26 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     std::string text;  // generated so far, for stop strings
     bool stopped = false;
     std::shared_ptr<GenerateHandle> handle;
+    // For the metrics and the log line.
+    Metrics* metrics = nullptr;
+    Clock::time_point start, last_token;
+    bool got_token = false;
+    Usage usage;
+    const char* finish = "";
   };
 
-  GenerateReactor(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req, Status allowed)
-      : state_(std::make_shared<State>()) {
+  GenerateReactor(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req, Status allowed,
+                  grpc::CallbackServerContext* ctx, Call call, int64_t max_input_tokens)
+      : state_(std::make_shared<State>()), ctx_(ctx), call_(std::move(call)) {
     state_->reactor = this;
-    Status s = allowed.ok() ? start(engine, tok, req) : allowed;
-    if (!s.ok()) Finish(to_grpc(s));
+    state_->start = call_.start;
+    state_->metrics = call_.metrics;
+    Status s = allowed.ok() ? start(engine, tok, req, max_input_tokens) : allowed;
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->final_status = to_grpc(s);
+      Finish(state_->final_status);
+    }
   }
 
   void OnWriteDone(bool ok) override {
@@ -91,22 +142,45 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     if (state_->handle) state_->handle->cancel();  // deadline or client cancellation
   }
   void OnDone() override {
+    grpc::Status status;
+    Usage usage;
+    const char* finish = "";
     {
       std::lock_guard<std::mutex> lock(state_->mu);
       state_->reactor = nullptr;
       if (state_->handle) state_->handle->cancel();
+      status = state_->final_status;
+      usage = state_->usage;
+      finish = state_->finish;
     }
+    int code = status.error_code();
+    if (ctx_->IsCancelled()) {  // the client went away or its deadline passed
+      code = ctx_->deadline() <= std::chrono::system_clock::now() ? grpc::StatusCode::DEADLINE_EXCEEDED
+                                                                   : grpc::StatusCode::CANCELLED;
+    }
+    if (call_.metrics) {
+      call_.metrics->add_tokens(usage.input_tokens, usage.output_tokens);
+      call_.metrics->observe_generate(seconds_since(call_.start));
+    }
+    call_.end(code, status.error_message(), [&](LogLine& l) {
+      l.add("input_tokens", usage.input_tokens).add("output_tokens", usage.output_tokens);
+      if (*finish) l.add("finish", finish);
+    });
     delete this;
   }
 
  private:
-  Status start(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req) {
+  Status start(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req, int64_t max_input_tokens) {
     GenerateRequest r;
     if (req.has_tokens()) {
       r.input.assign(req.tokens().ids().begin(), req.tokens().ids().end());
     } else if (req.has_text()) {
       if (tok == nullptr) return invalid_argument_error("generate: this model has no tokenizer: send token ids");
       r.input = tok->encode(req.text(), {req.add_bos(), false});
+    }
+    if (max_input_tokens > 0 && static_cast<int64_t>(r.input.size()) > max_input_tokens) {
+      return resource_exhausted_error("generate: " + std::to_string(r.input.size()) + " input tokens exceed the limit of " +
+                                      std::to_string(max_input_tokens) + " per request");
     }
     if (req.max_tokens() < 0) return invalid_argument_error("generate: max_tokens must be >= 0");
     r.max_tokens = req.max_tokens();
@@ -123,6 +197,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
       std::lock_guard<std::mutex> lock(st->mu);
       if (e.type == GenerateEvent::Type::kToken) {
         if (st->stopped) return;
+        const Clock::time_point now = Clock::now();
+        if (st->metrics) {
+          if (!st->got_token) st->metrics->observe_ttft(std::chrono::duration<double>(now - st->start).count());
+          else st->metrics->observe_itl(std::chrono::duration<double>(now - st->last_token).count());
+        }
+        st->got_token = true;
+        st->last_token = now;
         resp.set_token_id(e.token);
         resp.set_text(to_valid_utf8(e.text));
         st->text += e.text;
@@ -145,7 +226,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
           u->set_output_tokens(e.usage.output_tokens);
           u->set_prefilled_tokens(e.usage.prefilled_tokens);
           u->set_cached_tokens(e.usage.cached_tokens);
+          st->finish = v1::FinishReason_Name(resp.finish_reason()).c_str();
         }
+        st->usage = e.usage;
         st->finished = true;
       }
       if (resp.ByteSizeLong() > 0 || resp.finished()) st->queue.push_back(std::move(resp));
@@ -175,6 +258,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
 
   std::shared_ptr<State> state_;
   v1::GenerateResponse current_;
+  grpc::CallbackServerContext* ctx_;
+  Call call_;
 };
 
 }  // namespace
@@ -210,8 +295,10 @@ void CombsService::own(const std::string& session, const std::string& key) {
 grpc::ServerUnaryReactor* CombsService::CreateSession(grpc::CallbackServerContext* ctx,
                                                       const v1::CreateSessionRequest* req,
                                                       v1::CreateSessionResponse* resp) {
+  const Call call(ctx, "CreateSession", "", options_.metrics);
+  if (draining_) return done(ctx, call, unavailable_error("combs-server is shutting down"));
   auto key = caller(ctx);
-  if (!key.ok()) return done(ctx, key.status());
+  if (!key.ok()) return done(ctx, call, key.status());
   SessionOptions o;
   o.sampling = merge(SamplingParams{}, req->sampling());
   o.max_context = req->max_context();
@@ -220,62 +307,71 @@ grpc::ServerUnaryReactor* CombsService::CreateSession(grpc::CallbackServerContex
     own(*id, *key);
     resp->set_session_id(*id);
   }
-  return done(ctx, id.status());
+  return done(ctx, call, id.status());
 }
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* CombsService::Generate(grpc::CallbackServerContext* ctx,
                                                                        const v1::GenerateRequest* req) {
-  return new GenerateReactor(*engine_, tokenizer_, *req, check_owner(ctx, req->session_id()));
+  Status allowed = draining_ ? unavailable_error("combs-server is shutting down") : check_owner(ctx, req->session_id());
+  return new GenerateReactor(*engine_, tokenizer_, *req, std::move(allowed), ctx,
+                             Call(ctx, "Generate", req->session_id(), options_.metrics), options_.max_input_tokens);
 }
 
 grpc::ServerUnaryReactor* CombsService::Rollback(grpc::CallbackServerContext* ctx, const v1::RollbackRequest* req,
                                                  v1::RollbackResponse* resp) {
-  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
+  const Call call(ctx, "Rollback", req->session_id(), options_.metrics);
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, call, a);
   auto len = engine_->rollback(req->session_id(), req->n());
   if (len.ok()) resp->set_length(*len);
-  return done(ctx, len.status());
+  return done(ctx, call, len.status());
 }
 
 grpc::ServerUnaryReactor* CombsService::Reset(grpc::CallbackServerContext* ctx, const v1::ResetRequest* req,
                                               v1::ResetResponse*) {
-  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
-  return done(ctx, engine_->reset(req->session_id()));
+  const Call call(ctx, "Reset", req->session_id(), options_.metrics);
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, call, a);
+  return done(ctx, call, engine_->reset(req->session_id()));
 }
 
 grpc::ServerUnaryReactor* CombsService::Fork(grpc::CallbackServerContext* ctx, const v1::ForkRequest* req,
                                              v1::ForkResponse* resp) {
-  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
+  const Call call(ctx, "Fork", req->session_id(), options_.metrics);
+  if (draining_) return done(ctx, call, unavailable_error("combs-server is shutting down"));
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, call, a);
   auto id = engine_->fork(req->session_id());
   if (id.ok()) {
     own(*id, caller(ctx).value());
     resp->set_session_id(*id);
   }
-  return done(ctx, id.status());
+  return done(ctx, call, id.status());
 }
 
 grpc::ServerUnaryReactor* CombsService::CloseSession(grpc::CallbackServerContext* ctx,
                                                      const v1::CloseSessionRequest* req, v1::CloseSessionResponse*) {
-  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
+  const Call call(ctx, "CloseSession", req->session_id(), options_.metrics);
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, call, a);
   Status s = engine_->close(req->session_id());
   if (s.ok() && !keys_.empty()) {
     std::lock_guard<std::mutex> lock(owners_mu_);
     owners_.erase(req->session_id());
   }
-  return done(ctx, s);
+  return done(ctx, call, s);
 }
 
 grpc::ServerUnaryReactor* CombsService::GetSession(grpc::CallbackServerContext* ctx, const v1::GetSessionRequest* req,
                                                    v1::SessionInfo* resp) {
-  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, a);
+  const Call call(ctx, "GetSession", req->session_id(), options_.metrics);
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, call, a);
   auto info = engine_->info(req->session_id());
   if (info.ok()) fill_info(*info, resp);
-  return done(ctx, info.status());
+  return done(ctx, call, info.status());
 }
 
 grpc::ServerUnaryReactor* CombsService::ListSessions(grpc::CallbackServerContext* ctx, const v1::ListSessionsRequest*,
                                                      v1::ListSessionsResponse* resp) {
+  const Call call(ctx, "ListSessions", "", options_.metrics);
   auto key = caller(ctx);
-  if (!key.ok()) return done(ctx, key.status());
+  if (!key.ok()) return done(ctx, call, key.status());
   std::lock_guard<std::mutex> lock(owners_mu_);
   std::unordered_map<std::string, std::string> live;
   for (const SessionInfo& i : engine_->list()) {
@@ -288,34 +384,37 @@ grpc::ServerUnaryReactor* CombsService::ListSessions(grpc::CallbackServerContext
     fill_info(i, resp->add_sessions());
   }
   if (!keys_.empty()) owners_.swap(live);
-  return done(ctx, ok_status());
+  return done(ctx, call, ok_status());
 }
 
 grpc::ServerUnaryReactor* CombsService::Tokenize(grpc::CallbackServerContext* ctx, const v1::TokenizeRequest* req,
                                                  v1::TokenizeResponse* resp) {
-  if (auto key = caller(ctx); !key.ok()) return done(ctx, key.status());
-  if (tokenizer_ == nullptr) return done(ctx, failed_precondition_error("tokenize: this model has no tokenizer"));
+  const Call call(ctx, "Tokenize", "", options_.metrics);
+  if (auto key = caller(ctx); !key.ok()) return done(ctx, call, key.status());
+  if (tokenizer_ == nullptr) return done(ctx, call, failed_precondition_error("tokenize: this model has no tokenizer"));
   for (int32_t id : tokenizer_->encode(req->text(), {req->add_special(), req->parse_special()})) resp->add_ids(id);
-  return done(ctx, ok_status());
+  return done(ctx, call, ok_status());
 }
 
 grpc::ServerUnaryReactor* CombsService::Detokenize(grpc::CallbackServerContext* ctx, const v1::DetokenizeRequest* req,
                                                    v1::DetokenizeResponse* resp) {
-  if (auto key = caller(ctx); !key.ok()) return done(ctx, key.status());
-  if (tokenizer_ == nullptr) return done(ctx, failed_precondition_error("detokenize: this model has no tokenizer"));
+  const Call call(ctx, "Detokenize", "", options_.metrics);
+  if (auto key = caller(ctx); !key.ok()) return done(ctx, call, key.status());
+  if (tokenizer_ == nullptr) return done(ctx, call, failed_precondition_error("detokenize: this model has no tokenizer"));
   std::vector<int32_t> ids(req->ids().begin(), req->ids().end());
   for (int32_t id : ids) {
     if (id < 0 || id >= tokenizer_->n_vocab()) {
-      return done(ctx, invalid_argument_error("detokenize: token id " + std::to_string(id) + " is outside the vocabulary"));
+      return done(ctx, call, invalid_argument_error("detokenize: token id " + std::to_string(id) + " is outside the vocabulary"));
     }
   }
   resp->set_text(tokenizer_->decode(ids, req->render_special()));
-  return done(ctx, ok_status());
+  return done(ctx, call, ok_status());
 }
 
 grpc::ServerUnaryReactor* CombsService::GetModelInfo(grpc::CallbackServerContext* ctx, const v1::GetModelInfoRequest*,
                                                      v1::ModelInfo* resp) {
-  if (auto key = caller(ctx); !key.ok()) return done(ctx, key.status());
+  const Call call(ctx, "GetModelInfo", "", options_.metrics);
+  if (auto key = caller(ctx); !key.ok()) return done(ctx, call, key.status());
   const Model& m = engine_->model();
   const ModelConfig& c = m.config();
   resp->set_architecture(c.arch_name);
@@ -331,7 +430,7 @@ grpc::ServerUnaryReactor* CombsService::GetModelInfo(grpc::CallbackServerContext
   resp->set_eos_id(tokenizer_ ? tokenizer_->eos_id() : -1);
   const EngineStats st = engine_->stats();
   resp->set_kv_pages_total(st.pages_total);
-  return done(ctx, ok_status());
+  return done(ctx, call, ok_status());
 }
 
 }  // namespace combs::server

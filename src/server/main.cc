@@ -5,6 +5,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
 
 #include <csignal>
 #include <cstdio>
@@ -16,8 +17,11 @@
 
 #include "combs/engine/engine.h"
 #include "combs/model/random_model.h"
-#include "combs/server/combs_service.h"
+#include "combs_service.h"
 #include "common/flags.h"
+#include "http_endpoint.h"
+#include "log.h"
+#include "metrics.h"
 
 namespace {
 volatile std::sig_atomic_t g_signal = 0;
@@ -27,20 +31,50 @@ void on_signal(int sig) { g_signal = sig; }
 int main(int argc, char** argv) {
   using namespace combs;
   tools::Flags flags("combs-server",
-                     {{"model", ""}, {"listen", "127.0.0.1:50051"}, {"threads", "0"},
-                      {"kv-memory-mib", "1024"}, {"max-sessions", "1024"}, {"session-ttl-s", "1800"},
-                      {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB}, {"api-keys", ""},
-                      {"tls-cert", ""}, {"tls-key", ""}});
+                     {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""},
+                      {"threads", "0"}, {"kv-memory-mib", "1024"}, {"max-sessions", "1024"}, {"max-context", "0"},
+                      {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
+                      {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB},
+                      {"api-keys", ""}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}});
+  flags.describe({
+      {"config", "config file of 'name = value' lines (the flags below without --); the command line wins"},
+      {"model", "GGUF model to serve; none: a small random-weight model written once into --cache-dir"},
+      {"listen", "gRPC address HOST:PORT (port 0: any free port, printed at start)"},
+      {"metrics-listen", "Prometheus endpoint HOST:PORT serving GET /metrics; none: no metrics endpoint"},
+      {"threads", "CPU threads; 0: all cores"},
+      {"kv-memory-mib", "KV cache page pool budget (MiB)"},
+      {"max-sessions", "open sessions at most"},
+      {"max-context", "tokens per session at most; 0: the model's context length"},
+      {"max-input-tokens", "input tokens per Generate request at most; 0: up to the session's context"},
+      {"max-new-tokens", "max_tokens per Generate request at most"},
+      {"max-message-bytes", "largest gRPC request message accepted"},
+      {"session-ttl-s", "idle sessions expire after this many seconds"},
+      {"cache-dir", "where the default model is written; default ~/.cache/combs"},
+      {"grace-s", "on SIGTERM/SIGINT, running streams get this long to finish, then end UNAVAILABLE"},
+      {"vocab", "vocabulary GGUF of the default model; none: a built-in byte-level vocabulary"},
+      {"api-keys", "file of API keys, one a line; callers send 'authorization: Bearer <key>'"},
+      {"tls-cert", "PEM certificate chain (with --tls-key: serve TLS)"},
+      {"tls-key", "PEM private key of --tls-cert"},
+      {"log-format", "text (key=value) or json"},
+      {"log-level", "trace, debug, info, warn, error or off"},
+  });
   if (!flags.parse(argc, argv)) return 2;
   if (flags.help_requested()) {
-    flags.print_usage("[--model PATH] [--listen HOST:PORT] [flags]");
+    flags.print_usage("[--config FILE] [--model PATH] [--listen HOST:PORT] [--metrics-listen HOST:PORT] [flags]");
     return 0;
   }
-  long long threads, kv_mib, max_sessions, ttl, grace;
+  if (flags.given("config") && !flags.load_config(flags.str("config"))) return 2;
+  long long threads, kv_mib, max_sessions, ttl, grace, max_context, max_input, max_new, max_message;
   if (!flags.integer("threads", &threads, 0, 1024) || !flags.integer("kv-memory-mib", &kv_mib, 1, 1 << 24) ||
       !flags.integer("max-sessions", &max_sessions, 1, 1 << 24) || !flags.integer("session-ttl-s", &ttl, 1, 1ll << 31) ||
-      !flags.integer("grace-s", &grace, 0, 3600)) {
+      !flags.integer("grace-s", &grace, 0, 3600) || !flags.integer("max-context", &max_context, 0, 1ll << 31) ||
+      !flags.integer("max-input-tokens", &max_input, 0, 1ll << 31) ||
+      !flags.integer("max-new-tokens", &max_new, 1, 1 << 30) ||
+      !flags.integer("max-message-bytes", &max_message, 1024, 1 << 30)) {
     return 2;
+  }
+  if (Status s = server::init_logging(flags.str("log-format"), flags.str("log-level")); !s.ok()) {
+    return std::fprintf(stderr, "combs-server: %s\n", s.message().c_str()), 2;
   }
   std::string path = flags.str("model");
   if (path.empty()) {
@@ -53,7 +87,7 @@ int main(int argc, char** argv) {
     std::filesystem::create_directories(dir, ec);
     std::string vocab = flags.str("vocab");
     if (!vocab.empty() && !std::filesystem::exists(vocab)) {
-      if (flags.given("vocab")) return std::fprintf(stderr, "combs-server: --vocab %s: no such file\n", vocab.c_str()), 2;
+      if (flags.given("vocab") && !vocab.empty()) return std::fprintf(stderr, "combs-server: --vocab %s: no such file\n", vocab.c_str()), 2;
       vocab.clear();  // the built-in default is not there (an installed binary): byte-level vocabulary
     }
     path = dir + "/default-tiny" + (vocab.empty() ? "" : "-" + std::filesystem::path(vocab).stem().string()) + ".gguf";
@@ -78,6 +112,8 @@ int main(int argc, char** argv) {
   eo.kv_memory_bytes = kv_mib << 20;
   eo.max_sessions = static_cast<int>(max_sessions);
   eo.session_ttl = std::chrono::seconds(ttl);
+  eo.max_context = max_context;
+  eo.max_tokens_per_request = static_cast<int>(max_new);
   auto engine = Engine::create(std::move(model).value(), eo);
   if (!engine.ok()) return std::fprintf(stderr, "combs-server: %s\n", engine.status().to_string().c_str()), 1;
 
@@ -92,15 +128,31 @@ int main(int argc, char** argv) {
     }
     if (keys.empty()) return std::fprintf(stderr, "combs-server: --api-keys %s holds no key\n", flags.str("api-keys").c_str()), 2;
   }
-  server::CombsService service(**engine, tokenizer.get(), std::move(keys));
+  Engine& eng = **engine;
+  server::Metrics metrics([&eng] { return eng.stats(); });
+  server::ServiceOptions so;
+  so.api_keys = std::move(keys);
+  so.max_input_tokens = max_input;
+  so.metrics = &metrics;
+  server::CombsService service(eng, tokenizer.get(), std::move(so));
+  std::unique_ptr<server::HttpEndpoint> metrics_http;
+  if (!flags.str("metrics-listen").empty()) {
+    auto h = server::HttpEndpoint::start(flags.str("metrics-listen"), [&metrics] { return metrics.render(); });
+    if (!h.ok()) return std::fprintf(stderr, "combs-server: %s\n", h.status().message().c_str()), 1;
+    metrics_http = std::move(h).value();
+    std::string host;
+    int ignored;
+    server::split_host_port(flags.str("metrics-listen"), &host, &ignored);
+    std::printf("combs-server: metrics on http://%s:%d/metrics\n", host.c_str(), metrics_http->port());
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // TLS: a certificate chain and its private key (PEM), both or neither.
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
-  if (flags.given("tls-cert") != flags.given("tls-key")) {
+  if (flags.str("tls-cert").empty() != flags.str("tls-key").empty()) {
     return std::fprintf(stderr, "combs-server: --tls-cert and --tls-key go together\n"), 2;
   }
-  if (flags.given("tls-cert")) {
+  if (!flags.str("tls-cert").empty()) {
     auto slurp = [](const std::string& path, std::string* out) {
       std::ifstream f(path, std::ios::binary);
       if (!f) return false;
@@ -119,18 +171,36 @@ int main(int argc, char** argv) {
   int port = 0;
   builder.AddListeningPort(flags.str("listen"), creds, &port);
   builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
   std::unique_ptr<grpc::Server> srv = builder.BuildAndStart();
   if (!srv || port == 0) return std::fprintf(stderr, "combs-server: cannot listen on %s\n", flags.str("listen").c_str()), 1;
   const std::string host = flags.str("listen").substr(0, flags.str("listen").rfind(':'));
+  server::LogLine("start")
+      .add("model", path)
+      .add("listen", host + ":" + std::to_string(port))
+      .add("tls", flags.str("tls-cert").empty() ? "off" : "on")
+      .add("auth", so.api_keys.empty() ? "off" : "api-keys")
+      .add("kv_pages", eng.stats().pages_total)
+      .info();
   std::printf("combs-server: serving %s on %s:%d\n", path.c_str(), host.c_str(), port);
   std::fflush(stdout);
 
   std::signal(SIGTERM, on_signal);
   std::signal(SIGINT, on_signal);
   while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  // Graceful: health NOT_SERVING, no new calls, in-flight ones get the grace period.
+  // Graceful: health NOT_SERVING and no new work (UNAVAILABLE: clients retry elsewhere); running
+  // streams get the grace period, then end UNAVAILABLE; then the server stops.
+  server::LogLine("drain").add("signal", static_cast<int>(g_signal)).add("grace_s", static_cast<int64_t>(grace)).info();
   srv->GetHealthCheckService()->SetServingStatus(false);
-  srv->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(grace));
-  std::fprintf(stderr, "combs-server: stopped\n");
+  service.drain();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace);
+  while (eng.stats().generating > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const int64_t aborted = eng.stats().generating;
+  if (aborted > 0) eng.abort_generating(unavailable_error("combs-server is shutting down"));
+  srv->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  server::LogLine("stopped").add("streams_aborted", aborted).info();
+  spdlog::shutdown();
   return 0;
 }

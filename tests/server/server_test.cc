@@ -11,81 +11,13 @@
 #include <thread>
 
 #include "combs/v1/combs.grpc.pb.h"
-#include "support/temp_dir.h"
+#include "support/server_process.h"
 
 using namespace combs::v1;
 
-namespace {
-
-// Starts combs-server with --listen 127.0.0.1:0 and reads the port it prints.
-struct ServerProcess {
-  pid_t pid = -1;
-  std::string address;
-  combs::testing::TempDir dir;
-
-  explicit ServerProcess(const std::string& api_keys = "", const std::string& tls_cert = "",
-                         const std::string& tls_key = "") {
-    int out[2];
-    REQUIRE(pipe(out) == 0);
-    pid = fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      const std::string cache = dir.file("cache");
-      const std::string vocab = std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf";
-      if (tls_cert.empty()) {
-        execl(COMBS_SERVER_BIN, COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", cache.c_str(),
-              "--threads", "2", "--kv-memory-mib", "64", "--vocab", vocab.c_str(), "--api-keys",
-              api_keys.c_str(), nullptr);
-      } else {
-        execl(COMBS_SERVER_BIN, COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", cache.c_str(),
-              "--threads", "2", "--kv-memory-mib", "64", "--vocab", vocab.c_str(), "--tls-cert",
-              tls_cert.c_str(), "--tls-key", tls_key.c_str(), nullptr);
-      }
-      _exit(127);
-    }
-    close(out[1]);
-    FILE* f = fdopen(out[0], "r");
-    char line[512] = {};
-    REQUIRE(std::fgets(line, sizeof line, f) != nullptr);  // "combs-server: serving ... on HOST:PORT"
-    std::string s(line);
-    address = s.substr(s.rfind(" on ") + 4);
-    while (!address.empty() && (address.back() == '\n' || address.back() == '\r')) address.pop_back();
-  }
-  // SIGTERM: the server drains and exits 0.
-  int stop() {
-    kill(pid, SIGTERM);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    pid = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
-  ~ServerProcess() {
-    if (pid > 0) stop();
-  }
-};
-
-struct Streamed {
-  std::vector<int32_t> tokens;
-  GenerateResponse last;
-  grpc::Status status;
-};
-
-Streamed generate(Combs::Stub& stub, const GenerateRequest& req) {
-  grpc::ClientContext ctx;
-  auto reader = stub.Generate(&ctx, req);
-  Streamed out;
-  GenerateResponse r;
-  while (reader->Read(&r)) {
-    if (r.finished()) out.last = r;
-    else out.tokens.push_back(r.token_id());
-  }
-  out.status = reader->Finish();
-  return out;
-}
-
-}  // namespace
+using combs::testing::generate;
+using combs::testing::ServerProcess;
+using combs::testing::Streamed;
 
 TEST_CASE("combs-server serves sessions over gRPC", "[server]") {
   ServerProcess server;
@@ -221,7 +153,7 @@ TEST_CASE("api keys authenticate callers and sessions are invisible to other key
     std::fputs("# two clients\nkey-alice\n\nkey-bob\n", f);
     std::fclose(f);
   }
-  ServerProcess server(keys);
+  ServerProcess server({"--api-keys", keys});
   auto channel = grpc::CreateChannel(server.address, grpc::InsecureChannelCredentials());
   REQUIRE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
   auto stub = Combs::NewStub(channel);
@@ -301,7 +233,7 @@ TEST_CASE("the server speaks TLS with a certificate and key", "[server]") {
                           "-addext subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " + key + " -out " + cert +
                           " >/dev/null 2>&1";
   REQUIRE(std::system(cmd.c_str()) == 0);
-  ServerProcess server("", cert, key);
+  ServerProcess server({"--tls-cert", cert, "--tls-key", key});
   std::string pem;
   {
     std::FILE* f = std::fopen(cert.c_str(), "r");

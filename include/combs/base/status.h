@@ -66,6 +66,7 @@ inline Status resource_exhausted_error(std::string m) {
 inline Status out_of_range_error(std::string m) { return {StatusCode::kOutOfRange, std::move(m)}; }
 inline Status not_found_error(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 inline Status internal_error(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+inline Status unavailable_error(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 inline Status unimplemented_error(std::string m) {
   return {StatusCode::kUnimplemented, std::move(m)};
 }

@@ -113,6 +113,11 @@ struct SessionInfo {
 
 struct EngineStats {
   int64_t sessions = 0, pages_total = 0, pages_used = 0, pages_free = 0, evictions = 0, steps = 0;
+  int64_t generating = 0;       // requests in progress
+  int64_t waiting = 0;          // of which had no place in the last step (the queue depth)
+  int64_t batch_sequences = 0;  // sequences in the last step's forward
+  int64_t batch_tokens = 0;     // tokens in the last step's forward
+  int64_t forward_tokens = 0;   // tokens through the model since the start
 };
 
 class Engine {
@@ -134,6 +139,9 @@ class Engine {
   StatusOr<SessionInfo> info(const SessionId& id);
   std::vector<SessionInfo> list();
   EngineStats stats();
+  // Ends every running generate with kError(why) (after the forward in progress); for a server
+  // whose shutdown grace period ran out.
+  void abort_generating(const Status& why);
   const Model& model() const;
 
   // Test hook: pages in use must equal the distinct pages the sessions hold.

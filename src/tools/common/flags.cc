@@ -44,8 +44,50 @@ void Flags::print_usage(const std::string& synopsis) const {
   std::printf("usage: %s %s\nflags (default):\n", program_.c_str(), synopsis.c_str());
   for (const auto& [k, v] : values_) {
     const bool sw = std::find(switches_.begin(), switches_.end(), k) != switches_.end();
-    std::printf("  --%-20s %s\n", k.c_str(), sw ? "(switch)" : v.empty() ? "(none)" : v.c_str());
+    auto it = help_text_.find(k);
+    std::printf("  --%-20s %s%s%s\n", k.c_str(), sw ? "(switch)" : v.empty() ? "(none)" : v.c_str(),
+                it == help_text_.end() ? "" : "\n      ", it == help_text_.end() ? "" : it->second.c_str());
   }
+}
+
+bool Flags::load_config(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) {
+    std::fprintf(stderr, "%s: config %s: cannot open\n", program_.c_str(), path.c_str());
+    return false;
+  }
+  auto trim = [](std::string s) {
+    const size_t b = s.find_first_not_of(" \t\r\n"), e = s.find_last_not_of(" \t\r\n");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
+  const std::map<std::string, bool> from_command_line = given_;
+  char buf[4096];
+  bool ok = true;
+  for (int line_no = 1; ok && std::fgets(buf, sizeof buf, f) != nullptr; ++line_no) {
+    std::string line = trim(buf);
+    if (line.empty() || line[0] == '#') continue;
+    const size_t eq = line.find('=');
+    std::string name = eq == std::string::npos ? "" : trim(line.substr(0, eq));
+    std::string value = eq == std::string::npos ? "" : trim(line.substr(eq + 1));
+    if (value.size() >= 2 && value.front() == '"' && value.back() == '"') value = value.substr(1, value.size() - 2);
+    const bool sw = std::find(switches_.begin(), switches_.end(), name) != switches_.end();
+    if (name.empty()) {
+      std::fprintf(stderr, "%s: %s:%d: expected 'name = value'\n", program_.c_str(), path.c_str(), line_no);
+      ok = false;
+    } else if (!values_.count(name) || name == "config") {
+      std::fprintf(stderr, "%s: %s:%d: unknown flag '%s' (see --help)\n", program_.c_str(), path.c_str(), line_no,
+                   name.c_str());
+      ok = false;
+    } else if (sw && value != "true" && value != "false" && value != "1" && value != "0") {
+      std::fprintf(stderr, "%s: %s:%d: %s takes true or false\n", program_.c_str(), path.c_str(), line_no, name.c_str());
+      ok = false;
+    } else if (!from_command_line.count(name)) {  // the command line wins
+      values_[name] = sw ? (value == "true" || value == "1" ? "1" : "0") : value;
+      given_[name] = true;
+    }
+  }
+  std::fclose(f);
+  return ok;
 }
 
 bool Flags::integer(const std::string& name, long long* out, long long lo, long long hi) const {

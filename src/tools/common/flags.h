@@ -18,6 +18,12 @@ class Flags {
   // Parses argv[first..]; prints the problem and returns false on error. --help prints usage.
   bool parse(int argc, char** argv, int first = 1);
   bool help_requested() const { return help_; }
+  // One line of help per flag, shown by print_usage.
+  void describe(std::map<std::string, std::string> help) { help_text_ = std::move(help); }
+  // A config file: `name = value` lines (`#` comments, blank lines; a value may be "quoted";
+  // switches take true/false). Flags given on the command line win. Prints the problem (file and
+  // line) and returns false on an unknown name or a malformed line.
+  bool load_config(const std::string& path);
   void print_usage(const std::string& synopsis) const;
 
   bool given(const std::string& name) const { return given_.count(name) > 0; }
@@ -34,6 +40,7 @@ class Flags {
   std::vector<std::string> switches_;
   std::map<std::string, bool> given_;
   bool help_ = false;
+  std::map<std::string, std::string> help_text_;
 };
 
 }  // namespace combs::tools

@@ -3,9 +3,13 @@
 // API keys (optional): every call carries `authorization: Bearer <key>`; a missing or unknown key
 // is UNAUTHENTICATED; a session belongs to the key that created (or forked) it and is NOT_FOUND for
 // every other key, so ids cannot be probed.
-// Thread-safe; the engine and tokenizer must outlive the service.
+// Every call gets a request id (the client's `x-request-id` metadata when sane, else a random one),
+// sent back as `x-request-id` initial metadata, logged with the call's outcome and counted in the
+// metrics.
+// Thread-safe; the engine, tokenizer and metrics must outlive the service.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -15,15 +19,25 @@
 #include "combs/engine/engine.h"
 #include "combs/model/tokenizer.h"
 #include "combs/v1/combs.grpc.pb.h"
+#include "metrics.h"
 
 namespace combs::server {
+
+struct ServiceOptions {
+  std::set<std::string> api_keys;  // empty: no authentication, every caller sees every session
+  int64_t max_input_tokens = 0;    // per Generate request; 0: up to the session's context
+  Metrics* metrics = nullptr;      // optional
+};
 
 class CombsService final : public combs::v1::Combs::CallbackService {
  public:
   // tokenizer may be null (a model without one: text input and output are refused).
-  // api_keys empty: no authentication, every caller sees every session.
-  CombsService(Engine& engine, const Tokenizer* tokenizer, std::set<std::string> api_keys = {})
-      : engine_(&engine), tokenizer_(tokenizer), keys_(std::move(api_keys)) {}
+  CombsService(Engine& engine, const Tokenizer* tokenizer, ServiceOptions options = {})
+      : engine_(&engine), tokenizer_(tokenizer), keys_(std::move(options.api_keys)), options_(std::move(options)) {}
+
+  // Shutdown has begun: CreateSession, Fork and Generate are UNAVAILABLE (a client retries on
+  // another replica); calls on existing sessions and running streams go on.
+  void drain() { draining_ = true; }
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx, const v1::CreateSessionRequest* req,
                                           v1::CreateSessionResponse* resp) override;
@@ -58,6 +72,8 @@ class CombsService final : public combs::v1::Combs::CallbackService {
   Engine* engine_;
   const Tokenizer* tokenizer_;
   std::set<std::string> keys_;
+  ServiceOptions options_;
+  std::atomic<bool> draining_{false};
   std::mutex owners_mu_;
   std::unordered_map<std::string, std::string> owners_;  // session id -> key
 };

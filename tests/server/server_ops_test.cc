@@ -1,0 +1,358 @@
+// combs-server operated as users run it: every RPC, the documented errors, limits, deadlines,
+// request ids, metrics over HTTP, config files and flags, and the graceful shutdown.
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <thread>
+
+#include "support/server_process.h"
+
+using namespace combs::v1;
+using combs::testing::generate;
+using combs::testing::http_get;
+using combs::testing::ServerProcess;
+using combs::testing::Streamed;
+
+namespace {
+
+std::string create(Combs::Stub& stub) {
+  grpc::ClientContext ctx;
+  CreateSessionResponse r;
+  REQUIRE(stub.CreateSession(&ctx, CreateSessionRequest(), &r).ok());
+  return r.session_id();
+}
+
+GenerateRequest greedy(const std::string& session, std::vector<int32_t> input, int max_tokens) {
+  GenerateRequest g;
+  g.set_session_id(session);
+  for (int32_t t : input) g.mutable_tokens()->add_ids(t);
+  g.set_max_tokens(max_tokens);
+  g.mutable_sampling()->set_temperature(0.0f);
+  g.set_ignore_eos(true);
+  return g;
+}
+
+SessionInfo info(Combs::Stub& stub, const std::string& session, grpc::StatusCode* code = nullptr) {
+  grpc::ClientContext ctx;
+  GetSessionRequest q;
+  q.set_session_id(session);
+  SessionInfo i;
+  grpc::Status s = stub.GetSession(&ctx, q, &i);
+  if (code) *code = s.error_code();
+  return i;
+}
+
+// Runs `cmd` and returns its exit code and stdout (stderr joined in).
+std::pair<int, std::string> run(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// The value of one sample line "name value" in a Prometheus text exposition; -1 when absent.
+double metric(const std::string& text, const std::string& series) {
+  size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + series.size() + 2));
+}
+
+}  // namespace
+
+TEST_CASE("every rpc answers its happy path", "[server]") {
+  ServerProcess server;
+  auto stub = server.stub();
+  const std::string a = create(*stub);
+  Streamed g = generate(*stub, greedy(a, {128000, 9906, 1917}, 4));
+  REQUIRE(g.status.ok());
+  {  // Reset empties the session
+    grpc::ClientContext ctx;
+    ResetRequest r;
+    r.set_session_id(a);
+    ResetResponse resp;
+    REQUIRE(stub->Reset(&ctx, r, &resp).ok());
+    CHECK(info(*stub, a).length() == 0);
+  }
+  {  // Tokenize / Detokenize round trip through the Llama 3 vocabulary
+    grpc::ClientContext ctx;
+    TokenizeRequest t;
+    t.set_text("Hello world");
+    TokenizeResponse tr;
+    REQUIRE(stub->Tokenize(&ctx, t, &tr).ok());
+    CHECK(std::vector<int32_t>(tr.ids().begin(), tr.ids().end()) == std::vector<int32_t>{9906, 1917});
+    grpc::ClientContext ctx2;
+    DetokenizeRequest d;
+    d.mutable_ids()->CopyFrom(tr.ids());
+    DetokenizeResponse dr;
+    REQUIRE(stub->Detokenize(&ctx2, d, &dr).ok());
+    CHECK(dr.text() == "Hello world");
+  }
+  {
+    grpc::ClientContext ctx;
+    ModelInfo m;
+    REQUIRE(stub->GetModelInfo(&ctx, GetModelInfoRequest(), &m).ok());
+    CHECK(m.architecture() == "llama");
+    CHECK(m.n_vocab() == 128256);
+    CHECK(m.bos_id() == 128000);
+    CHECK(m.kv_pages_total() > 0);
+  }
+  const std::string b = create(*stub);
+  {
+    grpc::ClientContext ctx;
+    ListSessionsResponse l;
+    REQUIRE(stub->ListSessions(&ctx, ListSessionsRequest(), &l).ok());
+    CHECK(l.sessions_size() == 2);
+  }
+  {  // a request id given by the client comes back; one is made up otherwise
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-request-id", "trace-42.a_b");
+    GetSessionRequest q;
+    q.set_session_id(b);
+    SessionInfo i;
+    REQUIRE(stub->GetSession(&ctx, q, &i).ok());
+    auto it = ctx.GetServerInitialMetadata().find("x-request-id");
+    REQUIRE(it != ctx.GetServerInitialMetadata().end());
+    CHECK(std::string(it->second.data(), it->second.size()) == "trace-42.a_b");
+    grpc::ClientContext ctx2;
+    ctx2.AddMetadata("x-request-id", "not a sane id!");
+    REQUIRE(stub->GetSession(&ctx2, q, &i).ok());
+    it = ctx2.GetServerInitialMetadata().find("x-request-id");
+    REQUIRE(it != ctx2.GetServerInitialMetadata().end());
+    CHECK(it->second.size() == 16);
+  }
+  CHECK(server.stop() == 0);
+  // One log line per call, with the request id.
+  const std::string logs = server.logs();
+  CHECK(logs.find("event=rpc method=GetSession request_id=trace-42.a_b session=" + b + " code=OK") != std::string::npos);
+  CHECK(logs.find("method=Generate") != std::string::npos);
+  CHECK(logs.find("event=stopped") != std::string::npos);
+}
+
+TEST_CASE("bad input gets its documented error while other sessions are served", "[server]") {
+  ServerProcess server({"--max-new-tokens", "64", "--max-input-tokens", "16", "--max-sessions", "4",
+                        "--max-message-bytes", "65536"});
+  auto stub = server.stub();
+  const std::string busy = create(*stub), s = create(*stub);
+  // A long stream runs on one session throughout.
+  GenerateRequest long_req = greedy(busy, {128000, 9906}, 64);
+  long_req.mutable_sampling()->set_temperature(0.7f);
+  grpc::ClientContext long_ctx;
+  auto long_stream = stub->Generate(&long_ctx, long_req);
+  GenerateResponse first;
+  REQUIRE(long_stream->Read(&first));
+
+  auto code_of = [&](const GenerateRequest& r) { return generate(*stub, r).status.error_code(); };
+  using C = grpc::StatusCode;
+  CHECK(code_of(greedy("0123456789abcdef0123456789abcdef", {1}, 1)) == C::NOT_FOUND);
+  CHECK(code_of(greedy(s, {128256}, 1)) == C::INVALID_ARGUMENT);  // one past the vocabulary
+  CHECK(code_of(greedy(s, {-1}, 1)) == C::INVALID_ARGUMENT);
+  CHECK(code_of(greedy(s, {1}, -1)) == C::INVALID_ARGUMENT);
+  for (int field = 0; field < 5; ++field) {
+    GenerateRequest r = greedy(s, {1}, 1);
+    auto* p = r.mutable_sampling();
+    if (field == 0) p->set_temperature(-1);
+    if (field == 1) p->set_top_p(1.5f);
+    if (field == 2) p->set_top_k(-3);
+    if (field == 3) p->set_min_p(2);
+    if (field == 4) (*p->mutable_logit_bias())[1 << 20] = 1.0f;
+    INFO("sampling field " << field);
+    CHECK(code_of(r) == C::INVALID_ARGUMENT);
+  }
+  CHECK(code_of(greedy(s, {1}, 65)) == C::RESOURCE_EXHAUSTED);                                  // --max-new-tokens
+  CHECK(code_of(greedy(s, std::vector<int32_t>(17, 1), 1)) == C::RESOURCE_EXHAUSTED);            // --max-input-tokens
+  {  // --max-message-bytes: 30000 three-byte ids do not fit in 64 KiB
+    Streamed big = generate(*stub, greedy(s, std::vector<int32_t>(30000, 100000), 1));
+    CHECK(big.status.error_code() == C::RESOURCE_EXHAUSTED);
+    CHECK(big.status.error_message().find("larger than") != std::string::npos);
+  }
+  {
+    GenerateRequest r = greedy(s, {}, 1);
+    r.clear_tokens();
+    r.set_text("x");
+    r.add_stop("");
+    CHECK(code_of(r) == C::INVALID_ARGUMENT);  // empty stop string
+  }
+  CHECK(code_of(greedy(busy, {1}, 1)) == C::FAILED_PRECONDITION);  // busy
+  auto rollback = [&](const std::string& id, int64_t n) {
+    grpc::ClientContext ctx;
+    RollbackRequest r;
+    r.set_session_id(id);
+    r.set_n(n);
+    RollbackResponse resp;
+    return stub->Rollback(&ctx, r, &resp).error_code();
+  };
+  CHECK(rollback(s, -1) == C::INVALID_ARGUMENT);
+  CHECK(rollback(s, 1) == C::OUT_OF_RANGE);  // the session is empty: nothing was appended by the failures
+  CHECK(rollback(busy, 1) == C::FAILED_PRECONDITION);
+  CHECK(rollback("nope", 1) == C::NOT_FOUND);
+  {
+    grpc::ClientContext ctx;
+    DetokenizeRequest d;
+    d.add_ids(1 << 30);
+    DetokenizeResponse r;
+    CHECK(stub->Detokenize(&ctx, d, &r).error_code() == C::INVALID_ARGUMENT);
+  }
+  {
+    grpc::ClientContext ctx;
+    CreateSessionRequest c;
+    c.mutable_sampling()->set_top_p(0);
+    CreateSessionResponse r;
+    CHECK(stub->CreateSession(&ctx, c, &r).error_code() == C::INVALID_ARGUMENT);
+  }
+  create(*stub);
+  create(*stub);  // four sessions: the limit
+  {
+    grpc::ClientContext ctx;
+    CreateSessionResponse r;
+    CHECK(stub->CreateSession(&ctx, CreateSessionRequest(), &r).error_code() == C::RESOURCE_EXHAUSTED);
+  }
+  // Throughout, the long stream went on and ends normally; the failed requests left s as it was.
+  int n = 1;
+  for (GenerateResponse r; long_stream->Read(&r);) n += r.finished() ? 0 : 1;
+  CHECK(long_stream->Finish().ok());
+  CHECK(n == 64);
+  CHECK(info(*stub, s).length() == 0);
+  Streamed ok = generate(*stub, greedy(s, {128000, 9906}, 3));
+  CHECK(ok.status.ok());
+  CHECK(ok.tokens.size() == 3);
+  CHECK(server.stop() == 0);
+}
+
+TEST_CASE("a deadline stops the generation and the session keeps what was generated", "[server]") {
+  ServerProcess server({"--metrics-listen", "127.0.0.1:0"});
+  auto stub = server.stub();
+  const std::string s = create(*stub);
+  Streamed r = generate(*stub, greedy(s, {128000, 9906}, 1000), std::chrono::milliseconds(400));
+  CHECK(r.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED);
+  SessionInfo i;
+  for (int tries = 0; tries < 100; ++tries) {  // the engine sees the cancellation at its next step
+    i = info(*stub, s);
+    if (!i.generating()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  CHECK_FALSE(i.generating());
+  CHECK(i.length() >= 2 + static_cast<int64_t>(r.tokens.size()));
+  CHECK(i.length() < 2 + 1000);
+  // The session goes on.
+  CHECK(generate(*stub, greedy(s, {}, 2)).tokens.size() == 2);
+  const std::string m = http_get(server.metrics_address, "/metrics");
+  CHECK(metric(m, "combs_requests_total{method=\"Generate\",code=\"DEADLINE_EXCEEDED\"}") == 1);
+  CHECK(server.stop() == 0);
+}
+
+TEST_CASE("metrics are served over http at /metrics", "[server]") {
+  ServerProcess server({"--metrics-listen", "127.0.0.1:0"});
+  REQUIRE(!server.metrics_address.empty());
+  auto stub = server.stub();
+  const std::string s = create(*stub);
+  REQUIRE(generate(*stub, greedy(s, {128000, 9906, 1917}, 5)).status.ok());
+  REQUIRE(generate(*stub, greedy(s, {42}, 7)).status.ok());
+  CHECK(generate(*stub, greedy("unknown", {1}, 1)).status.error_code() == grpc::StatusCode::NOT_FOUND);
+
+  const std::string resp = http_get(server.metrics_address, "/metrics");
+  REQUIRE(resp.rfind("HTTP/1.1 200 OK\r\n", 0) == 0);
+  CHECK(resp.find("Content-Type: text/plain; version=0.0.4") != std::string::npos);
+  const std::string m = resp.substr(resp.find("\r\n\r\n") + 3);
+  CHECK(metric(m, "combs_requests_total{method=\"CreateSession\",code=\"OK\"}") == 1);
+  CHECK(metric(m, "combs_requests_total{method=\"Generate\",code=\"OK\"}") == 2);
+  CHECK(metric(m, "combs_requests_total{method=\"Generate\",code=\"NOT_FOUND\"}") == 1);
+  CHECK(metric(m, "combs_input_tokens_total") == 4);
+  CHECK(metric(m, "combs_output_tokens_total") == 12);
+  CHECK(metric(m, "combs_time_to_first_token_seconds_count") == 2);
+  CHECK(metric(m, "combs_inter_token_latency_seconds_count") == 10);
+  CHECK(metric(m, "combs_time_to_first_token_seconds_bucket{le=\"+Inf\"}") == 2);
+  CHECK(metric(m, "combs_sessions") == 1);
+  CHECK(metric(m, "combs_kv_pages_used") == 1);  // 16 tokens: one page
+  CHECK(metric(m, "combs_kv_pages_used") + metric(m, "combs_kv_pages_free") == metric(m, "combs_kv_pages_total"));
+  CHECK(metric(m, "combs_requests_generating") == 0);
+  CHECK(metric(m, "combs_queue_depth") == 0);
+  CHECK(metric(m, "combs_batch_sequences") >= 0);
+  CHECK(metric(m, "combs_forward_tokens_total") == 15);  // 16 positions, the last one not yet computed
+  CHECK(m.find("# TYPE combs_inter_token_latency_seconds histogram") != std::string::npos);
+
+  CHECK(http_get(server.metrics_address, "/other").rfind("HTTP/1.1 404", 0) == 0);
+  CHECK(http_get(server.metrics_address, "/metrics", "POST").rfind("HTTP/1.1 405", 0) == 0);
+  CHECK(http_get(server.metrics_address, "/metrics", "GARBAGE\r\n").rfind("HTTP/1.1 400", 0) == 0);
+  CHECK(server.stop() == 0);
+}
+
+TEST_CASE("flags come from the command line or a config file and bad ones are refused", "[server]") {
+  const std::string bin = COMBS_SERVER_BIN;
+  auto [help_code, help] = run(bin + " --help");
+  CHECK(help_code == 0);
+  for (const char* flag : {"--config", "--model", "--listen", "--metrics-listen", "--max-new-tokens", "--api-keys",
+                           "--tls-cert", "--grace-s", "--log-format"}) {
+    INFO(flag);
+    CHECK(help.find(flag) != std::string::npos);
+  }
+  auto [bad_code, bad] = run(bin + " --log-format xml --listen 127.0.0.1:0");
+  CHECK(bad_code == 2);
+  CHECK(bad.find("--log-format") != std::string::npos);
+  CHECK(run(bin + " --max-new-tokens -5").first == 2);
+  CHECK(run(bin + " --no-such-flag 1").first == 2);
+
+  combs::testing::TempDir dir;
+  const std::string cfg = dir.file("combs.conf");
+  {
+    std::FILE* f = std::fopen(cfg.c_str(), "w");
+    std::fputs("# combs-server configuration\nmax-new-tokens = 8\nlog-format = \"json\"\n\nmetrics-listen=127.0.0.1:0\n", f);
+    std::fclose(f);
+  }
+  {
+    ServerProcess server({"--config", cfg, "--max-new-tokens", "9"});  // the command line wins
+    auto stub = server.stub();
+    const std::string s = create(*stub);
+    CHECK(generate(*stub, greedy(s, {1}, 9)).status.ok());
+    CHECK(generate(*stub, greedy(s, {1}, 10)).status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK(!server.metrics_address.empty());
+    CHECK(server.stop() == 0);
+    const std::string logs = server.logs();
+    CHECK(logs.find(R"("level":"info","event":"rpc","method":"Generate")") != std::string::npos);
+  }
+  {
+    std::FILE* f = std::fopen(cfg.c_str(), "w");
+    std::fputs("listen = 127.0.0.1:0\nmax-new-tokenz = 8\n", f);
+    std::fclose(f);
+  }
+  auto [cfg_code, cfg_out] = run(bin + " --config " + cfg);
+  CHECK(cfg_code == 2);
+  CHECK(cfg_out.find("combs.conf:2: unknown flag 'max-new-tokenz'") != std::string::npos);
+  CHECK(run(bin + " --config " + dir.file("missing.conf")).first == 2);
+}
+
+TEST_CASE("SIGTERM drains: health NOT_SERVING then running streams finish or end UNAVAILABLE and exit 0",
+          "[server]") {
+  ServerProcess server({"--grace-s", "3"});
+  auto stub = server.stub();
+  const std::string short_s = create(*stub), long_s = create(*stub);
+  grpc::ClientContext short_ctx, long_ctx;
+  GenerateRequest short_req = greedy(short_s, {128000, 9906}, 12), long_req = greedy(long_s, {128000, 9906}, 1000);
+  auto short_stream = stub->Generate(&short_ctx, short_req);
+  auto long_stream = stub->Generate(&long_ctx, long_req);
+  GenerateResponse r;
+  REQUIRE(long_stream->Read(&r));
+  REQUIRE(short_stream->Read(&r));
+  server.signal(SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Draining: health says NOT_SERVING; new work is UNAVAILABLE; existing sessions still answer.
+  auto [health_code, health] = run(std::string(COMBS_CLI_BIN) + " --server " + server.address + " health");
+  CHECK(health_code == 1);
+  CHECK(health == "NOT_SERVING\n");
+  {
+    grpc::ClientContext ctx;
+    CreateSessionResponse c;
+    CHECK(stub->CreateSession(&ctx, CreateSessionRequest(), &c).error_code() == grpc::StatusCode::UNAVAILABLE);
+  }
+  int short_tokens = 1;
+  for (; short_stream->Read(&r);) short_tokens += r.finished() ? 0 : 1;
+  CHECK(short_stream->Finish().ok());
+  CHECK(short_tokens == 12);
+  while (long_stream->Read(&r)) {
+  }
+  const grpc::Status long_status = long_stream->Finish();
+  CHECK(long_status.error_code() == grpc::StatusCode::UNAVAILABLE);
+  CHECK(server.wait() == 0);
+  CHECK(server.logs().find("event=stopped streams_aborted=1") != std::string::npos);
+}

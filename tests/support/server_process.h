@@ -1,0 +1,141 @@
+// combs-server as a subprocess on free loopback ports (gRPC and, when asked, metrics), with its
+// stderr (the logs) in a file; stop() sends SIGTERM and returns the exit code.
+#pragma once
+
+#include <catch2/catch.hpp>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "combs/v1/combs.grpc.pb.h"
+#include "support/temp_dir.h"
+
+namespace combs::testing {
+
+struct ServerProcess {
+  pid_t pid = -1;
+  std::string address;          // gRPC HOST:PORT
+  std::string metrics_address;  // HOST:PORT of /metrics, when --metrics-listen was given
+  TempDir dir;
+
+  // Extra flags after the defaults (a small pool, 2 threads, the Llama 3 vocabulary).
+  explicit ServerProcess(std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", dir.file("cache"),
+                                     "--threads", "2", "--kv-memory-mib", "64", "--vocab",
+                                     std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    int out[2];
+    REQUIRE(pipe(out) == 0);
+    const std::string log = log_path();
+    pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      std::FILE* err = std::fopen(log.c_str(), "w");
+      if (err) dup2(fileno(err), STDERR_FILENO);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    FILE* f = fdopen(out[0], "r");
+    char line[512];
+    // "combs-server: metrics on http://HOST:PORT/metrics" (optional), then "... serving X on HOST:PORT".
+    while (std::fgets(line, sizeof line, f) != nullptr) {
+      std::string s(line);
+      while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+      if (s.find("metrics on http://") != std::string::npos) {
+        metrics_address = s.substr(s.find("http://") + 7);
+        metrics_address = metrics_address.substr(0, metrics_address.find('/'));
+      }
+      if (s.find(" serving ") != std::string::npos) {
+        address = s.substr(s.rfind(" on ") + 4);
+        break;
+      }
+    }
+    std::fclose(f);
+    INFO("combs-server log:\n" << logs());
+    REQUIRE(!address.empty());
+  }
+  std::string log_path() const { return dir.file("server.log"); }
+  std::string logs() const {
+    std::ifstream f(log_path());
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  std::unique_ptr<v1::Combs::Stub> stub() const {
+    auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+    REQUIRE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
+    return v1::Combs::NewStub(channel);
+  }
+  void signal(int sig) const { kill(pid, sig); }
+  // Waits for the process; its exit code, or -1 when a signal killed it.
+  int wait() {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  int stop() {
+    signal(SIGTERM);
+    return wait();
+  }
+  ~ServerProcess() {
+    if (pid > 0) stop();
+  }
+};
+
+// GET path from HOST:PORT over plain HTTP/1.1; the whole response (status line, headers, body).
+inline std::string http_get(const std::string& host_port, const std::string& path,
+                            const std::string& method = "GET") {
+  const int port = std::stoi(host_port.substr(host_port.rfind(':') + 1));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string resp;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    const std::string req = method + " " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    (void)!write(fd, req.data(), req.size());
+    char buf[4096];
+    for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) resp.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return resp;
+}
+
+// A Generate stream read to its end.
+struct Streamed {
+  std::vector<int32_t> tokens;
+  v1::GenerateResponse last;
+  grpc::Status status;
+};
+
+inline Streamed generate(v1::Combs::Stub& stub, const v1::GenerateRequest& req,
+                         std::chrono::milliseconds deadline = std::chrono::milliseconds(0)) {
+  grpc::ClientContext ctx;
+  if (deadline.count() > 0) ctx.set_deadline(std::chrono::system_clock::now() + deadline);
+  auto reader = stub.Generate(&ctx, req);
+  Streamed out;
+  v1::GenerateResponse r;
+  while (reader->Read(&r)) {
+    if (r.finished()) out.last = r;
+    else out.tokens.push_back(r.token_id());
+  }
+  out.status = reader->Finish();
+  return out;
+}
+
+}  // namespace combs::testing
