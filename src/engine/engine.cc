@@ -396,6 +396,7 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
     const int64_t cached = s.cache->seq_len();
     if (cached > static_cast<int64_t>(a.history_before)) s.cache->popn(cached - static_cast<int64_t>(a.history_before));
   }
+  out.back().second.session_length = static_cast<int64_t>(s.history.size());
   s.active.reset();
   s.last_used = Clock::now();
 }

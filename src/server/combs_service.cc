@@ -226,6 +226,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
           u->set_output_tokens(e.usage.output_tokens);
           u->set_prefilled_tokens(e.usage.prefilled_tokens);
           u->set_cached_tokens(e.usage.cached_tokens);
+          resp.set_session_length(e.session_length);
           st->finish = v1::FinishReason_Name(resp.finish_reason()).c_str();
         }
         st->usage = e.usage;

@@ -28,11 +28,7 @@ std::vector<double> latency_bounds() {
 }  // namespace
 
 const char* grpc_code_name(int code) {
-  static constexpr std::array<const char*, 17> kNames = {
-      "OK",           "CANCELLED",          "UNKNOWN",      "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
-      "OUT_OF_RANGE", "UNIMPLEMENTED",      "INTERNAL",     "UNAVAILABLE",      "DATA_LOSS",         "UNAUTHENTICATED"};
-  return code >= 0 && code < static_cast<int>(kNames.size()) ? kNames[code] : "UNKNOWN";
+  return status_code_name(static_cast<StatusCode>(code)).data();  // the names are literals
 }
 
 Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}

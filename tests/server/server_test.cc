@@ -55,6 +55,7 @@ TEST_CASE("combs-server serves sessions over gRPC", "[server]") {
   CHECK(first.last.finished());
   CHECK(first.last.finish_reason() == FINISH_REASON_LENGTH);
   CHECK(first.last.usage().output_tokens() == 8);
+  CHECK(first.last.session_length() == 11);
 
   SessionInfo info;
   {

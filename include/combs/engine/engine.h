@@ -88,6 +88,7 @@ struct GenerateEvent {
   FinishKind finish = FinishKind::kLength;  // kFinished
   Status status;                            // kFinished: the error for kError
   Usage usage;                              // kFinished
+  int64_t session_length = 0;               // kFinished: tokens in the session afterwards
 };
 using EventSink = std::function<void(const GenerateEvent&)>;
 
