@@ -1,26 +1,39 @@
-# combs container image (CPU, Debian 12). Builds with the `portable` preset (no -march=native; the
-# matmul kernels pick AVX-512/AVX2 at run time); the runtime stage holds the binaries, their
-# runtime libraries, the Llama 3 vocabulary for the embedded default model, and a non-root user.
-# The CUDA image and the compose deployment come with the deployment issue.
-FROM debian:12 AS build
+# combs container images, multi-stage.
+#   docker build -t combs:cuda .                          # CUDA 13 on Ubuntu 24.04 (the default)
+#   docker build -t combs:cpu --build-arg VARIANT=cpu .   # CPU only, Debian 12
+# Both build stages install the packages CI installs (.ci/install-deps) and build with the preset CI
+# builds too (`cmake --workflow --preset image`: portable x86-64, the matmul kernels pick
+# AVX-512/AVX2 at run time; CUDA where nvcc is found). The runtime stage holds the installed
+# binaries, the shared libraries they need (copied from the build stage by .ci/runtime-libs), the
+# default model's vocabulary, and a non-root user.
+ARG VARIANT=cuda
+
+FROM nvidia/cuda:13.0.0-devel-ubuntu24.04 AS build-cuda
+FROM debian:12 AS build-cpu
+FROM build-${VARIANT} AS build
 WORKDIR /src
 COPY .ci/install-deps .ci/install-deps
 RUN .ci/install-deps
 COPY . .
-RUN cmake --preset portable -DCOMBS_WITH_CUDA=OFF -DCOMBS_BUILD_TESTS=OFF \
- && cmake --build --preset portable \
-      --target combs-server combs combs-bench combs-mkmodel combs-generate combs-tokenize
+RUN cmake --workflow --preset image \
+ && cmake --install build/image --prefix /opt/combs \
+ && .ci/runtime-libs /opt/combs/bin /opt/combs/lib
 
-FROM debian:12-slim
-RUN apt-get update && apt-get install -y --no-install-recommends \
-      libgrpc++1.51 libprotobuf32 libicu72 libdnnl2 libgomp1 ca-certificates \
- && rm -rf /var/lib/apt/lists/* && useradd --system --create-home --uid 10001 combs
-COPY --from=build /src/build/portable/bin/combs /src/build/portable/bin/combs-* /usr/local/bin/
-COPY --from=build /src/tests/data/vocab/ggml-vocab-llama-bpe.gguf /usr/local/share/combs/vocab.gguf
+FROM nvidia/cuda:13.0.0-runtime-ubuntu24.04 AS runtime-cuda
+FROM debian:12-slim AS runtime-cpu
+FROM runtime-${VARIANT}
+RUN (getent passwd combs || useradd --system --create-home --uid 10001 combs) \
+ && mkdir -p /models /var/cache/combs && chown combs /var/cache/combs
+COPY --from=build /opt/combs /opt/combs
+ENV PATH=/opt/combs/bin:$PATH LD_LIBRARY_PATH=/opt/combs/lib
 USER combs
 WORKDIR /home/combs
-EXPOSE 50051
-# Models are mounted at /models (`--model /models/NAME.gguf`); without one, the embedded default.
-VOLUME ["/models"]
-HEALTHCHECK --interval=10s --timeout=5s --start-period=30s CMD ["combs", "--server", "127.0.0.1:50051", "health"]
-ENTRYPOINT ["combs-server", "--listen", "0.0.0.0:50051", "--vocab", "/usr/local/share/combs/vocab.gguf"]
+# gRPC and Prometheus metrics.
+EXPOSE 50051 9464
+# Models are mounted read-only at /models: `--model /models/NAME.gguf`. Without one the server
+# serves its embedded default (a small random-weight model written into /var/cache/combs).
+VOLUME ["/models", "/var/cache/combs"]
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["combs", "--server", "127.0.0.1:50051", "health"]
+ENTRYPOINT ["combs-server", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464", \
+            "--cache-dir", "/var/cache/combs"]

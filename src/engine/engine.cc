@@ -62,12 +62,14 @@ void snapshot(Session& s) {
   s.snap_shared = s.cache->pages_shared();
 }
 
-SessionId random_id() {
+// family: the first 16 hex digits of the new id (a fork's parent's); empty: random too.
+SessionId random_id(std::string_view family = {}) {
   thread_local std::mt19937_64 gen{std::random_device{}() ^
                                    (uint64_t(std::hash<std::thread::id>{}(std::this_thread::get_id())) << 1)};
   char buf[33];
   std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(gen()),
                 static_cast<unsigned long long>(gen()));
+  if (family.size() == 16) std::copy(family.begin(), family.end(), buf);
   return buf;
 }
 
@@ -269,7 +271,7 @@ StatusOr<SessionId> Engine::fork(const SessionId& id) {
   }
   if (!forked.ok()) return forked.status();
   auto child = std::make_unique<Session>();
-  child->id = random_id();
+  child->id = random_id(std::string_view(s->id).substr(0, 16));
   child->options = s->options;
   child->max_context = s->max_context;
   child->history = s->history;

@@ -86,6 +86,12 @@ int main(int argc, char** argv) {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     std::string vocab = flags.str("vocab");
+    if (!flags.given("vocab") && !std::filesystem::exists(vocab)) {
+      // An installed combs-server: the vocabulary installed beside it (share/combs).
+      const auto installed = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path().parent_path() /
+                             "share/combs/ggml-vocab-llama-bpe.gguf";
+      if (!ec && std::filesystem::exists(installed)) vocab = installed.string();
+    }
     if (!vocab.empty() && !std::filesystem::exists(vocab)) {
       if (flags.given("vocab") && !vocab.empty()) return std::fprintf(stderr, "combs-server: --vocab %s: no such file\n", vocab.c_str()), 2;
       vocab.clear();  // the built-in default is not there (an installed binary): byte-level vocabulary

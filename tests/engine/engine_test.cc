@@ -163,6 +163,10 @@ TEST_CASE("forks continue independently and share pages counted once", "[engine]
   const SessionId child = e->fork(parent).value();
   CHECK(e->info(child)->length == 80);
   CHECK(e->info(child)->pages_shared > 0);
+  // The child is of the parent's family (the first 16 hex digits), with its own random half.
+  CHECK(child.size() == 32);
+  CHECK(child.substr(0, 16) == parent.substr(0, 16));
+  CHECK(child.substr(16) != parent.substr(16));
   CHECK(e->stats().pages_used <= used_before + 1);  // only the partial last page is copied
   REQUIRE(e->check_invariants().ok());
   // Same request on both: same tokens (and neither disturbs the other).

@@ -41,7 +41,10 @@
 
 namespace combs {
 
-using SessionId = std::string;  // 32 lowercase hex digits: 128 random bits
+// 32 lowercase hex digits. The first 16 name the session's family: random for a new session,
+// inherited by its forks, so a session-affine proxy that hashes them sends a family to the replica
+// that holds it; the last 16 are random for every session.
+using SessionId = std::string;
 
 struct EngineOptions {
   int64_t kv_memory_bytes = int64_t{1} << 30;  // the page pool's budget

@@ -108,6 +108,8 @@ int main(int argc, char** argv) {
   auto stub = Combs::NewStub(channel);
   grpc::ClientContext ctx;
   if (!api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + api_key);
+  // For a session-affine proxy (deploy/envoy.yaml routes on this header).
+  if (flags.given("session")) ctx.AddMetadata("combs-session-id", flags.str("session"));
   if (cmd == "health") return health(*channel);
   if (cmd == "create") {
     CreateSessionResponse r;
@@ -125,6 +127,7 @@ int main(int argc, char** argv) {
       if (auto s = stub->CreateSession(&c2, CreateSessionRequest(), &r); !s.ok()) return fail(s);
       id = r.session_id();
       std::fprintf(stderr, "combs: session %s\n", id.c_str());
+      ctx.AddMetadata("combs-session-id", id);
     }
     req.set_session_id(id);
     if (flags.given("ids")) {

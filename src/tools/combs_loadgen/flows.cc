@@ -281,8 +281,10 @@ std::vector<int32_t> Driver::random_tokens(int n) {
   return out;
 }
 
-void Driver::add_context(grpc::ClientContext* ctx) {
+void Driver::add_context(grpc::ClientContext* ctx, const std::string& session) {
   if (!o_.api_key.empty()) ctx->AddMetadata("authorization", "Bearer " + o_.api_key);
+  // A session-affine proxy routes on it (deploy/envoy.yaml); a new session has none and spreads.
+  if (!session.empty()) ctx->AddMetadata("combs-session-id", session);
   std::lock_guard<std::mutex> lock(mu_);
   live_.insert(ctx);
   ++calls_in_flight_;
@@ -303,7 +305,7 @@ void Driver::generate(const std::string& session, std::vector<int32_t> input, in
   req.set_ignore_eos(true);
   req.mutable_sampling()->set_temperature(o_.temperature);
   if (o_.temperature > 0) req.mutable_sampling()->set_seed(static_cast<uint64_t>(uniform(0, 1 << 30)));
-  new GenerateCall(stub_.get(), std::move(req), [this](grpc::ClientContext* ctx) { add_context(ctx); },
+  new GenerateCall(stub_.get(), std::move(req), [this, session](grpc::ClientContext* ctx) { add_context(ctx, session); },
                    [this, done = std::move(done)](GenResult& r, grpc::ClientContext* ctx) {
                      remove_context(ctx);
                      const bool ours = r.grpc_code == grpc::StatusCode::CANCELLED && stopping();
@@ -325,7 +327,8 @@ void Driver::unary(const char* method, Req req, Start start, std::function<void(
   };
   auto* c = new Call;
   c->req = std::move(req);
-  add_context(&c->ctx);
+  if constexpr (requires { c->req.session_id(); }) add_context(&c->ctx, c->req.session_id());
+  else add_context(&c->ctx, "");
   start(stub_->async(), &c->ctx, &c->req, &c->resp, [this, c, method, done = std::move(done)](grpc::Status s) {
     remove_context(&c->ctx);
     const bool ours = s.error_code() == grpc::StatusCode::CANCELLED && stopping();

@@ -49,7 +49,7 @@ class Driver {
   // The greedy output of a prompt on a fresh session, compared across sessions.
   void check_greedy_repeat(const std::vector<int32_t>& prompt, const std::vector<int32_t>& output);
 
-  void add_context(grpc::ClientContext* ctx);
+  void add_context(grpc::ClientContext* ctx, const std::string& session);
   void remove_context(grpc::ClientContext* ctx);
 
   Options o_;
