@@ -113,15 +113,19 @@ void rms_norm(const float* x, const float* weight, float* y, int64_t n, int64_t 
   }
 }
 
-void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
-          float freq_base, const float* freq_factors, bool adjacent_pairs) {
-  const int half = rope_dim / 2;  // <= 512: head_dim is at most 1024 (model.cc)
-  float inv_freq[512], cs[512], sn[512];
-  for (int i = 0; i < half; ++i) {
+void rope_inv_freq(int rope_dim, float freq_base, const float* freq_factors, float* inv_freq) {
+  for (int i = 0; i < rope_dim / 2; ++i) {
     // As Hugging Face computes it: 1 / base^(2i / dim) in f32.
     inv_freq[i] = 1.0f / std::pow(freq_base, static_cast<float>(2 * i) / static_cast<float>(rope_dim));
     if (freq_factors) inv_freq[i] /= freq_factors[i];
   }
+}
+
+void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
+          float freq_base, const float* freq_factors, bool adjacent_pairs) {
+  const int half = rope_dim / 2;  // <= 512: head_dim is at most 1024 (model.cc)
+  float inv_freq[512], cs[512], sn[512];
+  rope_inv_freq(rope_dim, freq_base, freq_factors, inv_freq);
   for (int64_t t = 0; t < n_tokens; ++t) {
     for (int i = 0; i < half; ++i) {
       const float angle = static_cast<float>(pos[t]) * inv_freq[i];

@@ -1,0 +1,52 @@
+// The CUDA backend: device memory, one stream, a cuBLAS handle, and the device ops of
+// cuda_ops.h. Every CUDA and cuBLAS error becomes a Status naming the call. No CUDA header shows
+// here: the stream and handle are opaque to code above the backend.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "combs/backend/backend.h"
+
+namespace combs {
+
+struct CudaBackendOptions {
+  int device = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  // UNAVAILABLE when there is no such device (or no driver).
+  static StatusOr<std::unique_ptr<CudaBackend>> create(CudaBackendOptions options = {});
+  ~CudaBackend() override;
+
+  // Devices this process can use; 0 without a driver or GPU.
+  static int device_count();
+
+  DeviceType device_type() const override { return DeviceType::kCuda; }
+  std::string_view name() const override { return "cuda"; }
+  // Host<->device and device<->device; waits for the copy.
+  Status copy(const Tensor& src, const Tensor& dst) override;
+  Status zero(const Tensor& t) override;
+
+  // Waits for the stream; the first error of its queued work, if any.
+  Status synchronize();
+  // "NVIDIA H200 (sm_90, 139 GiB)".
+  std::string description() const;
+
+  void* stream() const;         // cudaStream_t
+  void* cublas() const;         // cublasHandle_t
+  // Device scratch of at least `bytes`, reused between calls on the stream (grows, never shrinks).
+  StatusOr<void*> scratch(size_t bytes);
+
+ protected:
+  void* raw_alloc(size_t bytes) override;
+  void raw_free(void* ptr) noexcept override;
+
+ private:
+  struct Impl;
+  explicit CudaBackend(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace combs

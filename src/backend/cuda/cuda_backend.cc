@@ -1,0 +1,100 @@
+#include "combs/backend/cuda/cuda_backend.h"
+
+#include <cstdio>
+
+#include "cuda_check.h"
+
+namespace combs {
+
+struct CudaBackend::Impl {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  cudaDeviceProp prop{};
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
+};
+
+int CudaBackend::device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::create(CudaBackendOptions options) {
+  const int n = device_count();
+  if (options.device < 0 || options.device >= n) {
+    return unavailable_error("cuda: device " + std::to_string(options.device) + " does not exist (" +
+                             std::to_string(n) + " CUDA devices)");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->device = options.device;
+  COMBS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  COMBS_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&impl->prop, options.device));
+  COMBS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
+  if (Status s = cuda::cublas_status(cublasCreate(&impl->cublas), "cublasCreate"); !s.ok()) {
+    cudaStreamDestroy(impl->stream);
+    return s;
+  }
+  cublasSetStream(impl->cublas, impl->stream);
+  return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
+}
+
+CudaBackend::CudaBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+CudaBackend::~CudaBackend() {
+  cudaSetDevice(impl_->device);
+  cudaStreamSynchronize(impl_->stream);
+  if (impl_->scratch) cudaFree(impl_->scratch);
+  cublasDestroy(impl_->cublas);
+  cudaStreamDestroy(impl_->stream);
+}
+
+std::string CudaBackend::description() const {
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%s (sm_%d%d, %.0f GiB)", impl_->prop.name, impl_->prop.major, impl_->prop.minor,
+                static_cast<double>(impl_->prop.totalGlobalMem) / (1 << 30));
+  return buf;
+}
+
+void* CudaBackend::stream() const { return impl_->stream; }
+void* CudaBackend::cublas() const { return impl_->cublas; }
+
+StatusOr<void*> CudaBackend::scratch(size_t bytes) {
+  if (bytes > impl_->scratch_bytes) {
+    COMBS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl_->stream));  // the old scratch may be in use
+    if (impl_->scratch) cudaFree(impl_->scratch);
+    impl_->scratch = nullptr;
+    impl_->scratch_bytes = 0;
+    COMBS_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl_->scratch, bytes));
+    impl_->scratch_bytes = bytes;
+  }
+  return impl_->scratch;
+}
+
+Status CudaBackend::synchronize() {
+  COMBS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl_->stream));
+  return ok_status();
+}
+
+Status CudaBackend::copy(const Tensor& src, const Tensor& dst) {
+  if (src.dtype() != dst.dtype() || src.numel() != dst.numel()) {
+    return invalid_argument_error("cuda copy: " + src.shape().to_string() + " to " + dst.shape().to_string() +
+                                  " (dtype or size differ)");
+  }
+  COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault, impl_->stream));
+  return synchronize();
+}
+
+Status CudaBackend::zero(const Tensor& t) {
+  COMBS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.data(), 0, t.nbytes(), impl_->stream));
+  return synchronize();
+}
+
+void* CudaBackend::raw_alloc(size_t bytes) {
+  void* p = nullptr;
+  return cudaMalloc(&p, bytes) == cudaSuccess ? p : nullptr;
+}
+
+void CudaBackend::raw_free(void* ptr) noexcept { cudaFree(ptr); }
+
+}  // namespace combs

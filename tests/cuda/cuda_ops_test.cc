@@ -1,0 +1,189 @@
+// The CUDA backend's ops against the CPU implementations (themselves checked against float64
+// references), on fresh random inputs, with outputs poisoned (NaN) before every run. [cuda]: on a
+// machine without a GPU every test says so and checks nothing.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "combs/backend/cpu/cpu_backend.h"
+#include "combs/backend/cpu/cpu_ops.h"
+#include "combs/backend/cuda/cuda_ops.h"
+
+using namespace combs;
+
+namespace {
+
+std::unique_ptr<CudaBackend> gpu_or_skip() {
+  if (CudaBackend::device_count() == 0) {
+    WARN("no CUDA device: [cuda] test skipped");
+    std::fprintf(stderr, "combs_cuda_tests: no CUDA device: [cuda] test skipped\n");
+    return nullptr;
+  }
+  auto b = CudaBackend::create();
+  REQUIRE(b.ok());
+  return std::move(b).value();
+}
+
+std::vector<float> random_floats(std::mt19937& rng, size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// A device tensor holding `host` (as f32), or converted to `dtype` first.
+Tensor upload(CudaBackend& b, const std::vector<float>& host, Shape shape, DType dtype = DType::kF32) {
+  std::vector<uint8_t> bytes(nbytes_for(dtype, static_cast<int64_t>(host.size())));
+  cpu::quantize_row(host.data(), dtype, bytes.data(), static_cast<int64_t>(host.size()));
+  Tensor t = b.alloc(shape, dtype).value();
+  REQUIRE(b.copy(Tensor::wrap(bytes.data(), shape, dtype), t).ok());
+  return t;
+}
+template <typename T>
+Tensor upload_raw(CudaBackend& b, const std::vector<T>& host, DType dtype) {
+  Tensor t = b.alloc(Shape{static_cast<int64_t>(host.size() * sizeof(T) / 4)}, dtype).value();
+  REQUIRE(b.copy(Tensor::wrap(const_cast<T*>(host.data()), t.shape(), dtype), t).ok());
+  return t;
+}
+// An f32 device buffer of n NaNs (poisoned output).
+Tensor poisoned(CudaBackend& b, int64_t n) {
+  std::vector<float> nan(static_cast<size_t>(n), std::nanf(""));
+  return upload(b, nan, Shape{n});
+}
+std::vector<float> download(CudaBackend& b, const Tensor& t) {
+  REQUIRE(b.synchronize().ok());
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  REQUIRE(b.copy(t, Tensor::wrap(out.data(), t.shape(), DType::kF32)).ok());
+  return out;
+}
+
+// max |a - b| / (|b| + floor), over all elements; NaN anywhere fails.
+double max_rel_err(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-2) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]) / (std::abs(static_cast<double>(b[i])) + floor));
+  }
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("cuda matmul agrees with the cpu in f32 f16 and bf16 with and without bias", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  INFO(gpu->description());
+  CpuBackend cpu;
+  std::mt19937 rng(7);
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int64_t n : {1, 3, 64, 257}) {
+      const int64_t in = 384, out = 200;
+      auto w = random_floats(rng, out * in, 0.05f), x = random_floats(rng, n * in), bias = random_floats(rng, out);
+      // The CPU computes with the same rounded weights and (for 16-bit weights) activations.
+      std::vector<uint8_t> wq(nbytes_for(dt, out * in));
+      cpu::quantize_row(w.data(), dt, wq.data(), out * in);
+      cpu::dequantize_row(wq.data(), dt, w.data(), out * in);
+      std::vector<float> xr = x;
+      if (dt != DType::kF32) {
+        std::vector<uint8_t> xq(nbytes_for(dt, n * in));
+        cpu::quantize_row(x.data(), dt, xq.data(), n * in);
+        cpu::dequantize_row(xq.data(), dt, xr.data(), n * in);
+      }
+      std::vector<float> want(static_cast<size_t>(n * out));
+      cpu::matmul(cpu, Tensor::wrap(w.data(), Shape{out, in}, DType::kF32), xr.data(), n, want.data(), bias.data());
+      Tensor wd = upload(*gpu, w, Shape{out, in}, dt), xd = upload(*gpu, x, Shape{n, in}),
+             bd = upload(*gpu, bias, Shape{out}), yd = poisoned(*gpu, n * out);
+      REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, yd.data_as<float>(), bd.data_as<float>()).ok());
+      INFO("dtype " << dtype_name(dt) << " n " << n);
+      CHECK(max_rel_err(download(*gpu, yd), want) < (dt == DType::kF32 ? 1e-4 : 2e-3));
+    }
+  }
+}
+
+TEST_CASE("cuda embedding rms norm rope and silu agree with the cpu", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(11);
+  const int64_t n = 37, dim = 320, vocab = 500;
+  SECTION("embedding in every table dtype") {
+    for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+      auto table = random_floats(rng, vocab * dim);
+      std::vector<uint8_t> tq(nbytes_for(dt, vocab * dim));
+      cpu::quantize_row(table.data(), dt, tq.data(), vocab * dim);
+      std::vector<int32_t> ids(n);
+      for (auto& i : ids) i = static_cast<int32_t>(rng() % vocab);
+      std::vector<float> want(static_cast<size_t>(n * dim));
+      cpu::embedding(Tensor::wrap(tq.data(), Shape{vocab, dim}, dt), ids.data(), n, want.data());
+      Tensor td = upload(*gpu, table, Shape{vocab, dim}, dt), idd = upload_raw(*gpu, ids, DType::kF32),
+             od = poisoned(*gpu, n * dim);
+      REQUIRE(cuda::embedding(*gpu, td, idd.data_as<int32_t>(), n, od.data_as<float>()).ok());
+      INFO(dtype_name(dt));
+      CHECK(max_rel_err(download(*gpu, od), want, 1e-6) == 0.0);
+    }
+  }
+  SECTION("residual add fused with rms norm") {
+    auto r = random_floats(rng, n * dim), d = random_floats(rng, n * dim), w = random_floats(rng, dim);
+    std::vector<float> sum(r.size()), want(r.size());
+    for (size_t i = 0; i < r.size(); ++i) sum[i] = r[i] + d[i];
+    cpu::rms_norm(sum.data(), w.data(), want.data(), n, dim, 1e-5f);
+    Tensor rd = upload(*gpu, r, Shape{n * dim}), dd = upload(*gpu, d, Shape{n * dim}), wd = upload(*gpu, w, Shape{dim}),
+           yd = poisoned(*gpu, n * dim);
+    REQUIRE(cuda::add_rms_norm(*gpu, rd.data_as<float>(), dd.data_as<float>(), wd.data_as<float>(), yd.data_as<float>(),
+                               n, dim, 1e-5f)
+                .ok());
+    CHECK(max_rel_err(download(*gpu, yd), want) < 1e-5);
+    CHECK(max_rel_err(download(*gpu, rd), sum) < 1e-6);
+    // Without a delta: the plain norm.
+    Tensor y2 = poisoned(*gpu, n * dim);
+    REQUIRE(cuda::add_rms_norm(*gpu, rd.data_as<float>(), nullptr, wd.data_as<float>(), y2.data_as<float>(), n, dim,
+                               1e-5f)
+                .ok());
+    CHECK(max_rel_err(download(*gpu, y2), want) < 1e-5);
+  }
+  SECTION("rope in both pair layouts with partial rotation and frequency factors") {
+    const int heads = 4, head_dim = 64;
+    for (bool adjacent : {false, true}) {
+      for (int rope_dim : {64, 32}) {
+        auto x = random_floats(rng, n * heads * head_dim), factors = random_floats(rng, rope_dim / 2);
+        for (auto& f : factors) f = 1.0f + std::abs(f);
+        std::vector<int32_t> pos(n);
+        for (int i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(rng() % 32768);
+        std::vector<float> want = x;
+        cpu::rope(want.data(), pos.data(), n, heads, head_dim, rope_dim, 500000.0f, factors.data(), adjacent);
+        std::vector<float> inv_freq(rope_dim / 2);
+        cpu::rope_inv_freq(rope_dim, 500000.0f, factors.data(), inv_freq.data());
+        Tensor xd = upload(*gpu, x, Shape{n * heads * head_dim}), pd = upload_raw(*gpu, pos, DType::kF32),
+               fd = upload(*gpu, inv_freq, Shape{rope_dim / 2});
+        REQUIRE(cuda::rope(*gpu, xd.data_as<float>(), pd.data_as<int32_t>(), n, heads, head_dim, rope_dim,
+                           fd.data_as<float>(), adjacent)
+                    .ok());
+        INFO("adjacent " << adjacent << " rope_dim " << rope_dim);
+        CHECK(max_rel_err(download(*gpu, xd), want) < 1e-4);
+      }
+    }
+  }
+  SECTION("silu times up") {
+    auto g = random_floats(rng, n * dim, 3.0f), u = random_floats(rng, n * dim);
+    std::vector<float> want = g;
+    cpu::silu_mul(want.data(), u.data(), n * dim);
+    Tensor gd = upload(*gpu, g, Shape{n * dim}), ud = upload(*gpu, u, Shape{n * dim});
+    REQUIRE(cuda::silu_mul(*gpu, gd.data_as<float>(), ud.data_as<float>(), n * dim).ok());
+    CHECK(max_rel_err(download(*gpu, gd), want) < 1e-5);
+  }
+}
+
+TEST_CASE("cuda errors come back as status", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  CHECK(CudaBackend::create({.device = 99}).status().code() == StatusCode::kUnavailable);
+  auto huge = gpu->alloc(Shape{int64_t{1} << 40}, DType::kF32);  // 4 TiB
+  CHECK(huge.status().code() == StatusCode::kResourceExhausted);
+  std::vector<float> host(64);
+  Tensor w = Tensor::wrap(host.data(), Shape{8, 8}, DType::kF32);  // host memory
+  CHECK(cuda::matmul(*gpu, w, nullptr, 1, nullptr).code() == StatusCode::kInvalidArgument);
+  Tensor q = gpu->alloc(Shape{8, 32}, DType::kQ8_0).value();
+  CHECK(cuda::matmul(*gpu, q, nullptr, 1, nullptr).code() == StatusCode::kUnimplemented);
+}
