@@ -79,9 +79,9 @@ struct Engine::Impl {
   std::unique_ptr<Model> model;
   std::unique_ptr<Tokenizer> tokenizer;  // null when the model file has none
   EngineOptions options;
-  CpuBackend backend;
-  std::unique_ptr<PagePool> pool;
-  std::unique_ptr<Runner> runner;
+  CpuBackend backend;                    // the CPU runner's
+  std::unique_ptr<ModelRunner> runner;   // its backend holds the pool's memory: declared first,
+  std::unique_ptr<PagePool> pool;        // destroyed after the pool
 
   std::mutex mu;
   std::condition_variable wake;
@@ -129,15 +129,19 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   auto impl = std::make_unique<Impl>(o);
   const ModelConfig& c = model->config();
   if (impl->options.max_context <= 0) impl->options.max_context = c.context_length;
-  PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size,
-                     pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, o.kv_memory_bytes)};
-  COMBS_ASSIGN_OR_RETURN(impl->pool, PagePool::create(impl->backend, po));
   if (auto t = Tokenizer::from_gguf(model->file()); t.ok() && (*t)->n_vocab() == c.n_vocab) {
     impl->tokenizer = std::move(t).value();
   }
   impl->model = std::move(model);
-  COMBS_ASSIGN_OR_RETURN(impl->runner,
-                         Runner::create(*impl->model, impl->backend, RunnerOptions{.batch_invariant = true}));
+  if (o.make_runner) {
+    COMBS_ASSIGN_OR_RETURN(impl->runner, o.make_runner(*impl->model));
+  } else {
+    COMBS_ASSIGN_OR_RETURN(impl->runner,
+                           Runner::create(*impl->model, impl->backend, RunnerOptions{.batch_invariant = true}));
+  }
+  PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size,
+                     pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, o.kv_memory_bytes)};
+  COMBS_ASSIGN_OR_RETURN(impl->pool, PagePool::create(impl->runner->backend(), po));
   impl->logits.resize(c.n_vocab);
   Impl* raw = impl.get();
   impl->scheduler = std::thread([raw] { raw->run(); });

@@ -8,6 +8,7 @@
 #include "combs/kv/kv_cache.h"
 #include "combs/kv/page_pool.h"
 #include "kv/cpu/attention_cpu.h"
+#include "kv/device_attention.h"
 
 namespace combs {
 namespace {
@@ -34,7 +35,13 @@ Status check_tokens(const char* name, const Tensor& t, int64_t n_tokens, int64_t
   return ok_status();
 }
 
+DeviceAttentionFn g_cuda_attention = nullptr;
+
 }  // namespace
+
+void set_device_attention(DeviceType device, DeviceAttentionFn fn) {
+  if (device == DeviceType::kCuda) g_cuda_attention = fn;
+}
 
 Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
                        const Tensor& k, const Tensor& v, float scale, const Tensor* out,
@@ -92,8 +99,8 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
     COMBS_RETURN_IF_ERROR(check_tokens("q", q, n_tokens, q.dim(1), g.head_dim, backend.device_type()));
     COMBS_RETURN_IF_ERROR(check_tokens("out", *out, n_tokens, q.dim(1), g.head_dim, backend.device_type()));
   }
-  if (backend.device_type() != DeviceType::kCpu) {
-    return unimplemented_error("attention: no kernels for backend " + std::string(backend.name()));
+  if (backend.device_type() == DeviceType::kCuda && g_cuda_attention == nullptr) {
+    return unimplemented_error("attention: the CUDA kernels are not registered (register_cuda_attention())");
   }
   // Pages: every pool must have what its caches need, all together; the pools' bookkeeping stays
   // locked (in a fixed order) from the count through the reservations.
@@ -131,6 +138,12 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
     row += s.n_new;
   }
   locks.clear();
+  if (backend.device_type() == DeviceType::kCuda) {
+    // Lengths advance only once the kernels are queued; a launch error leaves them as they were.
+    COMBS_RETURN_IF_ERROR(g_cuda_attention(backend, work, g.n_kv_heads, q, k, v, out, scale, impl));
+    for (const SeqAttention& s : seqs) s.cache->layer_len_[layer] = s.pos + s.n_new;
+    return ok_status();
+  }
   auto& cpu_backend = static_cast<CpuBackend&>(backend);
   cpu::write_kv(cpu_backend, work, g.n_kv_heads, k, v);
   for (const SeqAttention& s : seqs) s.cache->layer_len_[layer] = s.pos + s.n_new;

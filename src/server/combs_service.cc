@@ -124,6 +124,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     if (!s.ok()) {
       std::lock_guard<std::mutex> lock(state_->mu);
       state_->final_status = to_grpc(s);
+      record_end();
       Finish(state_->final_status);
     }
   }
@@ -142,30 +143,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     if (state_->handle) state_->handle->cancel();  // deadline or client cancellation
   }
   void OnDone() override {
-    grpc::Status status;
-    Usage usage;
-    const char* finish = "";
     {
       std::lock_guard<std::mutex> lock(state_->mu);
       state_->reactor = nullptr;
       if (state_->handle) state_->handle->cancel();
-      status = state_->final_status;
-      usage = state_->usage;
-      finish = state_->finish;
     }
-    int code = status.error_code();
-    if (ctx_->IsCancelled()) {  // the client went away or its deadline passed
-      code = ctx_->deadline() <= std::chrono::system_clock::now() ? grpc::StatusCode::DEADLINE_EXCEEDED
-                                                                   : grpc::StatusCode::CANCELLED;
-    }
-    if (call_.metrics) {
-      call_.metrics->add_tokens(usage.input_tokens, usage.output_tokens);
-      call_.metrics->observe_generate(seconds_since(call_.start));
-    }
-    call_.end(code, status.error_message(), [&](LogLine& l) {
-      l.add("input_tokens", usage.input_tokens).add("output_tokens", usage.output_tokens);
-      if (*finish) l.add("finish", finish);
-    });
     delete this;
   }
 
@@ -253,8 +235,28 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     }
     if (st.finished) {
       st.finished = false;  // finish once
+      record_end();
       Finish(st.final_status);
     }
+  }
+
+  // Counts and logs the call as it ends (before Finish, so a client that saw the end sees it in
+  // the metrics). Called with state_->mu held.
+  void record_end() {
+    const State& st = *state_;
+    int code = st.final_status.error_code();
+    if (ctx_->IsCancelled()) {  // the client went away or its deadline passed
+      code = ctx_->deadline() <= std::chrono::system_clock::now() ? grpc::StatusCode::DEADLINE_EXCEEDED
+                                                                   : grpc::StatusCode::CANCELLED;
+    }
+    if (call_.metrics) {
+      call_.metrics->add_tokens(st.usage.input_tokens, st.usage.output_tokens);
+      call_.metrics->observe_generate(seconds_since(call_.start));
+    }
+    call_.end(code, st.final_status.error_message(), [&](LogLine& l) {
+      l.add("input_tokens", st.usage.input_tokens).add("output_tokens", st.usage.output_tokens);
+      if (*st.finish) l.add("finish", st.finish);
+    });
   }
 
   std::shared_ptr<State> state_;

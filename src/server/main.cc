@@ -16,6 +16,9 @@
 #include <thread>
 
 #include "combs/engine/engine.h"
+#ifdef COMBS_HAVE_CUDA
+#include "combs/model/cuda_runner.h"
+#endif
 #include "combs/model/random_model.h"
 #include "combs_service.h"
 #include "common/flags.h"
@@ -35,7 +38,7 @@ int main(int argc, char** argv) {
                       {"threads", "0"}, {"kv-memory-mib", "1024"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
                       {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB},
-                      {"api-keys", ""}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}});
+                      {"api-keys", ""}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}});
   flags.describe({
       {"config", "config file of 'name = value' lines (the flags below without --); the command line wins"},
       {"model", "GGUF model to serve; none: a small random-weight model written once into --cache-dir"},
@@ -57,6 +60,7 @@ int main(int argc, char** argv) {
       {"tls-key", "PEM private key of --tls-cert"},
       {"log-format", "text (key=value) or json"},
       {"log-level", "trace, debug, info, warn, error or off"},
+      {"device", "cpu, cuda, cuda:N, or auto (the first GPU where there is one, else the CPU)"},
   });
   if (!flags.parse(argc, argv)) return 2;
   if (flags.help_requested()) {
@@ -114,6 +118,25 @@ int main(int argc, char** argv) {
     tokenizer = std::move(t).value();
   }
   EngineOptions eo;
+  // The device: the engine's runner (and so its KV pages) lives there.
+  std::string device = flags.str("device");
+#ifdef COMBS_HAVE_CUDA
+  if (device == "auto") device = CudaBackend::device_count() > 0 ? "cuda" : "cpu";
+  if (device.rfind("cuda", 0) == 0) {
+    int index = 0;
+    if (device.size() > 4 && (device[4] != ':' || std::sscanf(device.c_str() + 5, "%d", &index) != 1)) {
+      return std::fprintf(stderr, "combs-server: --device %s: expected cpu, cuda, cuda:N or auto\n", device.c_str()), 2;
+    }
+    eo.make_runner = make_cuda_runner(index);
+  } else if (device != "cpu") {
+    return std::fprintf(stderr, "combs-server: --device %s: expected cpu, cuda, cuda:N or auto\n", device.c_str()), 2;
+  }
+#else
+  if (device == "auto") device = "cpu";
+  if (device != "cpu") {
+    return std::fprintf(stderr, "combs-server: --device %s: this build has no CUDA backend (cpu only)\n", device.c_str()), 2;
+  }
+#endif
   eo.threads = static_cast<int>(threads);
   eo.kv_memory_bytes = kv_mib << 20;
   eo.max_sessions = static_cast<int>(max_sessions);
@@ -184,6 +207,7 @@ int main(int argc, char** argv) {
   server::LogLine("start")
       .add("model", path)
       .add("listen", host + ":" + std::to_string(port))
+      .add("device", device)
       .add("tls", flags.str("tls-cert").empty() ? "off" : "on")
       .add("auth", so.api_keys.empty() ? "off" : "api-keys")
       .add("kv_pages", eng.stats().pages_total)

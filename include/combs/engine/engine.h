@@ -37,6 +37,7 @@
 
 #include "combs/base/status.h"
 #include "combs/model/model.h"
+#include "combs/model/runner.h"
 #include "combs/model/sampler.h"
 
 namespace combs {
@@ -58,6 +59,9 @@ struct EngineOptions {
   int64_t prefill_chunk = 128;                 // prefill chunk boundaries: multiples of this
   std::chrono::milliseconds session_ttl{std::chrono::minutes(30)};  // idle sessions expire
   enum class WhenFull : uint8_t { kWait, kFail } when_full = WhenFull::kWait;
+  // Makes the runner (and so picks the device: the KV pages live on its backend). Empty: the CPU
+  // runner on `threads` threads. combs_cuda's make_cuda_runner() gives the GPU one.
+  std::function<StatusOr<std::unique_ptr<ModelRunner>>(const Model&)> make_runner;
 };
 
 struct SessionOptions {

@@ -1,4 +1,5 @@
-// Runner: the transformer forward on the CPU backend. One forward runs a ragged batch — several
+// Runner: the transformer forward on the CPU backend (ModelRunner: the interface every backend's
+// runner implements). One forward runs a ragged batch — several
 // sequences, each at its own position with its own number of new tokens — in one pass, and reaches
 // K/V only through the caches' batched attention call:
 //   embedding -> per layer (RMSNorm, Q/K/V projections (+ biases), RoPE, cache attention, output
@@ -33,19 +34,29 @@ struct RunnerOptions {
   bool batch_invariant = false;
 };
 
-class Runner {
+// A model forward on one backend: the CPU's Runner below, or CudaRunner (combs_cuda). The engine
+// holds one; the caches it runs must live on its backend().
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+  // Appends every sequence's tokens to its cache and writes f32 logits into `logits` (host
+  // memory): [n_seqs, n_vocab] (each sequence's last token), or [total tokens, n_vocab] with
+  // all_logits. INVALID_ARGUMENT for a bad token id, empty input or a cache of another geometry or
+  // backend; RESOURCE_EXHAUSTED / FAILED_PRECONDITION from the caches. On error no cache changes.
+  virtual Status forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options = {}) = 0;
+  virtual Backend& backend() = 0;
+  virtual const Model& model() const = 0;
+};
+
+class Runner final : public ModelRunner {
  public:
   // The model and backend must outlive the runner.
   static StatusOr<std::unique_ptr<Runner>> create(const Model& model, CpuBackend& backend,
                                                   RunnerOptions options = {});
 
-  // Appends every sequence's tokens to its cache and writes f32 logits into `logits`:
-  // [n_seqs, n_vocab] (each sequence's last token), or [total tokens, n_vocab] with all_logits.
-  // INVALID_ARGUMENT for a bad token id, empty input or a cache of another geometry;
-  // RESOURCE_EXHAUSTED / FAILED_PRECONDITION from the caches. On error no cache changes.
-  Status forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options = {});
-
-  const Model& model() const { return *model_; }
+  Status forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options = {}) override;
+  Backend& backend() override { return *backend_; }
+  const Model& model() const override { return *model_; }
 
  private:
   Runner(const Model& model, CpuBackend& backend, RunnerOptions options)

@@ -17,7 +17,9 @@ struct CudaBackend::Impl {
 
 int CudaBackend::device_count() {
   int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  if (cudaGetDeviceCount(&n) == cudaSuccess) return n;
+  cudaGetLastError();  // handled here: not left for the next cudaGetLastError() to report
+  return 0;
 }
 
 StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::create(CudaBackendOptions options) {
@@ -65,7 +67,10 @@ StatusOr<void*> CudaBackend::scratch(size_t bytes) {
     if (impl_->scratch) cudaFree(impl_->scratch);
     impl_->scratch = nullptr;
     impl_->scratch_bytes = 0;
-    COMBS_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl_->scratch, bytes));
+    if (cudaError_t e = cudaMalloc(&impl_->scratch, bytes); e != cudaSuccess) {
+      cudaGetLastError();
+      return cuda::cuda_status(e, "cudaMalloc(scratch)");
+    }
     impl_->scratch_bytes = bytes;
   }
   return impl_->scratch;
@@ -92,7 +97,9 @@ Status CudaBackend::zero(const Tensor& t) {
 
 void* CudaBackend::raw_alloc(size_t bytes) {
   void* p = nullptr;
-  return cudaMalloc(&p, bytes) == cudaSuccess ? p : nullptr;
+  if (cudaMalloc(&p, bytes) == cudaSuccess) return p;
+  cudaGetLastError();  // the caller reports RESOURCE_EXHAUSTED; clear the runtime's last error
+  return nullptr;
 }
 
 void CudaBackend::raw_free(void* ptr) noexcept { cudaFree(ptr); }

@@ -97,6 +97,13 @@ __global__ void silu_mul_kernel(float* __restrict__ gate, const float* __restric
   }
 }
 
+__global__ void gather_rows_kernel(const float* __restrict__ src, const int32_t* __restrict__ rows,
+                                   float* __restrict__ dst, int64_t dim) {
+  const float* s = src + static_cast<int64_t>(rows[blockIdx.x]) * dim;
+  float* d = dst + blockIdx.x * dim;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) d[i] = s[i];
+}
+
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 }  // namespace
@@ -177,6 +184,12 @@ Status rope(CudaBackend& b, float* x, const int32_t* pos, int64_t n_tokens, int 
   rope_kernel<<<blocks(total, 256), 256, 0, stream_of(b)>>>(x, pos, n_tokens, n_heads, head_dim, rope_dim, inv_freq,
                                                             adjacent_pairs);
   return launched("rope_kernel");
+}
+
+Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_t n, int64_t dim, float* dst) {
+  if (n == 0) return ok_status();
+  gather_rows_kernel<<<static_cast<unsigned>(n), 256, 0, stream_of(b)>>>(src, rows, dst, dim);
+  return launched("gather_rows_kernel");
 }
 
 Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n) {

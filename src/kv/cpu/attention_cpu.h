@@ -8,16 +8,11 @@
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/kv/kv_cache.h"
 #include "combs/kv/kv_layout.h"
+#include "kv/device_attention.h"
 
 namespace combs::cpu {
 
-// One sequence of a batch: where its K/V lie, and its rows in q/k/v/out.
-struct SeqWork {
-  KVLayout kv;
-  int64_t row = 0;    // first token row in q, k, v, out
-  int64_t pos = 0;    // absolute position of that token
-  int64_t n_new = 0;  // its number of new tokens
-};
+using combs::SeqWork;
 
 // Converts rows [row, row + n_new) of k and v ([T, n_kv, head_dim]) into the cache at
 // positions [pos, pos + n_new).

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
       "  model prompt processing and decode tokens/s against the memory-bandwidth bound\n"
       "  tokenizer  encode/decode speed on 1 MB of English text\n"
       "  engine  aggregate tokens/s and inter-token latency of 1/8/64 sessions at once\n"
+      "  gpu     the CUDA backend: decode, prefill, many sessions, paged attention (CUDA builds)\n"
       "  (combs-bench SUBCOMMAND --help for the flags of each)\n";
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     std::fputs(usage, argc < 2 ? stderr : stdout);
@@ -31,6 +32,9 @@ int main(int argc, char** argv) {
   if (!std::strcmp(argv[1], "model")) return combs::bench::run_model(argc, argv);
   if (!std::strcmp(argv[1], "tokenizer")) return combs::bench::run_tokenizer(argc, argv);
   if (!std::strcmp(argv[1], "engine")) return combs::bench::run_engine(argc, argv);
+#ifdef COMBS_HAVE_CUDA
+  if (!std::strcmp(argv[1], "gpu")) return combs::bench::run_gpu(argc, argv);
+#endif
   std::fprintf(stderr, "combs-bench: unknown subcommand '%s'\n%s", argv[1], usage);
   return 2;
 }

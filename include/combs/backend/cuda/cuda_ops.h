@@ -31,6 +31,9 @@ Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const f
 Status rope(CudaBackend& b, float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
             const float* inv_freq, bool adjacent_pairs);
 
+// dst[i, :] = src[rows[i], :] for n rows of dim f32 (rows on the device).
+Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_t n, int64_t dim, float* dst);
+
 // gate[i] = silu(gate[i]) * up[i].
 Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n);
 

@@ -1,0 +1,49 @@
+// CudaRunner: the transformer forward on one NVIDIA GPU (combs_cuda). The same computation as the
+// CPU Runner, on device memory: weights copied to the device at create (F32/F16/BF16 as they are;
+// Q8_0 dequantized to BF16 once, so every matmul is a cuBLAS tensor-core GEMM — Q8_0 saves disk
+// and host memory, not GPU bandwidth), activations f32, the KV caches' pages on the device, the
+// residual add fused into the next RMSNorm, attention through attention_batch() (the CUDA kernels).
+// Only the logits cross to the host.
+#pragma once
+
+#include <memory>
+
+#include "combs/backend/cuda/cuda_backend.h"
+#include "combs/model/runner.h"
+
+namespace combs {
+
+struct CudaRunnerOptions {
+  int device = 0;
+};
+
+class CudaRunner final : public ModelRunner {
+ public:
+  // The model must outlive the runner. UNAVAILABLE without a GPU; RESOURCE_EXHAUSTED when the
+  // weights do not fit.
+  static StatusOr<std::unique_ptr<CudaRunner>> create(const Model& model, CudaRunnerOptions options = {});
+  ~CudaRunner() override;
+
+  Status forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options = {}) override;
+  Backend& backend() override;
+  const Model& model() const override { return *model_; }
+  CudaBackend& cuda();
+
+ private:
+  struct Impl;
+  explicit CudaRunner(const Model& model, std::unique_ptr<Impl> impl);
+  const Model* model_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace combs
+
+namespace combs {
+// For EngineOptions::make_runner: a CudaRunner on `device`.
+inline auto make_cuda_runner(int device = 0) {
+  return [device](const Model& m) -> StatusOr<std::unique_ptr<ModelRunner>> {
+    COMBS_ASSIGN_OR_RETURN(auto r, CudaRunner::create(m, {.device = device}));
+    return std::unique_ptr<ModelRunner>(std::move(r));
+  };
+}
+}  // namespace combs

@@ -1,0 +1,396 @@
+// CUDA kernels of attention_batch(): K/V append into the pages, and paged attention that reads
+// K/V where they lie (no gather) for ragged batches.
+//
+// Attention ("flash decoding" shape, used for decode and prefill alike): one thread block per
+// (token, KV head, split). The block loads the G = n_q / n_kv query heads of its GQA group once
+// and walks its share of the keys in tiles of 32, one tile per warp at a time: in QK each lane owns
+// a key (a K row is read once for all G heads), in PV each lane owns head_dim / 32 output
+// dimensions (V rows read coalesced); online softmax in f32 (exp2, log2e folded into the scale).
+// Long contexts split across blocks (split-KV) and merge by log-sum-exp in a second kernel.
+// COMBS_ATTN=manual runs a simple reference instead (scores in global memory, softmax, P@V).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "combs/backend/cuda/cuda_backend.h"
+#include "combs/kv/cuda/cuda_attention.h"
+#include "kv/device_attention.h"
+
+namespace combs {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// One sequence as the kernels see it (uploaded per call).
+struct SeqDev {
+  const void* k;
+  const void* v;
+  int64_t page_stride, head_stride;  // elements
+  int32_t page_size, table_off;      // table_off: its page table in the tables array
+  int32_t row, pos, n_new, pad;
+};
+
+__device__ inline float load_f32(const float* p) { return *p; }
+__device__ inline float load_f32(const __half* p) { return __half2float(*p); }
+__device__ inline float load_f32(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+template <typename T>
+__device__ inline T store_as(float v);
+template <>
+__device__ inline float store_as<float>(float v) { return v; }
+template <>
+__device__ inline __half store_as<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ inline __nv_bfloat16 store_as<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ inline int64_t kv_offset(const SeqDev& s, const int32_t* tables, int64_t p, int head, int hd) {
+  return static_cast<int64_t>(tables[s.table_off + p / s.page_size]) * s.page_stride + head * s.head_stride +
+         (p % s.page_size) * hd;
+}
+
+__device__ inline float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  return v;
+}
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+// grid (tokens, n_kv); block: head_dim threads (rounded up to a warp).
+template <typename T>
+__global__ void write_kv_kernel(const SeqDev* __restrict__ seqs, const int32_t* __restrict__ tok_seq,
+                                const int32_t* __restrict__ tables, const float* __restrict__ k,
+                                const float* __restrict__ v, int n_kv, int hd) {
+  const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+  if (d >= hd) return;
+  const SeqDev s = seqs[tok_seq[t]];
+  const int64_t p = s.pos + (t - s.row);
+  const int64_t off = kv_offset(s, tables, p, h, hd) + d;
+  const int64_t src = (static_cast<int64_t>(t) * n_kv + h) * hd + d;
+  static_cast<T*>(const_cast<void*>(s.k))[off] = store_as<T>(k[src]);
+  static_cast<T*>(const_cast<void*>(s.v))[off] = store_as<T>(v[src]);
+}
+
+// grid (tokens, n_kv, splits); block kWarps warps. HD: head_dim (a multiple of 32); G: query heads
+// per KV head. With splits == 1 writes out; else the split's unnormalized output and its (m, l).
+template <typename T, int HD, int G>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_kernel(const SeqDev* __restrict__ seqs, const int32_t* __restrict__ tok_seq,
+                     const int32_t* __restrict__ tables, const float* __restrict__ q, float* __restrict__ out,
+                     float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, float scale_log2) {
+  constexpr int E = HD / 32;  // output dims per lane
+  const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const SeqDev s = seqs[tok_seq[t]];
+  const int64_t ctx = s.pos + (t - s.row) + 1;  // causal: keys [0, ctx)
+  const int64_t chunk = ((ctx + splits - 1) / splits + 31) / 32 * 32;
+  const int64_t k0 = split * chunk, k1 = ctx < k0 + chunk ? ctx : k0 + chunk;
+  const int n_q = n_kv * G;
+
+  __shared__ float qs[G][HD];
+  __shared__ float sm[kWarps][G], sl[kWarps][G];
+  __shared__ float so[kWarps][G][HD];
+  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+    const int g = i / HD, d = i % HD;
+    qs[g][d] = q[(static_cast<int64_t>(t) * n_q + kvh * G + g) * HD + d] * scale_log2;
+  }
+  __syncthreads();
+
+  float m[G], l[G], acc[G][E];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
+  }
+  const T* K = static_cast<const T*>(s.k);
+  const T* V = static_cast<const T*>(s.v);
+  for (int64_t tile = k0 + warp * 32; tile < k1; tile += kWarps * 32) {
+    const int64_t key = tile + lane;
+    const bool valid = key < k1;
+    float sc[G];
+    if (valid) {
+      const T* kr = K + kv_offset(s, tables, key, kvh, HD);
+#pragma unroll
+      for (int g = 0; g < G; ++g) sc[g] = 0.0f;
+#pragma unroll 8
+      for (int d = 0; d < HD; ++d) {
+        const float kd = load_f32(kr + d);
+#pragma unroll
+        for (int g = 0; g < G; ++g) sc[g] += qs[g][d] * kd;
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < G; ++g) sc[g] = -INFINITY;
+    }
+    float p[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float m_new = fmaxf(m[g], warp_max(sc[g]));  // finite: the tile has a valid key
+      const float corr = exp2f(m[g] - m_new);           // 0 when m[g] was -inf
+      p[g] = valid ? exp2f(sc[g] - m_new) : 0.0f;
+      l[g] = l[g] * corr + warp_sum(p[g]);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+      m[g] = m_new;
+    }
+    const int n_keys = k1 - tile < 32 ? static_cast<int>(k1 - tile) : 32;
+    for (int j = 0; j < n_keys; ++j) {
+      const T* vr = V + kv_offset(s, tables, tile + j, kvh, HD) + lane * E;
+      float vv[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) vv[e] = load_f32(vr + e);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float pj = __shfl_sync(0xffffffff, p[g], j);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] += pj * vv[e];
+      }
+    }
+  }
+  // Merge the warps.
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) sm[warp][g] = m[g], sl[warp][g] = l[g];
+#pragma unroll
+    for (int e = 0; e < E; ++e) so[warp][g][lane * E + e] = acc[g][e];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+    const int g = i / HD, d = i % HD;
+    float M = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm[w][g]);
+    float L = 0.0f, O = 0.0f;
+    if (M != -INFINITY) {
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2f(sm[w][g] - M);  // 0 for a warp that saw no key
+        L += sl[w][g] * f;
+        O += so[w][g][d] * f;
+      }
+    }
+    const int64_t row = static_cast<int64_t>(t) * n_q + kvh * G + g;
+    if (splits == 1) {
+      out[row * HD + d] = O / L;
+    } else {
+      part_o[(row * splits + split) * HD + d] = O;
+      if (d == 0) {
+        part_ml[(row * splits + split) * 2] = M;
+        part_ml[(row * splits + split) * 2 + 1] = L;
+      }
+    }
+  }
+}
+
+// grid (tokens * n_q); block: head_dim threads. Log-sum-exp merge of the splits.
+__global__ void merge_splits_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                    float* __restrict__ out, int splits, int hd) {
+  const int64_t row = blockIdx.x;
+  const int d = threadIdx.x;
+  if (d >= hd) return;
+  float M = -INFINITY;
+  for (int sp = 0; sp < splits; ++sp) M = fmaxf(M, part_ml[(row * splits + sp) * 2]);
+  float L = 0.0f, O = 0.0f;
+  for (int sp = 0; sp < splits; ++sp) {
+    const float m = part_ml[(row * splits + sp) * 2];
+    if (m == -INFINITY) continue;  // an empty split
+    const float f = exp2f(m - M);
+    L += part_ml[(row * splits + sp) * 2 + 1] * f;
+    O += part_o[(row * splits + sp) * hd + d] * f;
+  }
+  out[row * hd + d] = O / L;
+}
+
+// The reference: grid (tokens, n_q); scores of one row in scratch [tokens, n_q, max_ctx].
+template <typename T>
+__global__ void manual_attention_kernel(const SeqDev* __restrict__ seqs, const int32_t* __restrict__ tok_seq,
+                                        const int32_t* __restrict__ tables, const float* __restrict__ q,
+                                        float* __restrict__ out, float* __restrict__ scores, int n_kv, int n_q, int hd,
+                                        int64_t max_ctx, float scale) {
+  const int t = blockIdx.x, h = blockIdx.y, kvh = h / (n_q / n_kv);
+  const SeqDev s = seqs[tok_seq[t]];
+  const int64_t ctx = s.pos + (t - s.row) + 1;
+  const float* qr = q + (static_cast<int64_t>(t) * n_q + h) * hd;
+  float* sc = scores + (static_cast<int64_t>(t) * n_q + h) * max_ctx;
+  const T* K = static_cast<const T*>(s.k);
+  const T* V = static_cast<const T*>(s.v);
+  __shared__ float red[256];
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < ctx; j += blockDim.x) {
+    const T* kr = K + kv_offset(s, tables, j, kvh, hd);
+    float dot = 0.0f;
+    for (int d = 0; d < hd; ++d) dot += qr[d] * load_f32(kr + d);
+    sc[j] = dot * scale;
+    mx = fmaxf(mx, sc[j]);
+  }
+  red[threadIdx.x] = mx;
+  __syncthreads();
+  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + o]);
+    __syncthreads();
+  }
+  mx = red[0];
+  __syncthreads();
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < ctx; j += blockDim.x) {
+    sc[j] = expf(sc[j] - mx);
+    sum += sc[j];
+  }
+  red[threadIdx.x] = sum;
+  __syncthreads();
+  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
+    __syncthreads();
+  }
+  sum = red[0];
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float o = 0.0f;
+    for (int64_t j = 0; j < ctx; ++j) o += sc[j] * load_f32(V + kv_offset(s, tables, j, kvh, hd) + d);
+    out[(static_cast<int64_t>(t) * n_q + h) * hd + d] = o / sum;
+  }
+}
+
+template <typename T, int HD, int G>
+void launch_attention(dim3 grid, cudaStream_t st, const SeqDev* seqs, const int32_t* tok_seq, const int32_t* tables,
+                      const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2) {
+  attention_kernel<T, HD, G><<<grid, kWarps * 32, 0, st>>>(seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv,
+                                                           scale_log2);
+}
+
+template <typename T, int HD>
+bool dispatch_g(int G, dim3 grid, cudaStream_t st, const SeqDev* seqs, const int32_t* tok_seq, const int32_t* tables,
+                const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2) {
+  switch (G) {
+    case 1: launch_attention<T, HD, 1>(grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2); return true;
+    case 2: launch_attention<T, HD, 2>(grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2); return true;
+    case 4: launch_attention<T, HD, 4>(grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2); return true;
+    case 8: launch_attention<T, HD, 8>(grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2); return true;
+    default: return false;
+  }
+}
+
+template <typename T>
+bool dispatch_hd(int HD, int G, dim3 grid, cudaStream_t st, const SeqDev* seqs, const int32_t* tok_seq,
+                 const int32_t* tables, const float* q, float* out, float* part_o, float* part_ml, int n_kv,
+                 float scale_log2) {
+  switch (HD) {
+    case 64: return dispatch_g<T, 64>(G, grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2);
+    case 128: return dispatch_g<T, 128>(G, grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2);
+    default: return false;
+  }
+}
+
+Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv, const Tensor& q, const Tensor& k,
+                      const Tensor& v, const Tensor* out, float scale, AttentionImpl impl) {
+  auto& b = static_cast<CudaBackend&>(backend);
+  auto st = static_cast<cudaStream_t>(b.stream());
+  if (k.dtype() != DType::kF32 || v.dtype() != DType::kF32 || (out && (q.dtype() != DType::kF32 || out->dtype() != DType::kF32))) {
+    return invalid_argument_error("attention (cuda): q, k, v and out must be f32");
+  }
+  const DType cache_dtype = work[0].kv.dtype;
+  const int hd = work[0].kv.head_dim;
+  const int64_t T_ = k.dim(0);
+  if (T_ == 0) return ok_status();
+  if (hd > 1024) return invalid_argument_error("attention (cuda): head_dim above 1024");
+  // Metadata: [SeqDev x S][tok_seq x T][page tables], uploaded at once (from pageable memory, so
+  // the host buffer is free again when the call returns).
+  thread_local std::vector<SeqDev> sd;
+  thread_local std::vector<int32_t> ints;  // tok_seq, then tables
+  sd.clear();
+  ints.assign(static_cast<size_t>(T_), 0);
+  int64_t max_ctx = 0;
+  for (size_t i = 0; i < work.size(); ++i) {
+    const SeqWork& w = work[i];
+    const int64_t end = w.pos + w.n_new;
+    const int64_t n_pages = (end + w.kv.page_size - 1) / w.kv.page_size;
+    SeqDev d{};
+    d.k = w.kv.k, d.v = w.kv.v, d.page_stride = w.kv.page_stride, d.head_stride = w.kv.head_stride;
+    d.page_size = static_cast<int32_t>(w.kv.page_size);
+    d.table_off = static_cast<int32_t>(ints.size() - static_cast<size_t>(T_));
+    d.row = static_cast<int32_t>(w.row), d.pos = static_cast<int32_t>(w.pos), d.n_new = static_cast<int32_t>(w.n_new);
+    sd.push_back(d);
+    for (int64_t r = w.row; r < w.row + w.n_new; ++r) ints[static_cast<size_t>(r)] = static_cast<int32_t>(i);
+    ints.insert(ints.end(), w.kv.page_table, w.kv.page_table + n_pages);
+    max_ctx = std::max(max_ctx, end);
+  }
+  const size_t sd_bytes = sd.size() * sizeof(SeqDev), int_bytes = ints.size() * sizeof(int32_t);
+  const int n_q = out ? static_cast<int>(q.dim(1)) : n_kv;
+  const int G = n_q / n_kv;
+  // Splits: enough blocks to fill the GPU (~2 waves on 132 SMs), each split at least 256 keys.
+  const int64_t base_blocks = T_ * n_kv;
+  int splits = 1;
+  if (out && impl == AttentionImpl::kFlash) {
+    splits = static_cast<int>(std::clamp<int64_t>((264 + base_blocks - 1) / base_blocks, 1, 32));
+    splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(1, max_ctx / 256)));
+  }
+  const size_t part_o_bytes = splits > 1 ? static_cast<size_t>(T_ * n_q * splits * hd) * 4 : 0;
+  const size_t part_ml_bytes = splits > 1 ? static_cast<size_t>(T_ * n_q * splits * 2) * 4 : 0;
+  const size_t manual_bytes = out && impl == AttentionImpl::kManual ? static_cast<size_t>(T_ * n_q * max_ctx) * 4 : 0;
+  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  const size_t total = align(sd_bytes) + align(int_bytes) + align(part_o_bytes) + align(part_ml_bytes) + manual_bytes;
+  COMBS_ASSIGN_OR_RETURN(void* scratch_v, b.scratch(total));
+  char* scratch = static_cast<char*>(scratch_v);
+  auto* d_seqs = reinterpret_cast<SeqDev*>(scratch);
+  auto* d_ints = reinterpret_cast<int32_t*>(scratch + align(sd_bytes));
+  float* part_o = reinterpret_cast<float*>(scratch + align(sd_bytes) + align(int_bytes));
+  float* part_ml = reinterpret_cast<float*>(reinterpret_cast<char*>(part_o) + align(part_o_bytes));
+  float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(part_ml) + align(part_ml_bytes));
+  COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_seqs, sd.data(), sd_bytes, cudaMemcpyHostToDevice, st));
+  COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ints, ints.data(), int_bytes, cudaMemcpyHostToDevice, st));
+  const int32_t* tok_seq = d_ints;
+  const int32_t* tables = d_ints + T_;
+
+  const dim3 wgrid(static_cast<unsigned>(T_), static_cast<unsigned>(n_kv));
+  const unsigned wthreads = static_cast<unsigned>((hd + 31) / 32 * 32);
+  switch (cache_dtype) {
+    case DType::kF32: write_kv_kernel<float><<<wgrid, wthreads, 0, st>>>(d_seqs, tok_seq, tables, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
+    case DType::kF16: write_kv_kernel<__half><<<wgrid, wthreads, 0, st>>>(d_seqs, tok_seq, tables, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
+    case DType::kBF16: write_kv_kernel<__nv_bfloat16><<<wgrid, wthreads, 0, st>>>(d_seqs, tok_seq, tables, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
+    default: return invalid_argument_error("attention (cuda): cache dtype must be f32, f16 or bf16");
+  }
+  COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (!out) return ok_status();
+
+  if (impl == AttentionImpl::kManual) {
+    const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(n_q));
+    switch (cache_dtype) {
+      case DType::kF32: manual_attention_kernel<float><<<grid, 256, 0, st>>>(d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
+      case DType::kF16: manual_attention_kernel<__half><<<grid, 256, 0, st>>>(d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
+      default: manual_attention_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
+    }
+    COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return ok_status();
+  }
+  const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(n_kv), static_cast<unsigned>(splits));
+  const float scale_log2 = scale * kLog2e;
+  bool ok;
+  switch (cache_dtype) {
+    case DType::kF32: ok = dispatch_hd<float>(hd, G, grid, st, d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
+    case DType::kF16: ok = dispatch_hd<__half>(hd, G, grid, st, d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
+    default: ok = dispatch_hd<__nv_bfloat16>(hd, G, grid, st, d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
+  }
+  if (!ok) {
+    return unimplemented_error("attention (cuda): head_dim " + std::to_string(hd) + " with " + std::to_string(G) +
+                               " query heads per KV head (kernels: head_dim 64 or 128, 1/2/4/8 heads per KV head; "
+                               "COMBS_ATTN=manual runs any)");
+  }
+  COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (splits > 1) {
+    merge_splits_kernel<<<static_cast<unsigned>(T_ * n_q), wthreads, 0, st>>>(part_o, part_ml, out->data_as<float>(),
+                                                                               splits, hd);
+    COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+void register_cuda_attention() { set_device_attention(DeviceType::kCuda, &cuda_attention); }
+
+}  // namespace combs

@@ -1,0 +1,222 @@
+#include "combs/model/cuda_runner.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "combs/backend/cpu/cpu_ops.h"
+#include "combs/backend/cuda/cuda_ops.h"
+#include "combs/kv/cuda/cuda_attention.h"
+
+namespace combs {
+
+struct CudaRunner::Impl {
+  std::unique_ptr<CudaBackend> backend;
+  struct Layer {
+    Tensor attn_norm, wq, wk, wv, wo, bq, bk, bv, ffn_norm, w_gate, w_up, w_down;
+  };
+  Tensor tok_embd, output_norm, output, inv_freq;
+  std::vector<Layer> layers;
+  // Activations, grown to the largest batch seen.
+  int64_t capacity = 0, logit_rows = 0;
+  Tensor x, h, q, k, v, att, delta, gate, up, last, logits, ints;
+  std::vector<int32_t> host_ints;  // tokens, positions, output rows
+  std::vector<SeqAttention> batch;
+};
+
+namespace {
+
+// A device copy of a host weight: F32/F16/BF16 as they are, Q8_0 as BF16.
+StatusOr<Tensor> upload(CudaBackend& b, const Tensor& w) {
+  if (!w.defined()) return Tensor();
+  if (w.dtype() != DType::kQ8_0) {
+    COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc(w.shape(), w.dtype()));
+    COMBS_RETURN_IF_ERROR(b.copy(w, d));
+    return d;
+  }
+  const int64_t n = w.numel();
+  std::vector<float> f(static_cast<size_t>(n));
+  cpu::dequantize_row(w.data(), DType::kQ8_0, f.data(), n);
+  std::vector<uint16_t> bf(static_cast<size_t>(n));
+  cpu::quantize_row(f.data(), DType::kBF16, bf.data(), n);
+  COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc(w.shape(), DType::kBF16));
+  COMBS_RETURN_IF_ERROR(b.copy(Tensor::wrap(bf.data(), w.shape(), DType::kBF16), d));
+  return d;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, CudaRunnerOptions options) {
+  auto impl = std::make_unique<Impl>();
+  COMBS_ASSIGN_OR_RETURN(impl->backend, CudaBackend::create({.device = options.device}));
+  register_cuda_attention();
+  CudaBackend& b = *impl->backend;
+  const ModelConfig& c = model.config();
+  COMBS_ASSIGN_OR_RETURN(impl->tok_embd, upload(b, model.tok_embd));
+  COMBS_ASSIGN_OR_RETURN(impl->output_norm, upload(b, model.output_norm));
+  if (model.output.data() == model.tok_embd.data()) {
+    impl->output = impl->tok_embd;  // tied
+  } else {
+    COMBS_ASSIGN_OR_RETURN(impl->output, upload(b, model.output));
+  }
+  for (const LayerWeights& w : model.layers) {
+    Impl::Layer l;
+    COMBS_ASSIGN_OR_RETURN(l.attn_norm, upload(b, w.attn_norm));
+    COMBS_ASSIGN_OR_RETURN(l.wq, upload(b, w.wq));
+    COMBS_ASSIGN_OR_RETURN(l.wk, upload(b, w.wk));
+    COMBS_ASSIGN_OR_RETURN(l.wv, upload(b, w.wv));
+    COMBS_ASSIGN_OR_RETURN(l.wo, upload(b, w.wo));
+    COMBS_ASSIGN_OR_RETURN(l.bq, upload(b, w.bq));
+    COMBS_ASSIGN_OR_RETURN(l.bk, upload(b, w.bk));
+    COMBS_ASSIGN_OR_RETURN(l.bv, upload(b, w.bv));
+    COMBS_ASSIGN_OR_RETURN(l.ffn_norm, upload(b, w.ffn_norm));
+    COMBS_ASSIGN_OR_RETURN(l.w_gate, upload(b, w.w_gate));
+    COMBS_ASSIGN_OR_RETURN(l.w_up, upload(b, w.w_up));
+    COMBS_ASSIGN_OR_RETURN(l.w_down, upload(b, w.w_down));
+    impl->layers.push_back(std::move(l));
+  }
+  std::vector<float> inv_freq(static_cast<size_t>(c.rope_dim / 2));
+  cpu::rope_inv_freq(c.rope_dim, c.rope_freq_base,
+                     model.rope_freqs.defined() ? model.rope_freqs.data_as<float>() : nullptr, inv_freq.data());
+  COMBS_ASSIGN_OR_RETURN(impl->inv_freq, upload(b, Tensor::wrap(inv_freq.data(), Shape{c.rope_dim / 2}, DType::kF32)));
+  return std::unique_ptr<CudaRunner>(new CudaRunner(model, std::move(impl)));
+}
+
+CudaRunner::CudaRunner(const Model& model, std::unique_ptr<Impl> impl) : model_(&model), impl_(std::move(impl)) {}
+CudaRunner::~CudaRunner() = default;
+Backend& CudaRunner::backend() { return *impl_->backend; }
+CudaBackend& CudaRunner::cuda() { return *impl_->backend; }
+
+Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options) {
+  const Model& m = *model_;
+  const ModelConfig& c = m.config();
+  Impl& I = *impl_;
+  CudaBackend& b = *I.backend;
+  if (seqs.empty()) return ok_status();
+  int64_t total = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const SequenceInput& in = seqs[s];
+    auto which = [s] { return "forward: sequence " + std::to_string(s); };
+    if (in.cache == nullptr) return invalid_argument_error(which() + ": no cache");
+    const KVGeometry& g = in.cache->geometry();
+    if (g.num_layers != c.n_layers || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim) {
+      return invalid_argument_error(which() + ": the cache's geometry is not this model's");
+    }
+    if (&in.cache->backend() != &b) return invalid_argument_error(which() + ": the cache is not on this runner's GPU");
+    if (in.tokens.empty()) return invalid_argument_error(which() + ": no tokens");
+    for (int32_t t : in.tokens) {
+      if (t < 0 || t >= c.n_vocab) {
+        return invalid_argument_error(which() + ": token id " + std::to_string(t) + " is outside the vocabulary [0, " +
+                                      std::to_string(c.n_vocab) + ")");
+      }
+    }
+    total += static_cast<int64_t>(in.tokens.size());
+  }
+  const int64_t e = c.n_embd, hd = c.head_dim, nq = c.n_heads, nkv = c.n_kv_heads, ff = c.n_ff;
+  const int64_t n_out = options.all_logits ? total : static_cast<int64_t>(seqs.size());
+  if (total > I.capacity) {
+    const int64_t cap = std::max<int64_t>(total, 2 * I.capacity);
+    COMBS_ASSIGN_OR_RETURN(I.x, b.alloc({cap, e}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.h, b.alloc({cap, e}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.delta, b.alloc({cap, e}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.q, b.alloc({cap, nq * hd}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.att, b.alloc({cap, nq * hd}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.k, b.alloc({cap, nkv * hd}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.v, b.alloc({cap, nkv * hd}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.gate, b.alloc({cap, ff}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.up, b.alloc({cap, ff}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.last, b.alloc({cap, e}, DType::kF32));
+    COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({3 * cap}, DType::kF32));  // int32: tokens, positions, rows
+    I.capacity = cap;
+  }
+  if (n_out > I.logit_rows) {
+    COMBS_ASSIGN_OR_RETURN(I.logits, b.alloc({n_out, static_cast<int64_t>(c.n_vocab)}, DType::kF32));
+    I.logit_rows = n_out;
+  }
+  // Tokens, positions and the rows whose logits are wanted: one upload.
+  I.host_ints.assign(static_cast<size_t>(2 * total + n_out), 0);
+  I.batch.clear();
+  int64_t row = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const SequenceInput& in = seqs[s];
+    const int64_t pos = in.cache->seq_len();
+    I.batch.push_back({in.cache, pos, static_cast<int64_t>(in.tokens.size())});
+    for (size_t i = 0; i < in.tokens.size(); ++i, ++row) {
+      I.host_ints[static_cast<size_t>(row)] = in.tokens[i];
+      I.host_ints[static_cast<size_t>(total + row)] = static_cast<int32_t>(pos + static_cast<int64_t>(i));
+      if (options.all_logits) I.host_ints[static_cast<size_t>(2 * total + row)] = static_cast<int32_t>(row);
+    }
+    if (!options.all_logits) I.host_ints[static_cast<size_t>(2 * total + s)] = static_cast<int32_t>(row - 1);
+  }
+  auto st = static_cast<cudaStream_t>(b.stream());
+  int32_t* d_ints = I.ints.data_as<int32_t>();
+  COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ints, I.host_ints.data(), I.host_ints.size() * 4,
+                                             cudaMemcpyHostToDevice, st));
+  const int32_t* d_tokens = d_ints;
+  const int32_t* d_pos = d_ints + total;
+  const int32_t* d_rows = d_ints + 2 * total;
+
+  float* x = I.x.data_as<float>();
+  float* h = I.h.data_as<float>();
+  float* delta = I.delta.data_as<float>();
+  float* q = I.q.data_as<float>();
+  float* k = I.k.data_as<float>();
+  float* v = I.v.data_as<float>();
+  float* att = I.att.data_as<float>();
+  const Tensor q_t = Tensor::wrap(q, {total, nq, hd}, DType::kF32, DeviceType::kCuda);
+  const Tensor k_t = Tensor::wrap(k, {total, nkv, hd}, DType::kF32, DeviceType::kCuda);
+  const Tensor v_t = Tensor::wrap(v, {total, nkv, hd}, DType::kF32, DeviceType::kCuda);
+  const Tensor att_t = Tensor::wrap(att, {total, nq, hd}, DType::kF32, DeviceType::kCuda);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const bool adjacent = c.rope_style == RopeStyle::kAdjacent;
+  auto bias = [](const Tensor& t) { return t.defined() ? t.data_as<float>() : nullptr; };
+  const float* inv_freq = I.inv_freq.data_as<float>();
+
+  // Everything after the first attention call has changed the caches: undo on error.
+  bool appended = false;
+  auto fail = [&](const Status& s) {
+    if (appended) {
+      b.synchronize().ignore();
+      for (const SeqAttention& sa : I.batch) sa.cache->popn(sa.cache->seq_len() - sa.pos);
+    }
+    return s;
+  };
+#define COMBS_FORWARD_STEP(expr)          \
+  do {                                    \
+    if (Status s_ = (expr); !s_.ok()) return fail(s_); \
+  } while (0)
+
+  COMBS_FORWARD_STEP(cuda::embedding(b, I.tok_embd, d_tokens, total, x));
+  for (int l = 0; l < c.n_layers; ++l) {
+    const Impl::Layer& w = I.layers[static_cast<size_t>(l)];
+    // The previous layer's MLP output joins the residual here, fused with this layer's norm.
+    COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps));
+    COMBS_FORWARD_STEP(cuda::matmul(b, w.wq, h, total, q, bias(w.bq)));
+    COMBS_FORWARD_STEP(cuda::matmul(b, w.wk, h, total, k, bias(w.bk)));
+    COMBS_FORWARD_STEP(cuda::matmul(b, w.wv, h, total, v, bias(w.bv)));
+    COMBS_FORWARD_STEP(cuda::rope(b, q, d_pos, total, c.n_heads, c.head_dim, c.rope_dim, inv_freq, adjacent));
+    COMBS_FORWARD_STEP(cuda::rope(b, k, d_pos, total, c.n_kv_heads, c.head_dim, c.rope_dim, inv_freq, adjacent));
+    COMBS_FORWARD_STEP(attention_batch(I.batch, l, q_t, k_t, v_t, scale, &att_t));
+    appended = true;
+    COMBS_FORWARD_STEP(cuda::matmul(b, w.wo, att, total, delta));
+    COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
+    COMBS_FORWARD_STEP(cuda::matmul(b, w.w_gate, h, total, I.gate.data_as<float>()));
+    COMBS_FORWARD_STEP(cuda::matmul(b, w.w_up, h, total, I.up.data_as<float>()));
+    COMBS_FORWARD_STEP(cuda::silu_mul(b, I.gate.data_as<float>(), I.up.data_as<float>(), total * ff));
+    COMBS_FORWARD_STEP(cuda::matmul(b, w.w_down, I.gate.data_as<float>(), total, delta));
+  }
+  // The last residual add, the wanted rows, the final norm and the logits.
+  COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
+  COMBS_FORWARD_STEP(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
+  COMBS_FORWARD_STEP(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
+  COMBS_FORWARD_STEP(cuda::cuda_status(cudaMemcpyAsync(logits, I.logits.data(), static_cast<size_t>(n_out * c.n_vocab) * 4,
+                                                       cudaMemcpyDeviceToHost, st),
+                                       "cudaMemcpyAsync(logits)"));
+  COMBS_FORWARD_STEP(b.synchronize());
+#undef COMBS_FORWARD_STEP
+  return ok_status();
+}
+
+}  // namespace combs

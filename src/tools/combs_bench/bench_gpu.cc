@@ -1,0 +1,211 @@
+// combs-bench gpu: the CUDA backend on random-weight models — one-session decode, prefill, many
+// sessions decoding together — and paged vs contiguous decode attention, each against the bound
+// measured in the same run (device-to-device copy bandwidth; bytes of weights or K/V read).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+
+#include "bench.h"
+#include "combs/backend/cuda/cuda_backend.h"
+#include "combs/kv/contiguous_kv_cache.h"
+#include "combs/kv/cuda/cuda_attention.h"
+#include "combs/kv/paged_kv_cache.h"
+#include "combs/model/cuda_runner.h"
+#include "combs/model/random_model.h"
+#include "common/flags.h"
+
+namespace combs::bench {
+namespace {
+
+// Device copy bandwidth (bytes read + written per second), median of reps, 1 GiB buffers.
+double copy_bandwidth(CudaBackend& b) {
+  const size_t bytes = size_t{1} << 30;
+  void *src = nullptr, *dst = nullptr;
+  if (cudaMalloc(&src, bytes) != cudaSuccess || cudaMalloc(&dst, bytes) != cudaSuccess) return 0;
+  auto st = static_cast<cudaStream_t>(b.stream());
+  std::vector<double> v;
+  for (int r = 0; r < 6; ++r) {
+    cudaStreamSynchronize(st);
+    const double t0 = now_seconds();
+    cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st);
+    cudaStreamSynchronize(st);
+    if (r > 0) v.push_back(2.0 * bytes / (now_seconds() - t0));
+  }
+  cudaFree(src);
+  cudaFree(dst);
+  return median(v);
+}
+
+struct Run {
+  double prompt_tps = 0, decode_tps = 0;
+};
+
+// n_seqs sessions, each a prompt of `prompt` tokens (prefilled one session at a time), then
+// `gen` decode steps of all sessions together. Median over reps.
+StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, int reps) {
+  const ModelConfig& c = runner.model().config();
+  const int64_t ctx = prompt + gen + 1;
+  PagePoolOptions po{c.kv_geometry(DType::kBF16), 16, pages_for_tokens(ctx, 16) * n_seqs + 16};
+  COMBS_ASSIGN_OR_RETURN(auto pool, PagePool::create(runner.backend(), po));
+  std::vector<float> logits(static_cast<size_t>(n_seqs) * c.n_vocab);
+  std::vector<int32_t> tokens(prompt);
+  for (int i = 0; i < prompt; ++i) tokens[i] = (i * 7919 + 13) % c.n_vocab;
+  std::vector<double> tp, td;
+  for (int r = 0; r < reps + 1; ++r) {  // the first round warms up
+    std::vector<std::unique_ptr<PagedKVCache>> caches;
+    double t_prompt = 0;
+    for (int s = 0; s < n_seqs; ++s) {
+      COMBS_ASSIGN_OR_RETURN(auto cache, PagedKVCache::create(*pool, ctx));
+      const SequenceInput in{cache.get(), tokens};
+      const double t0 = now_seconds();
+      COMBS_RETURN_IF_ERROR(runner.forward({&in, 1}, logits.data()));
+      t_prompt += now_seconds() - t0;
+      caches.push_back(std::move(cache));
+    }
+    std::vector<int32_t> next(n_seqs);
+    std::vector<SequenceInput> batch(n_seqs);
+    const double t0 = now_seconds();
+    for (int i = 0; i < gen; ++i) {
+      for (int s = 0; s < n_seqs; ++s) {
+        next[s] = static_cast<int32_t>((i * 31 + s * 7 + 7) % c.n_vocab);
+        batch[s] = {caches[s].get(), {&next[s], 1}};
+      }
+      COMBS_RETURN_IF_ERROR(runner.forward(batch, logits.data()));
+    }
+    const double dt = now_seconds() - t0;
+    if (r > 0) {
+      tp.push_back(double(prompt) * n_seqs / t_prompt);
+      td.push_back(double(gen) * n_seqs / dt);
+    }
+  }
+  return Run{median(tp), median(td)};
+}
+
+// Decode attention alone: one token over `ctx` keys for n_seqs sequences, 32 query / 8 KV heads,
+// head_dim 128, BF16 K/V; GB/s of K/V read, paged (page 16) and contiguous.
+StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, int n_seqs) {
+  const KVGeometry g{1, 8, 128, DType::kBF16};
+  const int nq = 32;
+  COMBS_ASSIGN_OR_RETURN(auto pool, PagePool::create(b, {g, 16, pages_for_tokens(ctx + 1, 16) * n_seqs}));
+  std::vector<std::unique_ptr<KVCache>> paged, flat;
+  for (int s = 0; s < n_seqs; ++s) {
+    COMBS_ASSIGN_OR_RETURN(auto p, PagedKVCache::create(*pool, ctx + 1));
+    COMBS_ASSIGN_OR_RETURN(auto f, ContiguousKVCache::create(b, g, ctx + 1));
+    paged.push_back(std::move(p));
+    flat.push_back(std::move(f));
+  }
+  // Fill: append ctx positions (values do not matter for speed; zeros).
+  const int64_t chunk = 4096;
+  COMBS_ASSIGN_OR_RETURN(Tensor kv, b.alloc({chunk, 8, 128}, DType::kF32));
+  COMBS_RETURN_IF_ERROR(b.zero(kv));
+  for (auto* set : {&paged, &flat}) {
+    for (auto& cache : *set) {
+      for (int64_t p = 0; p < ctx; p += chunk) {
+        const int64_t n = std::min(chunk, ctx - p);
+        const Tensor part = kv.rows(0, n);
+        COMBS_RETURN_IF_ERROR(cache->append(0, part, part, p));
+      }
+    }
+  }
+  COMBS_ASSIGN_OR_RETURN(Tensor q, b.alloc({n_seqs, nq, 128}, DType::kF32));
+  COMBS_ASSIGN_OR_RETURN(Tensor out, b.alloc({n_seqs, nq, 128}, DType::kF32));
+  COMBS_ASSIGN_OR_RETURN(Tensor k1, b.alloc({n_seqs, 8, 128}, DType::kF32));
+  COMBS_RETURN_IF_ERROR(b.zero(q));
+  COMBS_RETURN_IF_ERROR(b.zero(k1));
+  auto time = [&](std::vector<std::unique_ptr<KVCache>>& set) -> StatusOr<double> {
+    std::vector<double> v;
+    for (int r = 0; r < 12; ++r) {
+      std::vector<SeqAttention> batch;
+      for (auto& c : set) batch.push_back({c.get(), ctx, 1});
+      COMBS_RETURN_IF_ERROR(b.synchronize());
+      const double t0 = now_seconds();
+      COMBS_RETURN_IF_ERROR(attention_batch(batch, 0, q, k1, k1, 0.088f, &out));
+      COMBS_RETURN_IF_ERROR(b.synchronize());
+      if (r > 1) v.push_back(now_seconds() - t0);
+      for (auto& c : set) c->popn(1);
+    }
+    const double bytes = 2.0 * (ctx + 1) * 8 * 128 * 2 * n_seqs;  // K and V, bf16
+    return bytes / median(v) / 1e9;
+  };
+  COMBS_ASSIGN_OR_RETURN(double paged_gbs, time(paged));
+  COMBS_ASSIGN_OR_RETURN(double flat_gbs, time(flat));
+  return std::make_pair(paged_gbs, flat_gbs);
+}
+
+}  // namespace
+
+int run_gpu(int argc, char** argv) {
+  tools::Flags flags("combs-bench gpu", {{"shapes", "llama-1b"}, {"dir", "/tmp/combs-bench-models"}, {"reps", "3"},
+                                         {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"}});
+  if (!flags.parse(argc, argv, 2)) return 2;
+  if (flags.help_requested()) {
+    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N]");
+    return 0;
+  }
+  long long reps, sessions;
+  std::vector<long long> contexts;
+  if (!flags.integer("reps", &reps, 1, 100) || !flags.integer("sessions", &sessions, 1, 4096) ||
+      !flags.ints("attention-contexts", &contexts)) {
+    return 2;
+  }
+  auto backend = CudaBackend::create();
+  if (!backend.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", backend.status().to_string().c_str()), 1;
+  register_cuda_attention();
+  const double bw = copy_bandwidth(**backend);
+  std::printf("# combs-bench gpu on %s: device copy bandwidth %.0f GB/s (read + write), median of %lld\n\n",
+              (*backend)->description().c_str(), bw / 1e9, reps);
+  std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | prefill tok/s "
+              "(2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |\n|---|---|---|---|---|---|---|\n",
+              sessions);
+  std::error_code ec;
+  std::filesystem::create_directories(flags.str("dir"), ec);
+  std::string csv = flags.str("shapes");
+  for (size_t start = 0; start <= csv.size();) {
+    const size_t end = std::min(csv.find(',', start), csv.size());
+    const std::string shape = csv.substr(start, end - start);
+    start = end + 1;
+    if (shape.empty()) continue;
+    const std::string path = flags.str("dir") + "/" + shape + "-bf16.gguf";
+    if (!std::filesystem::exists(path)) {
+      RandomModelOptions o;
+      auto sh = named_shape(shape);
+      if (!sh.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", sh.status().to_string().c_str()), 2;
+      o.shape = *sh;
+      o.dtype = DType::kBF16;
+      if (Status s = write_random_model(o, path); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
+    }
+    auto model = Model::load(path);
+    if (!model.ok()) return std::fprintf(stderr, "%s\n", model.status().to_string().c_str()), 1;
+    auto runner = CudaRunner::create(**model);
+    if (!runner.ok()) return std::fprintf(stderr, "%s\n", runner.status().to_string().c_str()), 1;
+    const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
+    auto one = run_sessions(**runner, 1, 128, 256, int(reps));
+    auto prefill = run_sessions(**runner, 1, 2048, 1, int(reps));
+    auto many = run_sessions(**runner, int(sessions), 1024, 128, int(reps));
+    if (!one.ok() || !prefill.ok() || !many.ok()) {
+      std::fprintf(stderr, "combs-bench gpu: %s\n",
+                   (!one.ok() ? one.status() : !prefill.ok() ? prefill.status() : many.status()).to_string().c_str());
+      return 1;
+    }
+    const double bound = bw / bytes;
+    std::printf("| %s | %.2f GB | %.0f | %.0f | %.2f | %.0f | %.0f |\n", shape.c_str(), bytes / 1e9, bound,
+                one->decode_tps, one->decode_tps / bound, prefill->prompt_tps, many->decode_tps);
+    std::fflush(stdout);
+  }
+  std::printf("\n| decode attention (32 q / 8 kv heads, hd 128, bf16) | sequences | paged GB/s | contiguous GB/s | "
+              "paged / contiguous time | paged / copy bandwidth |\n|---|---|---|---|---|---|\n");
+  for (long long ctx : contexts) {
+    for (int n : {1, 16}) {
+      auto r = attention_gbs(**backend, ctx, n);
+      if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
+      std::printf("| context %lld | %d | %.0f | %.0f | %.2f | %.2f |\n", ctx, n, r->first, r->second,
+                  r->second / r->first, r->first * 1e9 / bw);
+    }
+  }
+  return 0;
+}
+
+}  // namespace combs::bench

@@ -1,0 +1,158 @@
+// Paged attention on the GPU against the CPU's (checked against float64 in tests/kv) and against
+// a contiguous GPU cache, over ragged batches of prefill chunks and decodes: page sizes 16 and 32,
+// GQA ratios 1 to 8, head_dim 64 and 128, f16/bf16/f32 caches, contexts up to 32k (split-KV), and
+// the manual reference path. [cuda]: skipped (and saying so) without a GPU.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+
+#include "combs/backend/cpu/cpu_backend.h"
+#include "combs/backend/cuda/cuda_backend.h"
+#include "combs/kv/contiguous_kv_cache.h"
+#include "combs/kv/cuda/cuda_attention.h"
+#include "combs/kv/paged_kv_cache.h"
+#include "combs/kv/page_pool.h"
+#include "support/random.h"
+
+using namespace combs;
+
+namespace {
+
+std::unique_ptr<CudaBackend> gpu_or_skip() {
+  if (CudaBackend::device_count() == 0) {
+    WARN("no CUDA device: [cuda] test skipped");
+    std::fprintf(stderr, "combs_cuda_tests: no CUDA device: [cuda] test skipped\n");
+    return nullptr;
+  }
+  register_cuda_attention();
+  auto b = CudaBackend::create();
+  REQUIRE(b.ok());
+  return std::move(b).value();
+}
+
+Tensor to_device(CudaBackend& b, std::vector<float>& host, Shape shape) {
+  Tensor t = b.alloc(shape, DType::kF32).value();
+  REQUIRE(b.copy(Tensor::wrap(host.data(), shape, DType::kF32), t).ok());
+  return t;
+}
+std::vector<float> to_host(CudaBackend& b, const Tensor& t) {
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  REQUIRE(b.copy(t, Tensor::wrap(out.data(), t.shape(), DType::kF32)).ok());
+  return out;
+}
+
+// max |a - b| / max |b|; infinite when a holds a NaN.
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 1e-6;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    diff = std::max(diff, std::abs(double(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(double(b[i])));
+  }
+  return diff / scale;
+}
+
+struct Case {
+  int page_size, n_kv, group, head_dim;
+  DType dtype;
+  std::vector<std::pair<int64_t, int64_t>> seqs;  // (cached prefix, new tokens)
+};
+
+// Runs one batched call on CPU paged caches, GPU paged caches (flash and manual) and GPU
+// contiguous caches fed the same K/V, and compares the outputs.
+void run_case(CudaBackend& gpu, const Case& c, uint64_t seed) {
+  CpuBackend cpu;
+  testing::Rng rng(seed);
+  const KVGeometry g{1, c.n_kv, c.head_dim, c.dtype};
+  int64_t pages = 0, max_len = 0;
+  for (auto [pre, n] : c.seqs) {
+    pages += (pre + n + c.page_size - 1) / c.page_size + 1;
+    max_len = std::max(max_len, pre + n);
+  }
+  auto cpu_pool = PagePool::create(cpu, {g, c.page_size, pages}).value();
+  auto gpu_pool = PagePool::create(gpu, {g, c.page_size, pages}).value();
+  std::vector<std::unique_ptr<KVCache>> cpu_caches, gpu_caches, contiguous;
+  for (size_t i = 0; i < c.seqs.size(); ++i) {
+    cpu_caches.push_back(PagedKVCache::create(*cpu_pool, max_len).value());
+    gpu_caches.push_back(PagedKVCache::create(*gpu_pool, max_len).value());
+    contiguous.push_back(ContiguousKVCache::create(gpu, g, max_len).value());
+  }
+  const int n_q = c.n_kv * c.group;
+  // The prefixes: appended in one append-only batched call per cache set.
+  auto batched = [&](std::vector<std::unique_ptr<KVCache>>& caches, bool prefix, Backend* dev,
+                     std::vector<float>& q, std::vector<float>& k, std::vector<float>& v, int64_t tokens,
+                     AttentionImpl impl) -> std::vector<float> {
+    std::vector<SeqAttention> batch;
+    for (size_t i = 0; i < caches.size(); ++i) {
+      const auto [pre, n] = c.seqs[i];
+      batch.push_back({caches[i].get(), prefix ? 0 : pre, prefix ? pre : n});
+    }
+    const Shape qs{tokens, n_q, c.head_dim}, ks{tokens, c.n_kv, c.head_dim};
+    if (dev == nullptr) {
+      std::vector<float> out(static_cast<size_t>(tokens * n_q * c.head_dim));
+      Tensor ot = Tensor::wrap(out.data(), qs, DType::kF32);
+      REQUIRE(attention_batch(batch, 0, Tensor::wrap(q.data(), qs, DType::kF32), Tensor::wrap(k.data(), ks, DType::kF32),
+                              Tensor::wrap(v.data(), ks, DType::kF32), 0.125f, prefix ? nullptr : &ot, impl)
+                  .ok());
+      return out;
+    }
+    Tensor qd = prefix ? Tensor() : to_device(gpu, q, qs), kd = to_device(gpu, k, ks), vd = to_device(gpu, v, ks);
+    Tensor od = gpu.alloc(qs, DType::kF32).value();
+    const Status s = attention_batch(batch, 0, qd, kd, vd, 0.125f, prefix ? nullptr : &od, impl);
+    INFO(s.to_string());
+    REQUIRE(s.ok());
+    REQUIRE(gpu.synchronize().ok());
+    return prefix ? std::vector<float>() : to_host(gpu, od);
+  };
+  int64_t pre_tokens = 0, new_tokens = 0;
+  for (auto [pre, n] : c.seqs) pre_tokens += pre, new_tokens += n;
+  auto pk = rng.floats(static_cast<size_t>(pre_tokens * c.n_kv * c.head_dim)),
+       pv = rng.floats(static_cast<size_t>(pre_tokens * c.n_kv * c.head_dim));
+  std::vector<float> none;
+  if (pre_tokens > 0) {
+    batched(cpu_caches, true, nullptr, none, pk, pv, pre_tokens, AttentionImpl::kFlash);
+    batched(gpu_caches, true, &gpu, none, pk, pv, pre_tokens, AttentionImpl::kFlash);
+    batched(contiguous, true, &gpu, none, pk, pv, pre_tokens, AttentionImpl::kFlash);
+  }
+  auto q = rng.floats(static_cast<size_t>(new_tokens * n_q * c.head_dim)),
+       k = rng.floats(static_cast<size_t>(new_tokens * c.n_kv * c.head_dim)),
+       v = rng.floats(static_cast<size_t>(new_tokens * c.n_kv * c.head_dim));
+  const auto want = batched(cpu_caches, false, nullptr, q, k, v, new_tokens, AttentionImpl::kFlash);
+  const auto paged = batched(gpu_caches, false, &gpu, q, k, v, new_tokens, AttentionImpl::kFlash);
+  const auto flat = batched(contiguous, false, &gpu, q, k, v, new_tokens, AttentionImpl::kFlash);
+  CHECK(rel_err(paged, want) < 2e-4);
+  CHECK(rel_err(flat, paged) < 2e-5);
+  // The manual path on the GPU: roll the new tokens back and attend again.
+  for (size_t i = 0; i < gpu_caches.size(); ++i) gpu_caches[i]->popn(c.seqs[i].second);
+  const auto manual = batched(gpu_caches, false, &gpu, q, k, v, new_tokens, AttentionImpl::kManual);
+  CHECK(rel_err(manual, want) < 2e-4);
+}
+
+}  // namespace
+
+TEST_CASE("cuda paged attention matches the cpu and a contiguous cache over ragged batches", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  const std::vector<std::pair<int64_t, int64_t>> ragged = {{0, 37}, {100, 1}, {5, 20}, {1000, 1}, {300, 64}, {31, 1}};
+  uint64_t seed = 1;
+  for (int page_size : {16, 32}) {
+    for (int group : {1, 2, 4, 8}) {
+      for (int head_dim : {64, 128}) {
+        INFO("page " << page_size << " group " << group << " head_dim " << head_dim);
+        run_case(*gpu, {page_size, 2, group, head_dim, DType::kF16, ragged}, seed++);
+      }
+    }
+  }
+  for (DType dt : {DType::kBF16, DType::kF32}) {
+    INFO(dtype_name(dt));
+    run_case(*gpu, {16, 4, 4, 64, dt, ragged}, seed++);
+  }
+}
+
+TEST_CASE("cuda paged decode over a 32k context splits and merges correctly", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  run_case(*gpu, {16, 2, 4, 128, DType::kF16, {{32767, 1}}}, 99);
+  run_case(*gpu, {32, 8, 4, 64, DType::kBF16, {{16000, 1}, {9000, 1}, {20, 1}}}, 100);
+}

@@ -1,0 +1,148 @@
+// The model on the GPU against the CPU runner: greedy tokens of the tiny test models identical for
+// 64 tokens, logits close; and the engine on the GPU: rollback and fork behave as on the CPU.
+// [cuda]: skipped (and saying so) without a GPU.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <cstdio>
+
+#include "combs/backend/cuda/cuda_backend.h"
+#include "combs/engine/engine.h"
+#include "combs/model/cuda_runner.h"
+#include "support/model_helpers.h"
+
+using namespace combs;
+
+namespace {
+
+bool have_gpu() {
+  if (CudaBackend::device_count() > 0) return true;
+  WARN("no CUDA device: [cuda] test skipped");
+  std::fprintf(stderr, "combs_cuda_tests: no CUDA device: [cuda] test skipped\n");
+  return false;
+}
+
+int32_t argmax(const float* v, int n) { return static_cast<int32_t>(std::max_element(v, v + n) - v); }
+
+}  // namespace
+
+TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[cuda]") {
+  if (!have_gpu()) return;
+  for (auto [shape, dtype] : {std::pair<const char*, DType>{"tiny", DType::kF32}, {"tiny", DType::kBF16},
+                              {"tiny", DType::kF16}, {"qwen2-tiny", DType::kF32}, {"tiny", DType::kQ8_0}}) {
+    INFO(shape << " " << dtype_name(dtype));
+    testing::TinyModel cpu_model(shape, dtype);
+    auto gpu_runner = CudaRunner::create(*cpu_model.model);
+    REQUIRE(gpu_runner.ok());
+    CudaRunner& gpu = **gpu_runner;
+    const KVGeometry g = cpu_model.model->config().kv_geometry(DType::kF32);
+    auto gpu_pool = PagePool::create(gpu.backend(), {g, 16, 256}).value();
+    auto cpu_cache = cpu_model.cache();
+    auto gpu_cache = PagedKVCache::create(*gpu_pool, 1024).value();
+    const int V = cpu_model.n_vocab();
+    std::vector<float> lc(V), lg(V);
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 20; ++i) prompt.push_back((i * 37 + 11) % V);
+    std::vector<int32_t> cpu_tokens, gpu_tokens;
+    std::vector<int32_t> next_c = prompt, next_g = prompt;
+    double worst = 0;
+    for (int step = 0; step < 64; ++step) {
+      SequenceInput ci{cpu_cache.get(), next_c}, gi{gpu_cache.get(), next_g};
+      REQUIRE(cpu_model.runner->forward({&ci, 1}, lc.data()).ok());
+      REQUIRE(gpu.forward({&gi, 1}, lg.data()).ok());
+      double diff = 0, scale = 1e-6;
+      for (int i = 0; i < V; ++i) {
+        diff = std::max(diff, std::abs(double(lg[i]) - lc[i]));
+        scale = std::max(scale, std::abs(double(lc[i])));
+      }
+      worst = std::max(worst, diff / scale);
+      cpu_tokens.push_back(argmax(lc.data(), V));
+      gpu_tokens.push_back(argmax(lg.data(), V));
+      next_c = {cpu_tokens.back()};
+      next_g = {gpu_tokens.back()};
+    }
+    CHECK(gpu_tokens == cpu_tokens);
+    CHECK(worst < (dtype == DType::kF32 ? 1e-4 : 2e-2));
+    CHECK(gpu_cache->seq_len() == 20 + 63);
+  }
+}
+
+TEST_CASE("a batch on the cuda runner equals its sequences run alone and errors change nothing", "[cuda]") {
+  if (!have_gpu()) return;
+  testing::TinyModel m("tiny", DType::kBF16);
+  auto gpu = std::move(CudaRunner::create(*m.model)).value();
+  const KVGeometry g = m.model->config().kv_geometry(DType::kF16);
+  auto pool = PagePool::create(gpu->backend(), {g, 16, 512}).value();
+  const int V = m.n_vocab();
+  std::vector<std::vector<int32_t>> inputs = {{1, 2, 3, 4, 5, 6, 7}, {9}, {100, 200, 250}};
+  std::vector<std::unique_ptr<PagedKVCache>> together, alone;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    together.push_back(PagedKVCache::create(*pool, 512).value());
+    alone.push_back(PagedKVCache::create(*pool, 512).value());
+  }
+  std::vector<SequenceInput> batch;
+  for (size_t i = 0; i < inputs.size(); ++i) batch.push_back({together[i].get(), inputs[i]});
+  std::vector<float> lb(inputs.size() * V), la(V);
+  const Status s = gpu->forward(batch, lb.data());
+  INFO(s.to_string());
+  REQUIRE(s.ok());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    SequenceInput in{alone[i].get(), inputs[i]};
+    REQUIRE(gpu->forward({&in, 1}, la.data()).ok());
+    CHECK(argmax(la.data(), V) == argmax(lb.data() + i * V, V));
+    double diff = 0;
+    for (int j = 0; j < V; ++j) diff = std::max(diff, std::abs(double(la[j]) - lb[i * V + j]));
+    CHECK(diff < 5e-2);
+  }
+  // A bad token: INVALID_ARGUMENT, and no cache moved.
+  std::vector<int32_t> bad = {1, V};
+  SequenceInput in{together[0].get(), bad};
+  CHECK(gpu->forward({&in, 1}, la.data()).code() == StatusCode::kInvalidArgument);
+  CHECK(together[0]->seq_len() == 7);
+}
+
+TEST_CASE("the engine on the gpu rolls back and forks as on the cpu", "[cuda]") {
+  if (!have_gpu()) return;
+  testing::TinyModel m("tiny", DType::kBF16);
+  auto model = Model::load(m.path);
+  REQUIRE(model.ok());
+  EngineOptions eo;
+  eo.kv_memory_bytes = 64 << 20;
+  eo.make_runner = make_cuda_runner(0);
+  auto engine = Engine::create(std::move(model).value(), eo);
+  REQUIRE(engine.ok());
+  Engine& e = **engine;
+  auto run = [&](const SessionId& id, std::vector<int32_t> input, int n) {
+    GenerateRequest r;
+    r.input = std::move(input);
+    r.max_tokens = n;
+    r.sampling = SamplingParams{};
+    r.sampling->temperature = 0.0f;
+    r.ignore_eos = true;
+    std::vector<int32_t> out;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    auto h = e.generate(id, std::move(r), [&](const GenerateEvent& ev) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (ev.type == GenerateEvent::Type::kToken) out.push_back(ev.token);
+      else done = true;
+      cv.notify_all();
+    });
+    REQUIRE(h.ok());
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+    return out;
+  };
+  const SessionId s = e.create_session().value();
+  const auto first = run(s, {1, 2, 3, 4, 5}, 24);
+  REQUIRE(first.size() == 24);
+  CHECK(e.rollback(s, 10).value() == 5 + 14);
+  const auto again = run(s, {}, 10);
+  CHECK(again == std::vector<int32_t>(first.end() - 10, first.end()));
+  const SessionId child = e.fork(s).value();
+  CHECK(run(child, {7}, 12) == run(s, {7}, 12));
+  CHECK(e.check_invariants().ok());
+}
