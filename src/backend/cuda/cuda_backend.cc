@@ -1,6 +1,8 @@
 #include "combs/backend/cuda/cuda_backend.h"
 
 #include <cstdio>
+#include <cstring>
+#include <vector>
 
 #include "cuda_check.h"
 
@@ -11,8 +13,9 @@ struct CudaBackend::Impl {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   cudaDeviceProp prop{};
-  void* scratch = nullptr;
-  size_t scratch_bytes = 0;
+  void* scratch[2] = {nullptr, nullptr};
+  size_t scratch_bytes[2] = {0, 0};
+  std::vector<char> last_upload[2];
 };
 
 int CudaBackend::device_count() {
@@ -46,7 +49,8 @@ CudaBackend::CudaBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaBackend::~CudaBackend() {
   cudaSetDevice(impl_->device);
   cudaStreamSynchronize(impl_->stream);
-  if (impl_->scratch) cudaFree(impl_->scratch);
+  for (void* p : impl_->scratch)
+    if (p) cudaFree(p);
   cublasDestroy(impl_->cublas);
   cudaStreamDestroy(impl_->stream);
 }
@@ -61,19 +65,30 @@ std::string CudaBackend::description() const {
 void* CudaBackend::stream() const { return impl_->stream; }
 void* CudaBackend::cublas() const { return impl_->cublas; }
 
-StatusOr<void*> CudaBackend::scratch(size_t bytes) {
-  if (bytes > impl_->scratch_bytes) {
+StatusOr<void*> CudaBackend::scratch(size_t bytes, int slot) {
+  if (bytes > impl_->scratch_bytes[slot]) {
     COMBS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl_->stream));  // the old scratch may be in use
-    if (impl_->scratch) cudaFree(impl_->scratch);
-    impl_->scratch = nullptr;
-    impl_->scratch_bytes = 0;
-    if (cudaError_t e = cudaMalloc(&impl_->scratch, bytes); e != cudaSuccess) {
+    if (impl_->scratch[slot]) cudaFree(impl_->scratch[slot]);
+    impl_->scratch[slot] = nullptr;
+    impl_->scratch_bytes[slot] = 0;
+    impl_->last_upload[slot].clear();
+    if (cudaError_t e = cudaMalloc(&impl_->scratch[slot], bytes); e != cudaSuccess) {
       cudaGetLastError();
       return cuda::cuda_status(e, "cudaMalloc(scratch)");
     }
-    impl_->scratch_bytes = bytes;
+    impl_->scratch_bytes[slot] = bytes;
   }
-  return impl_->scratch;
+  return impl_->scratch[slot];
+}
+
+StatusOr<void*> CudaBackend::upload(int slot, const void* host, size_t bytes) {
+  COMBS_ASSIGN_OR_RETURN(void* dev, scratch(bytes, slot));
+  std::vector<char>& last = impl_->last_upload[slot];
+  if (last.size() == bytes && std::memcmp(last.data(), host, bytes) == 0) return dev;
+  // From pageable memory: the call returns once the bytes are staged, so `host` may change after.
+  COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, impl_->stream));
+  last.assign(static_cast<const char*>(host), static_cast<const char*>(host) + bytes);
+  return dev;
 }
 
 Status CudaBackend::synchronize() {

@@ -2,10 +2,8 @@
 // K/V where they lie (no gather) for ragged batches.
 //
 // Attention ("flash decoding" shape, used for decode and prefill alike): one thread block per
-// (token, KV head, split). The block loads the G = n_q / n_kv query heads of its GQA group once
-// and walks its share of the keys in tiles of 32, one tile per warp at a time: in QK each lane owns
-// a key (a K row is read once for all G heads), in PV each lane owns head_dim / 32 output
-// dimensions (V rows read coalesced); online softmax in f32 (exp2, log2e folded into the scale).
+// (token, KV head, split), serving the G = n_q / n_kv query heads of its GQA group, so each K/V
+// row is read once per group; online softmax in f32 (exp2, log2e folded into the scale).
 // Long contexts split across blocks (split-KV) and merge by log-sum-exp in a second kernel.
 // COMBS_ATTN=manual runs a simple reference instead (scores in global memory, softmax, P@V).
 #include <cuda_bf16.h>
@@ -36,6 +34,17 @@ struct SeqDev {
   int32_t row, pos, n_new, pad;
 };
 
+// What every kernel gets: the sequences, each token's sequence, the page tables, and the layer's
+// K/V arenas when all sequences share them (then SeqDev::k/v are null and the uploaded metadata
+// is the same for every layer of a forward: it is uploaded once).
+struct Meta {
+  const SeqDev* seqs;
+  const int32_t* tok_seq;
+  const int32_t* tables;
+  const void* k;
+  const void* v;
+};
+
 __device__ inline float load_f32(const float* p) { return *p; }
 __device__ inline float load_f32(const __half* p) { return __half2float(*p); }
 __device__ inline float load_f32(const __nv_bfloat16* p) { return __bfloat162float(*p); }
@@ -64,113 +73,117 @@ __device__ inline float warp_sum(float v) {
 
 // grid (tokens, n_kv); block: head_dim threads (rounded up to a warp).
 template <typename T>
-__global__ void write_kv_kernel(const SeqDev* __restrict__ seqs, const int32_t* __restrict__ tok_seq,
-                                const int32_t* __restrict__ tables, const float* __restrict__ k,
+__global__ void write_kv_kernel(const Meta M, const float* __restrict__ k,
                                 const float* __restrict__ v, int n_kv, int hd) {
   const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
   if (d >= hd) return;
-  const SeqDev s = seqs[tok_seq[t]];
+  const SeqDev s = M.seqs[M.tok_seq[t]];
   const int64_t p = s.pos + (t - s.row);
-  const int64_t off = kv_offset(s, tables, p, h, hd) + d;
+  const int64_t off = kv_offset(s, M.tables, p, h, hd) + d;
   const int64_t src = (static_cast<int64_t>(t) * n_kv + h) * hd + d;
-  static_cast<T*>(const_cast<void*>(s.k))[off] = store_as<T>(k[src]);
-  static_cast<T*>(const_cast<void*>(s.v))[off] = store_as<T>(v[src]);
+  static_cast<T*>(const_cast<void*>(s.k ? s.k : M.k))[off] = store_as<T>(k[src]);
+  static_cast<T*>(const_cast<void*>(s.v ? s.v : M.v))[off] = store_as<T>(v[src]);
 }
 
-// grid (tokens, n_kv, splits); block kWarps warps. HD: head_dim (a multiple of 32); G: query heads
-// per KV head. With splits == 1 writes out; else the split's unnormalized output and its (m, l).
+// 8 consecutive elements of T at p (16-byte aligned for 16-bit types) as f32.
+__device__ inline void load8(const float* p, float* f) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+__device__ inline void load8(const __nv_bfloat16* p, float* f) {
+  const uint4 r = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[2 * i] = __uint_as_float(w[i] << 16), f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+}
+__device__ inline void load8(const __half* p, float* f) {
+  const uint4 r = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __half22float2(h[i]);
+    f[2 * i] = x.x, f[2 * i + 1] = x.y;
+  }
+}
+
+// grid (tokens, n_kv, splits); block kWarps warps. HD: head_dim (64 or 128); G: query heads per
+// KV head. Each key is read by a group of LPK = HD / 8 lanes, each lane 8 dimensions (one 16-byte
+// load of K and one of V); a warp reads 32 / LPK keys at once. Every lane keeps the G heads' query
+// dims and output accumulators for its 8 dimensions in registers, with its group's running
+// softmax state; the groups and warps merge at the end. With splits == 1 writes out; else the
+// split's unnormalized output and its (m, l).
 template <typename T, int HD, int G>
 __global__ void __launch_bounds__(kWarps * 32)
-    attention_kernel(const SeqDev* __restrict__ seqs, const int32_t* __restrict__ tok_seq,
-                     const int32_t* __restrict__ tables, const float* __restrict__ q, float* __restrict__ out,
+    attention_kernel(const Meta M, const float* __restrict__ q, float* __restrict__ out,
                      float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, float scale_log2) {
-  constexpr int E = HD / 32;  // output dims per lane
+  constexpr int DPL = 8, LPK = HD / DPL, KPW = 32 / LPK, SLOTS = kWarps * KPW;
   const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const SeqDev s = seqs[tok_seq[t]];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPK, sub = lane % LPK;
+  const SeqDev s = M.seqs[M.tok_seq[t]];
   const int64_t ctx = s.pos + (t - s.row) + 1;  // causal: keys [0, ctx)
-  const int64_t chunk = ((ctx + splits - 1) / splits + 31) / 32 * 32;
+  const int64_t chunk = (ctx + splits - 1) / splits;
   const int64_t k0 = split * chunk, k1 = ctx < k0 + chunk ? ctx : k0 + chunk;
   const int n_q = n_kv * G;
 
-  __shared__ float qs[G][HD];
-  __shared__ float sm[kWarps][G], sl[kWarps][G];
-  __shared__ float so[kWarps][G][HD];
-  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-    const int g = i / HD, d = i % HD;
-    qs[g][d] = q[(static_cast<int64_t>(t) * n_q + kvh * G + g) * HD + d] * scale_log2;
-  }
-  __syncthreads();
-
-  float m[G], l[G], acc[G][E];
+  float qr[G][DPL], acc[G][DPL], m[G], l[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
+    const float* qp = q + (static_cast<int64_t>(t) * n_q + kvh * G + g) * HD + sub * DPL;
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
+    for (int e = 0; e < DPL; ++e) qr[g][e] = qp[e] * scale_log2, acc[g][e] = 0.0f;
+    m[g] = -INFINITY, l[g] = 0.0f;
   }
-  const T* K = static_cast<const T*>(s.k);
-  const T* V = static_cast<const T*>(s.v);
-  for (int64_t tile = k0 + warp * 32; tile < k1; tile += kWarps * 32) {
-    const int64_t key = tile + lane;
+  const T* K = static_cast<const T*>(s.k ? s.k : M.k);
+  const T* V = static_cast<const T*>(s.v ? s.v : M.v);
+  for (int64_t base = k0 + warp * KPW; base < k1; base += SLOTS) {
+    const int64_t key = base + grp;
     const bool valid = key < k1;
-    float sc[G];
+    float kf[DPL], vf[DPL];
     if (valid) {
-      const T* kr = K + kv_offset(s, tables, key, kvh, HD);
-#pragma unroll
-      for (int g = 0; g < G; ++g) sc[g] = 0.0f;
-#pragma unroll 8
-      for (int d = 0; d < HD; ++d) {
-        const float kd = load_f32(kr + d);
-#pragma unroll
-        for (int g = 0; g < G; ++g) sc[g] += qs[g][d] * kd;
-      }
+      const int64_t off = kv_offset(s, M.tables, key, kvh, HD) + sub * DPL;
+      load8(K + off, kf);
+      load8(V + off, vf);
     } else {
 #pragma unroll
-      for (int g = 0; g < G; ++g) sc[g] = -INFINITY;
+      for (int e = 0; e < DPL; ++e) kf[e] = 0.0f, vf[e] = 0.0f;
     }
-    float p[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float m_new = fmaxf(m[g], warp_max(sc[g]));  // finite: the tile has a valid key
-      const float corr = exp2f(m[g] - m_new);           // 0 when m[g] was -inf
-      p[g] = valid ? exp2f(sc[g] - m_new) : 0.0f;
-      l[g] = l[g] * corr + warp_sum(p[g]);
+      float sc = 0.0f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
-      m[g] = m_new;
-    }
-    const int n_keys = k1 - tile < 32 ? static_cast<int>(k1 - tile) : 32;
-    for (int j = 0; j < n_keys; ++j) {
-      const T* vr = V + kv_offset(s, tables, tile + j, kvh, HD) + lane * E;
-      float vv[E];
+      for (int e = 0; e < DPL; ++e) sc += qr[g][e] * kf[e];
 #pragma unroll
-      for (int e = 0; e < E; ++e) vv[e] = load_f32(vr + e);
+      for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffff, sc, o);
+      if (valid) {
+        const float m_new = fmaxf(m[g], sc);
+        const float corr = exp2f(m[g] - m_new);  // 0 while m[g] is -inf
+        const float p = exp2f(sc - m_new);
+        l[g] = l[g] * corr + p;
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float pj = __shfl_sync(0xffffffff, p[g], j);
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[g][e] += pj * vv[e];
+        for (int e = 0; e < DPL; ++e) acc[g][e] = acc[g][e] * corr + p * vf[e];
+        m[g] = m_new;
       }
     }
   }
-  // Merge the warps.
+  // Merge the key slots (groups of every warp).
+  __shared__ float sm[SLOTS][G], sl[SLOTS][G];
+  __shared__ float so[SLOTS][G][HD];
+  const int slot = warp * KPW + grp;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    if (lane == 0) sm[warp][g] = m[g], sl[warp][g] = l[g];
+    if (sub == 0) sm[slot][g] = m[g], sl[slot][g] = l[g];
 #pragma unroll
-    for (int e = 0; e < E; ++e) so[warp][g][lane * E + e] = acc[g][e];
+    for (int e = 0; e < DPL; ++e) so[slot][g][sub * DPL + e] = acc[g][e];
   }
   __syncthreads();
   for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
     const int g = i / HD, d = i % HD;
     float M = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm[w][g]);
+    for (int w = 0; w < SLOTS; ++w) M = fmaxf(M, sm[w][g]);
     float L = 0.0f, O = 0.0f;
     if (M != -INFINITY) {
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = exp2f(sm[w][g] - M);  // 0 for a warp that saw no key
+      for (int w = 0; w < SLOTS; ++w) {
+        const float f = exp2f(sm[w][g] - M);  // 0 for a slot that saw no key
         L += sl[w][g] * f;
         O += so[w][g][d] * f;
       }
@@ -209,21 +222,20 @@ __global__ void merge_splits_kernel(const float* __restrict__ part_o, const floa
 
 // The reference: grid (tokens, n_q); scores of one row in scratch [tokens, n_q, max_ctx].
 template <typename T>
-__global__ void manual_attention_kernel(const SeqDev* __restrict__ seqs, const int32_t* __restrict__ tok_seq,
-                                        const int32_t* __restrict__ tables, const float* __restrict__ q,
+__global__ void manual_attention_kernel(const Meta M, const float* __restrict__ q,
                                         float* __restrict__ out, float* __restrict__ scores, int n_kv, int n_q, int hd,
                                         int64_t max_ctx, float scale) {
   const int t = blockIdx.x, h = blockIdx.y, kvh = h / (n_q / n_kv);
-  const SeqDev s = seqs[tok_seq[t]];
+  const SeqDev s = M.seqs[M.tok_seq[t]];
   const int64_t ctx = s.pos + (t - s.row) + 1;
   const float* qr = q + (static_cast<int64_t>(t) * n_q + h) * hd;
   float* sc = scores + (static_cast<int64_t>(t) * n_q + h) * max_ctx;
-  const T* K = static_cast<const T*>(s.k);
-  const T* V = static_cast<const T*>(s.v);
+  const T* K = static_cast<const T*>(s.k ? s.k : M.k);
+  const T* V = static_cast<const T*>(s.v ? s.v : M.v);
   __shared__ float red[256];
   float mx = -INFINITY;
   for (int64_t j = threadIdx.x; j < ctx; j += blockDim.x) {
-    const T* kr = K + kv_offset(s, tables, j, kvh, hd);
+    const T* kr = K + kv_offset(s, M.tables, j, kvh, hd);
     float dot = 0.0f;
     for (int d = 0; d < hd; ++d) dot += qr[d] * load_f32(kr + d);
     sc[j] = dot * scale;
@@ -251,37 +263,36 @@ __global__ void manual_attention_kernel(const SeqDev* __restrict__ seqs, const i
   sum = red[0];
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float o = 0.0f;
-    for (int64_t j = 0; j < ctx; ++j) o += sc[j] * load_f32(V + kv_offset(s, tables, j, kvh, hd) + d);
+    for (int64_t j = 0; j < ctx; ++j) o += sc[j] * load_f32(V + kv_offset(s, M.tables, j, kvh, hd) + d);
     out[(static_cast<int64_t>(t) * n_q + h) * hd + d] = o / sum;
   }
 }
 
 template <typename T, int HD, int G>
-void launch_attention(dim3 grid, cudaStream_t st, const SeqDev* seqs, const int32_t* tok_seq, const int32_t* tables,
+void launch_attention(dim3 grid, cudaStream_t st, const Meta& M,
                       const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2) {
-  attention_kernel<T, HD, G><<<grid, kWarps * 32, 0, st>>>(seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv,
+  attention_kernel<T, HD, G><<<grid, kWarps * 32, 0, st>>>(M, q, out, part_o, part_ml, n_kv,
                                                            scale_log2);
 }
 
 template <typename T, int HD>
-bool dispatch_g(int G, dim3 grid, cudaStream_t st, const SeqDev* seqs, const int32_t* tok_seq, const int32_t* tables,
+bool dispatch_g(int G, dim3 grid, cudaStream_t st, const Meta& M,
                 const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2) {
   switch (G) {
-    case 1: launch_attention<T, HD, 1>(grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2); return true;
-    case 2: launch_attention<T, HD, 2>(grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2); return true;
-    case 4: launch_attention<T, HD, 4>(grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2); return true;
-    case 8: launch_attention<T, HD, 8>(grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2); return true;
+    case 1: launch_attention<T, HD, 1>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2); return true;
+    case 2: launch_attention<T, HD, 2>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2); return true;
+    case 4: launch_attention<T, HD, 4>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2); return true;
+    case 8: launch_attention<T, HD, 8>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2); return true;
     default: return false;
   }
 }
 
 template <typename T>
-bool dispatch_hd(int HD, int G, dim3 grid, cudaStream_t st, const SeqDev* seqs, const int32_t* tok_seq,
-                 const int32_t* tables, const float* q, float* out, float* part_o, float* part_ml, int n_kv,
+bool dispatch_hd(int HD, int G, dim3 grid, cudaStream_t st, const Meta& M, const float* q, float* out, float* part_o, float* part_ml, int n_kv,
                  float scale_log2) {
   switch (HD) {
-    case 64: return dispatch_g<T, 64>(G, grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2);
-    case 128: return dispatch_g<T, 128>(G, grid, st, seqs, tok_seq, tables, q, out, part_o, part_ml, n_kv, scale_log2);
+    case 64: return dispatch_g<T, 64>(G, grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2);
+    case 128: return dispatch_g<T, 128>(G, grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2);
     default: return false;
   }
 }
@@ -298,15 +309,18 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
   const int64_t T_ = k.dim(0);
   if (T_ == 0) return ok_status();
   if (hd > 1024) return invalid_argument_error("attention (cuda): head_dim above 1024");
-  // Metadata: [SeqDev x S][tok_seq x T][page tables], uploaded at once (from pageable memory, so
-  // the host buffer is free again when the call returns).
+  // Metadata: [SeqDev x S][tok_seq x T][page tables], one upload, skipped when the previous call
+  // uploaded the same (the other layers of a forward, when all sequences share the layer's arenas).
   thread_local std::vector<SeqDev> sd;
   thread_local std::vector<int32_t> ints;  // tok_seq, then tables
+  thread_local std::vector<char> blob;
   sd.clear();
   ints.assign(static_cast<size_t>(T_), 0);
   int64_t max_ctx = 0;
+  bool shared_arena = true;
   for (size_t i = 0; i < work.size(); ++i) {
     const SeqWork& w = work[i];
+    shared_arena &= w.kv.k == work[0].kv.k && w.kv.v == work[0].kv.v;
     const int64_t end = w.pos + w.n_new;
     const int64_t n_pages = (end + w.kv.page_size - 1) / w.kv.page_size;
     SeqDev d{};
@@ -319,39 +333,43 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
     ints.insert(ints.end(), w.kv.page_table, w.kv.page_table + n_pages);
     max_ctx = std::max(max_ctx, end);
   }
+  if (shared_arena)
+    for (SeqDev& d : sd) d.k = d.v = nullptr;  // from Meta
   const size_t sd_bytes = sd.size() * sizeof(SeqDev), int_bytes = ints.size() * sizeof(int32_t);
+  blob.resize(sd_bytes + int_bytes);
+  std::memcpy(blob.data(), sd.data(), sd_bytes);
+  std::memcpy(blob.data() + sd_bytes, ints.data(), int_bytes);
+  COMBS_ASSIGN_OR_RETURN(void* meta, b.upload(1, blob.data(), blob.size()));
+  Meta M;
+  M.seqs = static_cast<const SeqDev*>(meta);
+  M.tok_seq = reinterpret_cast<const int32_t*>(static_cast<char*>(meta) + sd_bytes);
+  M.tables = M.tok_seq + T_;
+  M.k = work[0].kv.k;
+  M.v = work[0].kv.v;
   const int n_q = out ? static_cast<int>(q.dim(1)) : n_kv;
   const int G = n_q / n_kv;
-  // Splits: enough blocks to fill the GPU (~2 waves on 132 SMs), each split at least 256 keys.
+  // Splits: ~4 blocks per SM of an H200 (132 SMs), each split at least 128 keys.
   const int64_t base_blocks = T_ * n_kv;
   int splits = 1;
   if (out && impl == AttentionImpl::kFlash) {
-    splits = static_cast<int>(std::clamp<int64_t>((264 + base_blocks - 1) / base_blocks, 1, 32));
-    splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(1, max_ctx / 256)));
+    splits = static_cast<int>(std::clamp<int64_t>((528 + base_blocks - 1) / base_blocks, 1, 64));
+    splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(1, max_ctx / 128)));
   }
   const size_t part_o_bytes = splits > 1 ? static_cast<size_t>(T_ * n_q * splits * hd) * 4 : 0;
   const size_t part_ml_bytes = splits > 1 ? static_cast<size_t>(T_ * n_q * splits * 2) * 4 : 0;
   const size_t manual_bytes = out && impl == AttentionImpl::kManual ? static_cast<size_t>(T_ * n_q * max_ctx) * 4 : 0;
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
-  const size_t total = align(sd_bytes) + align(int_bytes) + align(part_o_bytes) + align(part_ml_bytes) + manual_bytes;
-  COMBS_ASSIGN_OR_RETURN(void* scratch_v, b.scratch(total));
-  char* scratch = static_cast<char*>(scratch_v);
-  auto* d_seqs = reinterpret_cast<SeqDev*>(scratch);
-  auto* d_ints = reinterpret_cast<int32_t*>(scratch + align(sd_bytes));
-  float* part_o = reinterpret_cast<float*>(scratch + align(sd_bytes) + align(int_bytes));
+  COMBS_ASSIGN_OR_RETURN(void* scratch_v, b.scratch(align(part_o_bytes) + align(part_ml_bytes) + manual_bytes + 256));
+  float* part_o = static_cast<float*>(scratch_v);
   float* part_ml = reinterpret_cast<float*>(reinterpret_cast<char*>(part_o) + align(part_o_bytes));
   float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(part_ml) + align(part_ml_bytes));
-  COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_seqs, sd.data(), sd_bytes, cudaMemcpyHostToDevice, st));
-  COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ints, ints.data(), int_bytes, cudaMemcpyHostToDevice, st));
-  const int32_t* tok_seq = d_ints;
-  const int32_t* tables = d_ints + T_;
 
   const dim3 wgrid(static_cast<unsigned>(T_), static_cast<unsigned>(n_kv));
   const unsigned wthreads = static_cast<unsigned>((hd + 31) / 32 * 32);
   switch (cache_dtype) {
-    case DType::kF32: write_kv_kernel<float><<<wgrid, wthreads, 0, st>>>(d_seqs, tok_seq, tables, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
-    case DType::kF16: write_kv_kernel<__half><<<wgrid, wthreads, 0, st>>>(d_seqs, tok_seq, tables, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
-    case DType::kBF16: write_kv_kernel<__nv_bfloat16><<<wgrid, wthreads, 0, st>>>(d_seqs, tok_seq, tables, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
+    case DType::kF32: write_kv_kernel<float><<<wgrid, wthreads, 0, st>>>(M, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
+    case DType::kF16: write_kv_kernel<__half><<<wgrid, wthreads, 0, st>>>(M, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
+    case DType::kBF16: write_kv_kernel<__nv_bfloat16><<<wgrid, wthreads, 0, st>>>(M, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
     default: return invalid_argument_error("attention (cuda): cache dtype must be f32, f16 or bf16");
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -360,9 +378,9 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
   if (impl == AttentionImpl::kManual) {
     const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(n_q));
     switch (cache_dtype) {
-      case DType::kF32: manual_attention_kernel<float><<<grid, 256, 0, st>>>(d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
-      case DType::kF16: manual_attention_kernel<__half><<<grid, 256, 0, st>>>(d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
-      default: manual_attention_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
+      case DType::kF32: manual_attention_kernel<float><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
+      case DType::kF16: manual_attention_kernel<__half><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
+      default: manual_attention_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
     }
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return ok_status();
@@ -371,9 +389,9 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
   const float scale_log2 = scale * kLog2e;
   bool ok;
   switch (cache_dtype) {
-    case DType::kF32: ok = dispatch_hd<float>(hd, G, grid, st, d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
-    case DType::kF16: ok = dispatch_hd<__half>(hd, G, grid, st, d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
-    default: ok = dispatch_hd<__nv_bfloat16>(hd, G, grid, st, d_seqs, tok_seq, tables, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
+    case DType::kF32: ok = dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
+    case DType::kF16: ok = dispatch_hd<__half>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
+    default: ok = dispatch_hd<__nv_bfloat16>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
   }
   if (!ok) {
     return unimplemented_error("attention (cuda): head_dim " + std::to_string(hd) + " with " + std::to_string(G) +

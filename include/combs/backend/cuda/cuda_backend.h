@@ -37,7 +37,11 @@ class CudaBackend final : public Backend {
   void* stream() const;         // cudaStream_t
   void* cublas() const;         // cublasHandle_t
   // Device scratch of at least `bytes`, reused between calls on the stream (grows, never shrinks).
-  StatusOr<void*> scratch(size_t bytes);
+  // Slot 0: the ops' transient buffers; slot 1: attention metadata (see upload()).
+  StatusOr<void*> scratch(size_t bytes, int slot = 0);
+  // Copies `bytes` of host memory into scratch slot `slot` on the stream — unless the previous
+  // upload there was the same bytes — and returns the device copy.
+  StatusOr<void*> upload(int slot, const void* host, size_t bytes);
 
  protected:
   void* raw_alloc(size_t bytes) override;
