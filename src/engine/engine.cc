@@ -96,6 +96,7 @@ struct Engine::Impl {
 
   // Scratch of the scheduler thread.
   std::vector<float> logits;
+  std::vector<int32_t> argmax;
 
   explicit Impl(EngineOptions o) : options(o), backend(CpuBackendOptions{o.threads}) {}
 
@@ -520,9 +521,16 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     // The forward runs outside the lock: API calls go on meanwhile. The sessions in the step are
     // generating, so no call touches their history or cache (close() only marks them); calls on
     // other sessions meet the forward only in the page pool, whose bookkeeping has its own lock.
+    // All greedy (the common case of benchmarks and tools): the runner picks the tokens, and a
+    // device runner sends only their ids to the host.
+    bool all_greedy = true;
+    for (const Work& w : work) all_greedy &= is_plain_greedy(w.s->active->sampler->params());
+    if (argmax.size() < work.size()) argmax.resize(work.size());
+    ForwardOptions fo;
+    if (all_greedy) fo.argmax = argmax.data();
     in_forward = true;
     lock.unlock();
-    Status st = runner->forward(inputs, logits.data());
+    Status st = runner->forward(inputs, logits.data(), fo);
     lock.lock();
     in_forward = false;
     forward_done.notify_all();
@@ -545,7 +553,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
         continue;
       }
       std::span<float> l(logits.data() + i * V, V);
-      const int32_t token = a.sampler->sample(l, s.history);
+      const int32_t token = all_greedy ? argmax[i] : a.sampler->sample(l, s.history);
       a.generated.push_back(token);
       s.history.push_back(token);
       GenerateEvent e;

@@ -126,6 +126,12 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
     cpu::rms_norm(x, m.output_norm.data_as<float>(), h, total, e, c.rms_eps);
   }
   cpu::matmul(*backend_, m.output, h, n_out, logits, nullptr, policy);
+  if (options.argmax) {
+    for (int64_t r = 0; r < n_out; ++r) {
+      const float* row = logits + r * c.n_vocab;
+      options.argmax[r] = static_cast<int32_t>(std::max_element(row, row + c.n_vocab) - row);
+    }
+  }
   return ok_status();
 }
 

@@ -79,7 +79,7 @@ TEST_CASE("cuda matmul agrees with the cpu in f32 f16 and bf16 with and without 
   CpuBackend cpu;
   std::mt19937 rng(7);
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
-    for (int64_t n : {1, 3, 64, 257}) {
+    for (int64_t n : {1, 3, 8, 9, 64, 257}) {
       const int64_t in = 384, out = 200;
       auto w = random_floats(rng, out * in, 0.05f), x = random_floats(rng, n * in), bias = random_floats(rng, out);
       // The CPU computes with the same rounded weights and (for 16-bit weights) activations.
@@ -87,7 +87,7 @@ TEST_CASE("cuda matmul agrees with the cpu in f32 f16 and bf16 with and without 
       cpu::quantize_row(w.data(), dt, wq.data(), out * in);
       cpu::dequantize_row(wq.data(), dt, w.data(), out * in);
       std::vector<float> xr = x;
-      if (dt != DType::kF32) {
+      if (dt != DType::kF32) {  // x is rounded to the weights' dtype
         std::vector<uint8_t> xq(nbytes_for(dt, n * in));
         cpu::quantize_row(x.data(), dt, xq.data(), n * in);
         cpu::dequantize_row(xq.data(), dt, xr.data(), n * in);
@@ -157,11 +157,17 @@ TEST_CASE("cuda embedding rms norm rope and silu agree with the cpu", "[cuda]") 
         cpu::rope_inv_freq(rope_dim, 500000.0f, factors.data(), inv_freq.data());
         Tensor xd = upload(*gpu, x, Shape{n * heads * head_dim}), pd = upload_raw(*gpu, pos, DType::kF32),
                fd = upload(*gpu, inv_freq, Shape{rope_dim / 2});
-        REQUIRE(cuda::rope(*gpu, xd.data_as<float>(), pd.data_as<int32_t>(), n, heads, head_dim, rope_dim,
-                           fd.data_as<float>(), adjacent)
+        // q and k (half the heads) in one call.
+        auto k = random_floats(rng, n * (heads / 2) * head_dim);
+        std::vector<float> want_k = k;
+        cpu::rope(want_k.data(), pos.data(), n, heads / 2, head_dim, rope_dim, 500000.0f, factors.data(), adjacent);
+        Tensor kd = upload(*gpu, k, Shape{n * (heads / 2) * head_dim});
+        REQUIRE(cuda::rope(*gpu, xd.data_as<float>(), kd.data_as<float>(), pd.data_as<int32_t>(), n, heads, heads / 2,
+                           head_dim, rope_dim, fd.data_as<float>(), adjacent)
                     .ok());
         INFO("adjacent " << adjacent << " rope_dim " << rope_dim);
         CHECK(max_rel_err(download(*gpu, xd), want) < 1e-4);
+        CHECK(max_rel_err(download(*gpu, kd), want_k) < 1e-4);
       }
     }
   }
@@ -186,4 +192,44 @@ TEST_CASE("cuda errors come back as status", "[cuda]") {
   CHECK(cuda::matmul(*gpu, w, nullptr, 1, nullptr).code() == StatusCode::kInvalidArgument);
   Tensor q = gpu->alloc(Shape{8, 32}, DType::kQ8_0).value();
   CHECK(cuda::matmul(*gpu, q, nullptr, 1, nullptr).code() == StatusCode::kUnimplemented);
+}
+
+TEST_CASE("cuda fused projections split outputs and fold swiglu into the down projection", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  CpuBackend cpu;
+  std::mt19937 rng(5);
+  const int64_t in = 256, a = 96, bb = 32, c = 32;
+  for (int64_t n : {1, 5, 8, 20}) {
+    INFO("n " << n);
+    auto w = random_floats(rng, (a + bb + c) * in, 0.05f), x = random_floats(rng, n * in), bias = random_floats(rng, a + bb + c);
+    Tensor wd = upload(*gpu, w, Shape{a + bb + c, in}, DType::kBF16), xd = upload(*gpu, x, Shape{n, in}),
+           bd = upload(*gpu, bias, Shape{a + bb + c});
+    Tensor whole = poisoned(*gpu, n * (a + bb + c));
+    REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, whole.data_as<float>(), bd.data_as<float>()).ok());
+    Tensor ya = poisoned(*gpu, n * a), yb = poisoned(*gpu, n * bb), yc = poisoned(*gpu, n * c);
+    const cuda::MatmulOut outs[] = {{ya.data_as<float>(), a, bd.data_as<float>()},
+                                    {yb.data_as<float>(), bb, bd.data_as<float>() + a},
+                                    {yc.data_as<float>(), c, bd.data_as<float>() + a + bb}};
+    REQUIRE(cuda::matmul_split(*gpu, wd, xd.data_as<float>(), n, outs).ok());
+    const auto all = download(*gpu, whole), ga = download(*gpu, ya), gb = download(*gpu, yb), gc = download(*gpu, yc);
+    std::vector<float> want_a, want_b, want_c;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = all.data() + t * (a + bb + c);
+      want_a.insert(want_a.end(), row, row + a);
+      want_b.insert(want_b.end(), row + a, row + a + bb);
+      want_c.insert(want_c.end(), row + a + bb, row + a + bb + c);
+    }
+    CHECK(max_rel_err(ga, want_a) < 1e-5);
+    CHECK(max_rel_err(gb, want_b) < 1e-5);
+    CHECK(max_rel_err(gc, want_c) < 1e-5);
+    // swiglu: against silu_mul then matmul.
+    auto g = random_floats(rng, n * in, 2.0f), u = random_floats(rng, n * in);
+    Tensor gd = upload(*gpu, g, Shape{n * in}), ud = upload(*gpu, u, Shape{n * in}), y1 = poisoned(*gpu, n * (a + bb + c));
+    REQUIRE(cuda::matmul_swiglu(*gpu, wd, gd.data_as<float>(), ud.data_as<float>(), n, y1.data_as<float>()).ok());
+    Tensor gd2 = upload(*gpu, g, Shape{n * in}), y2 = poisoned(*gpu, n * (a + bb + c));
+    REQUIRE(cuda::silu_mul(*gpu, gd2.data_as<float>(), ud.data_as<float>(), n * in).ok());
+    REQUIRE(cuda::matmul(*gpu, wd, gd2.data_as<float>(), n, y2.data_as<float>()).ok());
+    CHECK(max_rel_err(download(*gpu, y1), download(*gpu, y2)) < 1e-3);
+  }
 }

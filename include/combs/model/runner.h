@@ -25,6 +25,9 @@ struct SequenceInput {
 
 struct ForwardOptions {
   bool all_logits = false;  // logits of every token, not only of each sequence's last
+  // When set: each output row's argmax (lowest id on ties: greedy sampling) is written here. A
+  // device runner then copies only these ids to the host, not the logits (`logits` may be null).
+  int32_t* argmax = nullptr;
 };
 
 struct RunnerOptions {

@@ -29,6 +29,13 @@ struct SamplingParams {
   uint64_t seed = 0;                // seeds the sequence's generator
 };
 
+// Greedy with nothing that changes the logits first (penalties, bias): the argmax of the raw
+// logits, which a device runner can pick without sending the logits to the host.
+inline bool is_plain_greedy(const SamplingParams& p) {
+  return p.temperature == 0.0f && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
+         p.frequency_penalty == 0.0f && p.logit_bias.empty();
+}
+
 // INVALID_ARGUMENT naming the field for a value out of range (n_vocab bounds logit_bias ids).
 Status validate(const SamplingParams& params, int n_vocab);
 

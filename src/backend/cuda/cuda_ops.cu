@@ -69,15 +69,23 @@ __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* _
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = r[i] * scale * weight[i];
 }
 
-// One thread per (token, head, pair).
-__global__ void rope_kernel(float* __restrict__ x, const int32_t* __restrict__ pos, int64_t n_tokens, int n_heads,
-                            int head_dim, int rope_dim, const float* __restrict__ inv_freq, bool adjacent) {
+// One thread per (token, head, pair), over the q heads then the k heads.
+__global__ void rope_kernel(float* __restrict__ q, float* __restrict__ k, const int32_t* __restrict__ pos,
+                            int64_t n_tokens, int n_heads, int n_kv_heads, int head_dim, int rope_dim,
+                            const float* __restrict__ inv_freq, bool adjacent) {
   const int half = rope_dim / 2;
-  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (idx >= n_tokens * n_heads * half) return;
+  int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t n_q = n_tokens * n_heads * half;
+  float* x = q;
+  int heads = n_heads;
+  if (idx >= n_q) {
+    idx -= n_q;
+    x = k, heads = n_kv_heads;
+    if (k == nullptr || idx >= n_tokens * n_kv_heads * half) return;
+  }
   const int i = static_cast<int>(idx % half);
-  const int64_t th = idx / half;  // token * n_heads + head
-  const int64_t t = th / n_heads;
+  const int64_t th = idx / half;  // token * heads + head
+  const int64_t t = th / heads;
   // As the CPU: the angle in f32, its cos/sin in f64.
   const float angle = static_cast<float>(pos[t]) * inv_freq[i];
   double s, c;
@@ -104,6 +112,157 @@ __global__ void gather_rows_kernel(const float* __restrict__ src, const int32_t*
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) d[i] = s[i];
 }
 
+// Up to three outputs of one small-batch matmul: rows [0, end[0]) go to y[0], [end[0], end[1])
+// to y[1], ... (a fused Q/K/V or gate/up projection).
+struct GemvOut {
+  float* y[3];
+  const float* bias[3];
+  int64_t end[3];
+  int count;
+};
+
+// Small-batch matmul (decode): y[n, o] = sum_i w[o, i] x[n, i] (+ bias[o]) for N <= 8 rows of x.
+// The block first stages x in shared memory, rounded to the weights' dtype (as the cuBLAS path
+// rounds it: the same numbers whatever n) — with SWIGLU, x = silu(x) * x2 formed there (the MLP's
+// down projection). Then each warp takes kRows output rows: every lane reads 16 bytes (8
+// elements) of each row at a time, two steps ahead, and the matching x from shared memory.
+// Weights are read once at full width: decode is bound by reading them.
+constexpr int kGemvRows = 2;   // output rows per warp
+constexpr int kGemvWarps = 8;  // warps per block
+
+template <typename T, int N, bool SWIGLU>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_kernel(const T* __restrict__ w, const float* __restrict__ x, const float* __restrict__ x2, GemvOut outs,
+                int n, int64_t in) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* xs = reinterpret_cast<T*>(smem);  // [n, in]
+  for (int64_t i = threadIdx.x; i < n * in; i += blockDim.x) {
+    float v = x[i];
+    if (SWIGLU) v = v / (1.0f + expf(-v)) * x2[i];
+    xs[i] = from_f32<T>(v);
+  }
+  __syncthreads();
+  const int64_t total_rows = outs.end[outs.count - 1];
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * kGemvRows;
+  const int lane = threadIdx.x % 32;
+  if (row0 >= total_rows) return;
+  float acc[kGemvRows][N];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[r][j] = 0.0f;
+  const T* wr[kGemvRows];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) wr[r] = w + (row0 + r < total_rows ? row0 + r : row0) * in;
+  auto dot8 = [](const uint4& a, const uint4& b) {
+    const T* p = reinterpret_cast<const T*>(&a);
+    const T* q = reinterpret_cast<const T*>(&b);
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s += to_f32(p[e]) * to_f32(q[e]);
+    return s;
+  };
+  auto step = [&](const uint4 (&raw)[kGemvRows], int64_t i) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      if (j < n) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(xs + j * in + i);
+#pragma unroll
+        for (int r = 0; r < kGemvRows; ++r) acc[r][j] += dot8(raw[r], xv);
+      }
+    }
+  };
+  int64_t i = lane * 8;
+  for (; i + 256 < in; i += 512) {  // two steps of loads in flight
+    uint4 a[kGemvRows], b[kGemvRows];
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) {
+      a[r] = __ldg(reinterpret_cast<const uint4*>(wr[r] + i));
+      b[r] = __ldg(reinterpret_cast<const uint4*>(wr[r] + i + 256));
+    }
+    step(a, i);
+    step(b, i + 256);
+  }
+  for (; i < in; i += 256) {
+    uint4 a[kGemvRows];
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) a[r] = __ldg(reinterpret_cast<const uint4*>(wr[r] + i));
+    step(a, i);
+  }
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) {
+    const int64_t row = row0 + r;
+    int seg = 0;
+    while (seg < 2 && row >= outs.end[seg]) ++seg;
+    const int64_t begin = seg == 0 ? 0 : outs.end[seg - 1], rows = outs.end[seg] - begin, rr = row - begin;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      float v = acc[r][j];
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+      if (lane == 0 && j < n && row < total_rows) outs.y[seg][j * rows + rr] = v + (outs.bias[seg] ? outs.bias[seg][rr] : 0.0f);
+    }
+  }
+}
+
+constexpr size_t kGemvMaxShared = 96 * 1024;  // x staged per block; larger goes to cuBLAS
+
+template <typename T, int N, bool SWIGLU>
+void launch_gemv_n(const T* w, const float* x, const float* x2, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
+  static const bool configured = [] {
+    cudaFuncSetAttribute(gemv_kernel<T, N, SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(kGemvMaxShared));
+    return true;
+  }();
+  (void)configured;
+  const int64_t rows_per_block = kGemvWarps * kGemvRows;
+  const unsigned grid = static_cast<unsigned>((outs.end[outs.count - 1] + rows_per_block - 1) / rows_per_block);
+  gemv_kernel<T, N, SWIGLU><<<grid, kGemvWarps * 32, static_cast<size_t>(n * in) * sizeof(T), st>>>(w, x, x2, outs, n, in);
+}
+
+template <typename T, bool SWIGLU>
+void launch_gemv(const T* w, const float* x, const float* x2, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
+  if (n <= 1) launch_gemv_n<T, 1, SWIGLU>(w, x, x2, outs, n, in, st);
+  else if (n <= 2) launch_gemv_n<T, 2, SWIGLU>(w, x, x2, outs, n, in, st);
+  else if (n <= 4) launch_gemv_n<T, 4, SWIGLU>(w, x, x2, outs, n, in, st);
+  else launch_gemv_n<T, 8, SWIGLU>(w, x, x2, outs, n, in, st);
+}
+
+template <bool SWIGLU>
+void gemv(const Tensor& w, const float* x, const float* x2, const GemvOut& outs, int n, cudaStream_t st) {
+  if (w.dtype() == DType::kBF16) launch_gemv<__nv_bfloat16, SWIGLU>(w.data_as<__nv_bfloat16>(), x, x2, outs, n, w.dim(1), st);
+  else launch_gemv<__half, SWIGLU>(w.data_as<__half>(), x, x2, outs, n, w.dim(1), st);
+}
+
+bool gemv_fits(const Tensor& w, int64_t n) {
+  return n <= 8 && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16) &&
+         static_cast<size_t>(n * w.dim(1)) * 2 <= kGemvMaxShared;
+}
+
+// One block per row: each thread scans a stride, then a block reduction; ties go to the lower id.
+__global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t* __restrict__ out) {
+  const float* r = x + blockIdx.x * cols;
+  float best = -INFINITY;
+  int64_t idx = 0x7fffffff;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    const float v = r[i];
+    if (v > best || (v == best && i < idx)) best = v, idx = i;
+  }
+  __shared__ float sv[1024];
+  __shared__ int64_t si[1024];
+  sv[threadIdx.x] = best;
+  si[threadIdx.x] = idx;
+  __syncthreads();
+  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) {
+      const float v = sv[threadIdx.x + o];
+      const int64_t j = si[threadIdx.x + o];
+      if (v > sv[threadIdx.x] || (v == sv[threadIdx.x] && j < si[threadIdx.x])) sv[threadIdx.x] = v, si[threadIdx.x] = j;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(si[0]);
+}
+
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 }  // namespace
@@ -113,6 +272,13 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
   if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul: weight is not in device memory");
   const int64_t out = w.dim(0), in = w.dim(1);
   if (n == 0) return ok_status();
+  // Decode-sized batches of 16-bit weights: the bandwidth-bound kernel above (in: whole 16-byte
+  // chunks; every model dimension is a multiple of 8).
+  if (gemv_fits(w, n)) {
+    GemvOut o{{y, nullptr, nullptr}, {bias, nullptr, nullptr}, {out, 0, 0}, 1};
+    gemv<false>(w, x, nullptr, o, static_cast<int>(n), stream_of(b));
+    return launched("gemv_kernel");
+  }
   auto handle = static_cast<cublasHandle_t>(b.cublas());
   const float one = 1.0f, zero = 0.0f;
   cudaDataType_t wtype;
@@ -148,6 +314,44 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
   return ok_status();
 }
 
+Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs) {
+  if (outs.empty() || outs.size() > 3) return invalid_argument_error("cuda matmul_split: 1 to 3 outputs");
+  int64_t rows = 0;
+  for (const MatmulOut& o : outs) rows += o.rows;
+  if (w.rank() != 2 || rows != w.dim(0)) {
+    return invalid_argument_error("cuda matmul_split: the outputs' rows do not add up to the weight's " + w.shape().to_string());
+  }
+  if (n == 0) return ok_status();
+  if (gemv_fits(w, n)) {
+    GemvOut g{};
+    int64_t end = 0;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      end += outs[i].rows;
+      g.y[i] = outs[i].y, g.bias[i] = outs[i].bias, g.end[i] = end;
+    }
+    g.count = static_cast<int>(outs.size());
+    gemv<false>(w, x, nullptr, g, static_cast<int>(n), stream_of(b));
+    return launched("gemv_kernel");
+  }
+  int64_t begin = 0;
+  for (const MatmulOut& o : outs) {
+    COMBS_RETURN_IF_ERROR(matmul(b, w.rows(begin, begin + o.rows), x, n, o.y, o.bias));
+    begin += o.rows;
+  }
+  return ok_status();
+}
+
+Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y) {
+  if (n == 0) return ok_status();
+  if (gemv_fits(w, n)) {
+    GemvOut g{{y, nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0), 0, 0}, 1};
+    gemv<true>(w, gate, up, g, static_cast<int>(n), stream_of(b));
+    return launched("gemv_kernel");
+  }
+  COMBS_RETURN_IF_ERROR(silu_mul(b, gate, up, n * w.dim(1)));
+  return matmul(b, w, gate, n, y);
+}
+
 Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_t n, float* out) {
   if (table.rank() != 2 || table.device() != DeviceType::kCuda) {
     return invalid_argument_error("cuda embedding: the table must be a 2-D device tensor");
@@ -177,12 +381,12 @@ Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const f
   return launched("add_rms_norm_kernel");
 }
 
-Status rope(CudaBackend& b, float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
-            const float* inv_freq, bool adjacent_pairs) {
-  const int64_t total = n_tokens * n_heads * (rope_dim / 2);
+Status rope(CudaBackend& b, float* q, float* k, const int32_t* pos, int64_t n_tokens, int n_heads, int n_kv_heads,
+            int head_dim, int rope_dim, const float* inv_freq, bool adjacent_pairs) {
+  const int64_t total = n_tokens * (n_heads + (k ? n_kv_heads : 0)) * (rope_dim / 2);
   if (total == 0) return ok_status();
-  rope_kernel<<<blocks(total, 256), 256, 0, stream_of(b)>>>(x, pos, n_tokens, n_heads, head_dim, rope_dim, inv_freq,
-                                                            adjacent_pairs);
+  rope_kernel<<<blocks(total, 256), 256, 0, stream_of(b)>>>(q, k, pos, n_tokens, n_heads, n_kv_heads, head_dim,
+                                                            rope_dim, inv_freq, adjacent_pairs);
   return launched("rope_kernel");
 }
 
@@ -190,6 +394,12 @@ Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_
   if (n == 0) return ok_status();
   gather_rows_kernel<<<static_cast<unsigned>(n), 256, 0, stream_of(b)>>>(src, rows, dst, dim);
   return launched("gather_rows_kernel");
+}
+
+Status argmax_rows(CudaBackend& b, const float* x, int64_t rows, int64_t cols, int32_t* out) {
+  if (rows == 0) return ok_status();
+  argmax_kernel<<<static_cast<unsigned>(rows), 1024, 0, stream_of(b)>>>(x, cols, out);
+  return launched("argmax_kernel");
 }
 
 Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n) {

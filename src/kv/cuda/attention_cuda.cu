@@ -31,7 +31,7 @@ struct SeqDev {
   const void* v;
   int64_t page_stride, head_stride;  // elements
   int32_t page_size, table_off;      // table_off: its page table in the tables array
-  int32_t row, pos, n_new, pad;
+  int32_t row, pos, n_new, pad;  // pad: log2(page_size) when a power of two, else -1
 };
 
 // What every kernel gets: the sequences, each token's sequence, the page tables, and the layer's
@@ -58,8 +58,11 @@ template <>
 __device__ inline __nv_bfloat16 store_as<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 __device__ inline int64_t kv_offset(const SeqDev& s, const int32_t* tables, int64_t p, int head, int hd) {
-  return static_cast<int64_t>(tables[s.table_off + p / s.page_size]) * s.page_stride + head * s.head_stride +
-         (p % s.page_size) * hd;
+  const int pi = static_cast<int>(p);  // positions fit in 32 bits (checked on the host)
+  const int page = s.pad >= 0 ? pi >> s.pad : pi / s.page_size;  // pad: log2(page_size), or -1
+  const int slot = s.pad >= 0 ? pi & (s.page_size - 1) : pi % s.page_size;
+  return static_cast<int64_t>(tables[s.table_off + page]) * s.page_stride + head * s.head_stride +
+         static_cast<int64_t>(slot) * hd;
 }
 
 __device__ inline float warp_max(float v) {
@@ -83,6 +86,44 @@ __global__ void write_kv_kernel(const Meta M, const float* __restrict__ k,
   const int64_t src = (static_cast<int64_t>(t) * n_kv + h) * hd + d;
   static_cast<T*>(const_cast<void*>(s.k ? s.k : M.k))[off] = store_as<T>(k[src]);
   static_cast<T*>(const_cast<void*>(s.v ? s.v : M.v))[off] = store_as<T>(v[src]);
+}
+
+// 16 bytes of K or V as loaded (8 elements of a 16-bit type; f32 takes two).
+template <typename T>
+struct Raw {
+  uint4 a;
+};
+template <>
+struct Raw<float> {
+  uint4 a, b;
+};
+template <typename T>
+__device__ inline void load_raw(const T* p, Raw<T>& r) {
+  r.a = *reinterpret_cast<const uint4*>(p);
+}
+template <>
+__device__ inline void load_raw<float>(const float* p, Raw<float>& r) {
+  r.a = *reinterpret_cast<const uint4*>(p);
+  r.b = *reinterpret_cast<const uint4*>(p + 4);
+}
+__device__ inline void to_f32x8(const Raw<__nv_bfloat16>& r, float* f) {
+  const uint32_t w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[2 * i] = __uint_as_float(w[i] << 16), f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+}
+__device__ inline void to_f32x8(const Raw<__half>& r, float* f) {
+  const __half2* h = reinterpret_cast<const __half2*>(&r.a);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __half22float2(h[i]);
+    f[2 * i] = x.x, f[2 * i + 1] = x.y;
+  }
+}
+__device__ inline void to_f32x8(const Raw<float>& r, float* f) {
+  const float* a = reinterpret_cast<const float*>(&r.a);
+  const float* b = reinterpret_cast<const float*>(&r.b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[i] = a[i], f[4 + i] = b[i];
 }
 
 // 8 consecutive elements of T at p (16-byte aligned for 16-bit types) as f32.
@@ -135,18 +176,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   const T* K = static_cast<const T*>(s.k ? s.k : M.k);
   const T* V = static_cast<const T*>(s.v ? s.v : M.v);
-  for (int64_t base = k0 + warp * KPW; base < k1; base += SLOTS) {
-    const int64_t key = base + grp;
-    const bool valid = key < k1;
-    float kf[DPL], vf[DPL];
-    if (valid) {
-      const int64_t off = kv_offset(s, M.tables, key, kvh, HD) + sub * DPL;
-      load8(K + off, kf);
-      load8(V + off, vf);
-    } else {
-#pragma unroll
-      for (int e = 0; e < DPL; ++e) kf[e] = 0.0f, vf[e] = 0.0f;
-    }
+  // One key of the group: scores of the G heads (reduced over the group's lanes), then the
+  // online-softmax update of the group's state. Every lane runs it (the shuffles need the warp).
+  auto step = [&](const float* kf, const float* vf, bool valid) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float sc = 0.0f;
@@ -163,6 +195,48 @@ __global__ void __launch_bounds__(kWarps * 32)
         for (int e = 0; e < DPL; ++e) acc[g][e] = acc[g][e] * corr + p * vf[e];
         m[g] = m_new;
       }
+    }
+  };
+  // Two keys per group per iteration, and the next iteration's loads issued before this one's
+  // arithmetic: eight 16-byte loads in flight per lane.
+  struct Pair {
+    Raw<T> ka, va, kb, vb;
+    bool a, b;
+  };
+  auto fetch = [&](int64_t base, Pair& p) {
+    const int64_t ka = base + grp, kb = base + KPW + grp;
+    p.a = ka < k1, p.b = kb < k1;
+    if (p.a) {
+      const int64_t off = kv_offset(s, M.tables, ka, kvh, HD) + sub * DPL;
+      load_raw(K + off, p.ka);
+      load_raw(V + off, p.va);
+    }
+    if (p.b) {
+      const int64_t off = kv_offset(s, M.tables, kb, kvh, HD) + sub * DPL;
+      load_raw(K + off, p.kb);
+      load_raw(V + off, p.vb);
+    }
+  };
+  auto consume = [&](const Pair& p) {
+    float kf[DPL], vf[DPL];
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) kf[e] = vf[e] = 0.0f;
+    if (p.a) to_f32x8(p.ka, kf), to_f32x8(p.va, vf);
+    step(kf, vf, p.a);
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) kf[e] = vf[e] = 0.0f;
+    if (p.b) to_f32x8(p.kb, kf), to_f32x8(p.vb, vf);
+    step(kf, vf, p.b);
+  };
+  int64_t base = k0 + warp * 2 * KPW;
+  if (base < k1) {
+    Pair cur, nxt;
+    fetch(base, cur);
+    for (; base < k1; base += 2 * SLOTS) {
+      const bool more = base + 2 * SLOTS < k1;
+      if (more) fetch(base + 2 * SLOTS, nxt);
+      consume(cur);
+      if (more) cur = nxt;
     }
   }
   // Merge the key slots (groups of every warp).
@@ -326,6 +400,7 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
     SeqDev d{};
     d.k = w.kv.k, d.v = w.kv.v, d.page_stride = w.kv.page_stride, d.head_stride = w.kv.head_stride;
     d.page_size = static_cast<int32_t>(w.kv.page_size);
+    d.pad = (w.kv.page_size & (w.kv.page_size - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(w.kv.page_size)) : -1;
     d.table_off = static_cast<int32_t>(ints.size() - static_cast<size_t>(T_));
     d.row = static_cast<int32_t>(w.row), d.pos = static_cast<int32_t>(w.pos), d.n_new = static_cast<int32_t>(w.n_new);
     sd.push_back(d);
@@ -333,6 +408,7 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
     ints.insert(ints.end(), w.kv.page_table, w.kv.page_table + n_pages);
     max_ctx = std::max(max_ctx, end);
   }
+  if (max_ctx > INT32_MAX) return invalid_argument_error("attention (cuda): positions beyond 2^31");
   if (shared_arena)
     for (SeqDev& d : sd) d.k = d.v = nullptr;  // from Meta
   const size_t sd_bytes = sd.size() * sizeof(SeqDev), int_bytes = ints.size() * sizeof(int32_t);
@@ -348,12 +424,12 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
   M.v = work[0].kv.v;
   const int n_q = out ? static_cast<int>(q.dim(1)) : n_kv;
   const int G = n_q / n_kv;
-  // Splits: ~4 blocks per SM of an H200 (132 SMs), each split at least 128 keys.
+  // Splits: ~8 blocks per SM of an H200 (132 SMs), each split at least 64 keys.
   const int64_t base_blocks = T_ * n_kv;
   int splits = 1;
   if (out && impl == AttentionImpl::kFlash) {
-    splits = static_cast<int>(std::clamp<int64_t>((528 + base_blocks - 1) / base_blocks, 1, 64));
-    splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(1, max_ctx / 128)));
+    splits = static_cast<int>(std::clamp<int64_t>((1056 + base_blocks - 1) / base_blocks, 1, 128));
+    splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(1, max_ctx / 64)));
   }
   const size_t part_o_bytes = splits > 1 ? static_cast<size_t>(T_ * n_q * splits * hd) * 4 : 0;
   const size_t part_ml_bytes = splits > 1 ? static_cast<size_t>(T_ * n_q * splits * 2) * 4 : 0;

@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
@@ -15,7 +17,7 @@ namespace combs {
 struct CudaRunner::Impl {
   std::unique_ptr<CudaBackend> backend;
   struct Layer {
-    Tensor attn_norm, wq, wk, wv, wo, bq, bk, bv, ffn_norm, w_gate, w_up, w_down;
+    Tensor attn_norm, wqkv, bqkv, wo, ffn_norm, w_gate_up, w_down;  // Q/K/V and gate/up fused by rows
   };
   Tensor tok_embd, output_norm, output, inv_freq;
   std::vector<Layer> layers;
@@ -46,6 +48,32 @@ StatusOr<Tensor> upload(CudaBackend& b, const Tensor& w) {
   return d;
 }
 
+// Host weights stacked by rows into one device tensor of their dtype (Q8_0: BF16); all or none
+// defined.
+StatusOr<Tensor> upload_stacked(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
+  if (!(*parts.begin())->defined()) return Tensor();
+  const DType dt = (*parts.begin())->dtype() == DType::kQ8_0 ? DType::kBF16 : (*parts.begin())->dtype();
+  int64_t rows = 0;
+  const int64_t cols = (*parts.begin())->rank() == 2 ? (*parts.begin())->dim(1) : 1;
+  for (const Tensor* t : parts) rows += t->dim(0);
+  std::vector<uint8_t> host(nbytes_for(dt, rows * cols));
+  size_t at = 0;
+  for (const Tensor* t : parts) {
+    if (t->dtype() == dt) {
+      std::memcpy(host.data() + at, t->data(), t->nbytes());
+    } else {
+      std::vector<float> f(static_cast<size_t>(t->numel()));
+      cpu::dequantize_row(t->data(), t->dtype(), f.data(), t->numel());
+      cpu::quantize_row(f.data(), dt, host.data() + at, t->numel());
+    }
+    at += nbytes_for(dt, t->numel());
+  }
+  const Shape shape = (*parts.begin())->rank() == 2 ? Shape{rows, cols} : Shape{rows};
+  COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc(shape, dt));
+  COMBS_RETURN_IF_ERROR(b.copy(Tensor::wrap(host.data(), shape, dt), d));
+  return d;
+}
+
 }  // namespace
 
 StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, CudaRunnerOptions options) {
@@ -64,16 +92,11 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
   for (const LayerWeights& w : model.layers) {
     Impl::Layer l;
     COMBS_ASSIGN_OR_RETURN(l.attn_norm, upload(b, w.attn_norm));
-    COMBS_ASSIGN_OR_RETURN(l.wq, upload(b, w.wq));
-    COMBS_ASSIGN_OR_RETURN(l.wk, upload(b, w.wk));
-    COMBS_ASSIGN_OR_RETURN(l.wv, upload(b, w.wv));
+    COMBS_ASSIGN_OR_RETURN(l.wqkv, upload_stacked(b, {&w.wq, &w.wk, &w.wv}));
+    COMBS_ASSIGN_OR_RETURN(l.bqkv, upload_stacked(b, {&w.bq, &w.bk, &w.bv}));
     COMBS_ASSIGN_OR_RETURN(l.wo, upload(b, w.wo));
-    COMBS_ASSIGN_OR_RETURN(l.bq, upload(b, w.bq));
-    COMBS_ASSIGN_OR_RETURN(l.bk, upload(b, w.bk));
-    COMBS_ASSIGN_OR_RETURN(l.bv, upload(b, w.bv));
     COMBS_ASSIGN_OR_RETURN(l.ffn_norm, upload(b, w.ffn_norm));
-    COMBS_ASSIGN_OR_RETURN(l.w_gate, upload(b, w.w_gate));
-    COMBS_ASSIGN_OR_RETURN(l.w_up, upload(b, w.w_up));
+    COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload_stacked(b, {&w.w_gate, &w.w_up}));
     COMBS_ASSIGN_OR_RETURN(l.w_down, upload(b, w.w_down));
     impl->layers.push_back(std::move(l));
   }
@@ -128,7 +151,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     COMBS_ASSIGN_OR_RETURN(I.gate, b.alloc({cap, ff}, DType::kF32));
     COMBS_ASSIGN_OR_RETURN(I.up, b.alloc({cap, ff}, DType::kF32));
     COMBS_ASSIGN_OR_RETURN(I.last, b.alloc({cap, e}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({3 * cap}, DType::kF32));  // int32: tokens, positions, rows
+    COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({4 * cap}, DType::kF32));  // int32: tokens, positions, rows, ids
     I.capacity = cap;
   }
   if (n_out > I.logit_rows) {
@@ -193,27 +216,35 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     const Impl::Layer& w = I.layers[static_cast<size_t>(l)];
     // The previous layer's MLP output joins the residual here, fused with this layer's norm.
     COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps));
-    COMBS_FORWARD_STEP(cuda::matmul(b, w.wq, h, total, q, bias(w.bq)));
-    COMBS_FORWARD_STEP(cuda::matmul(b, w.wk, h, total, k, bias(w.bk)));
-    COMBS_FORWARD_STEP(cuda::matmul(b, w.wv, h, total, v, bias(w.bv)));
-    COMBS_FORWARD_STEP(cuda::rope(b, q, d_pos, total, c.n_heads, c.head_dim, c.rope_dim, inv_freq, adjacent));
-    COMBS_FORWARD_STEP(cuda::rope(b, k, d_pos, total, c.n_kv_heads, c.head_dim, c.rope_dim, inv_freq, adjacent));
+    const float* bqkv = bias(w.bqkv);
+    const cuda::MatmulOut qkv[] = {{q, nq * hd, bqkv}, {k, nkv * hd, bqkv ? bqkv + nq * hd : nullptr},
+                                   {v, nkv * hd, bqkv ? bqkv + (nq + nkv) * hd : nullptr}};
+    COMBS_FORWARD_STEP(cuda::matmul_split(b, w.wqkv, h, total, qkv));
+    COMBS_FORWARD_STEP(cuda::rope(b, q, k, d_pos, total, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, inv_freq,
+                                  adjacent));
     COMBS_FORWARD_STEP(attention_batch(I.batch, l, q_t, k_t, v_t, scale, &att_t));
     appended = true;
     COMBS_FORWARD_STEP(cuda::matmul(b, w.wo, att, total, delta));
     COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
-    COMBS_FORWARD_STEP(cuda::matmul(b, w.w_gate, h, total, I.gate.data_as<float>()));
-    COMBS_FORWARD_STEP(cuda::matmul(b, w.w_up, h, total, I.up.data_as<float>()));
-    COMBS_FORWARD_STEP(cuda::silu_mul(b, I.gate.data_as<float>(), I.up.data_as<float>(), total * ff));
-    COMBS_FORWARD_STEP(cuda::matmul(b, w.w_down, I.gate.data_as<float>(), total, delta));
+    const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
+    COMBS_FORWARD_STEP(cuda::matmul_split(b, w.w_gate_up, h, total, gate_up));
+    COMBS_FORWARD_STEP(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
   }
   // The last residual add, the wanted rows, the final norm and the logits.
   COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
   COMBS_FORWARD_STEP(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
   COMBS_FORWARD_STEP(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
-  COMBS_FORWARD_STEP(cuda::cuda_status(cudaMemcpyAsync(logits, I.logits.data(), static_cast<size_t>(n_out * c.n_vocab) * 4,
-                                                       cudaMemcpyDeviceToHost, st),
-                                       "cudaMemcpyAsync(logits)"));
+  if (options.argmax) {  // only the token ids cross to the host
+    int32_t* d_ids = d_ints + 2 * total + n_out;  // after the rows (the buffer has room: 3 * capacity)
+    COMBS_FORWARD_STEP(cuda::argmax_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_ids));
+    COMBS_FORWARD_STEP(cuda::cuda_status(
+        cudaMemcpyAsync(options.argmax, d_ids, static_cast<size_t>(n_out) * 4, cudaMemcpyDeviceToHost, st),
+        "cudaMemcpyAsync(argmax)"));
+  } else {
+    COMBS_FORWARD_STEP(cuda::cuda_status(cudaMemcpyAsync(logits, I.logits.data(), static_cast<size_t>(n_out * c.n_vocab) * 4,
+                                                         cudaMemcpyDeviceToHost, st),
+                                         "cudaMemcpyAsync(logits)"));
+  }
   COMBS_FORWARD_STEP(b.synchronize());
 #undef COMBS_FORWARD_STEP
   return ok_status();

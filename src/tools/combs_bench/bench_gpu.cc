@@ -44,7 +44,8 @@ struct Run {
 };
 
 // n_seqs sessions, each a prompt of `prompt` tokens (prefilled one session at a time), then
-// `gen` decode steps of all sessions together. Median over reps.
+// `gen` decode steps of all sessions together, greedy as the engine runs it (the argmax on the
+// device; only token ids reach the host). Median over reps.
 StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, int reps) {
   const ModelConfig& c = runner.model().config();
   const int64_t ctx = prompt + gen + 1;
@@ -65,7 +66,7 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
       t_prompt += now_seconds() - t0;
       caches.push_back(std::move(cache));
     }
-    std::vector<int32_t> next(n_seqs);
+    std::vector<int32_t> next(n_seqs), ids(n_seqs);
     std::vector<SequenceInput> batch(n_seqs);
     const double t0 = now_seconds();
     for (int i = 0; i < gen; ++i) {
@@ -73,7 +74,7 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
         next[s] = static_cast<int32_t>((i * 31 + s * 7 + 7) % c.n_vocab);
         batch[s] = {caches[s].get(), {&next[s], 1}};
       }
-      COMBS_RETURN_IF_ERROR(runner.forward(batch, logits.data()));
+      COMBS_RETURN_IF_ERROR(runner.forward(batch, logits.data(), ForwardOptions{.argmax = ids.data()}));
     }
     const double dt = now_seconds() - t0;
     if (r > 0) {

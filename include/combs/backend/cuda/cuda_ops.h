@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "combs/backend/cuda/cuda_backend.h"
 #include "combs/backend/tensor.h"
@@ -11,9 +12,23 @@
 namespace combs::cuda {
 
 // y[t, :] = x[t, :] @ w^T (+ bias): w [out, in] on the device (F32, F16 or BF16), x [n, in] f32,
-// y [n, out] f32. F16/BF16 weights: cuBLAS on tensor cores with x rounded to the weight's dtype
-// and f32 accumulation; F32: cuBLAS SGEMM.
+// y [n, out] f32. F16/BF16 weights: x rounded to the weight's dtype, f32 accumulation; n <= 8
+// (decode) a bandwidth-bound kernel, larger n cuBLAS on tensor cores. F32 weights: cuBLAS SGEMM.
 Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float* y, const float* bias = nullptr);
+
+// One output of matmul_split: the next `rows` rows of the weight go to y [n, rows] (+ bias).
+struct MatmulOut {
+  float* y;
+  int64_t rows;
+  const float* bias = nullptr;
+};
+// A fused projection: w's rows split among up to three outputs (Q/K/V, or gate/up), one pass
+// over the weights for decode-sized n.
+Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs);
+
+// y = (silu(gate) * up) @ w^T, the MLP's down projection; for decode-sized n the product is formed
+// as x is read (no separate kernel); otherwise gate is overwritten with it first.
+Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y);
 
 // out[i, :] = table[ids[i], :] as f32; table [n_rows, dim] on the device (F32, F16, BF16).
 // Ids outside [0, n_rows) are the caller's to exclude (the runner validates them).
@@ -24,15 +39,19 @@ Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, float* y, int64_t n,
                     int64_t dim, float eps);
 
-// Rotary embedding in place, as cpu::rope: x [n_tokens, n_heads, head_dim] at positions pos[t];
+// Rotary embedding in place, as cpu::rope, of q [n_tokens, n_heads, head_dim] and, when k is set,
+// k [n_tokens, n_kv_heads, head_dim] in the same launch, at positions pos[t];
 // inv_freq: the rope_dim / 2 frequencies of cpu::rope_inv_freq, on the device (computed once per
 // model on the host, so CPU and GPU rotate by the same f32 angles: at position 30k a 1-ulp
 // difference in a frequency moves the angle by 2e-3).
-Status rope(CudaBackend& b, float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
-            const float* inv_freq, bool adjacent_pairs);
+Status rope(CudaBackend& b, float* q, float* k, const int32_t* pos, int64_t n_tokens, int n_heads, int n_kv_heads,
+            int head_dim, int rope_dim, const float* inv_freq, bool adjacent_pairs);
 
 // dst[i, :] = src[rows[i], :] for n rows of dim f32 (rows on the device).
 Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_t n, int64_t dim, float* dst);
+
+// out[r] = the index of the largest of x[r, 0 .. cols) (the lowest on ties), for `rows` rows.
+Status argmax_rows(CudaBackend& b, const float* x, int64_t rows, int64_t cols, int32_t* out);
 
 // gate[i] = silu(gate[i]) * up[i].
 Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n);
