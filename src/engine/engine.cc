@@ -92,6 +92,7 @@ struct Engine::Impl {
   bool stopping = false;
   int64_t evictions = 0, steps = 0;
   int64_t waiting = 0, batch_sequences = 0, batch_tokens = 0, forward_tokens = 0;  // for stats()
+  Status abort;  // set by abort_generating(); the scheduler ends the running requests with it
   std::thread scheduler;
 
   // Scratch of the scheduler thread.
@@ -358,14 +359,11 @@ EngineStats Engine::stats() {
 }
 
 void Engine::abort_generating(const Status& why) {
-  std::vector<std::pair<EventSink, GenerateEvent>> events;
   {
-    std::unique_lock<std::mutex> lock(impl_->mu);
-    impl_->forward_done.wait(lock, [&] { return !impl_->in_forward; });
-    for (auto& [id, s] : impl_->sessions)
-      if (s->active) impl_->finish(*s, FinishKind::kError, why, events);
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->abort = why;
   }
-  for (auto& [sink, e] : events) sink(e);
+  impl_->wake.notify_all();
 }
 
 Status Engine::check_invariants() {
@@ -436,6 +434,7 @@ void Engine::Impl::run() {
     for (auto& [id, s] : sessions) any_active |= s->active != nullptr;
     if (!any_active) {
       waiting = batch_sequences = batch_tokens = 0;
+      abort = ok_status();  // nothing was running to abort
       wake.wait_for(lock, std::chrono::seconds(1));  // idle: no busy-waiting; wakes for work or TTL
       continue;
     }
@@ -446,6 +445,13 @@ void Engine::Impl::run() {
 // One step: pick work, make room, run one forward for all of it, sample, emit.
 void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   std::vector<std::pair<EventSink, GenerateEvent>> events;
+  // An abort (server shutdown) ends every running request — here, on the scheduler thread, so a
+  // request's events always come from one thread, in order.
+  if (!abort.ok()) {
+    for (auto& [id, s] : sessions)
+      if (s->active) finish(*s, FinishKind::kError, abort, events);
+    abort = ok_status();
+  }
   // Cancelled requests end here, keeping what they generated; closed sessions go.
   for (auto it = sessions.begin(); it != sessions.end();) {
     Session& s = *it->second;

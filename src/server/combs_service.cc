@@ -101,6 +101,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     GenerateReactor* reactor = nullptr;  // null once the RPC is done
     std::deque<v1::GenerateResponse> queue;
     bool writing = false, finished = false;
+    bool ended = false;  // the engine's last event arrived
     grpc::Status final_status;
     std::vector<std::string> stop;
     std::string text;  // generated so far, for stop strings
@@ -177,6 +178,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     COMBS_ASSIGN_OR_RETURN(auto handle, engine.generate(req.session_id(), std::move(r), [st](const GenerateEvent& e) {
       v1::GenerateResponse resp;
       std::lock_guard<std::mutex> lock(st->mu);
+      if (st->ended) return;  // nothing follows the end of the stream
       if (e.type == GenerateEvent::Type::kToken) {
         if (st->stopped) return;
         const Clock::time_point now = Clock::now();
@@ -213,6 +215,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
         }
         st->usage = e.usage;
         st->finished = true;
+        st->ended = true;
       }
       if (resp.ByteSizeLong() > 0 || resp.finished()) st->queue.push_back(std::move(resp));
       if (st->reactor) st->reactor->pump();

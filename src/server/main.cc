@@ -228,9 +228,16 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   const int64_t aborted = eng.stats().generating;
-  if (aborted > 0) eng.abort_generating(unavailable_error("combs-server is shutting down"));
+  if (aborted > 0) {
+    eng.abort_generating(unavailable_error("combs-server is shutting down"));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (eng.stats().generating > 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
   srv->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  srv.reset();  // every call is done (their last log lines written) before the logger stops
   server::LogLine("stopped").add("streams_aborted", aborted).info();
-  spdlog::shutdown();
+  spdlog::default_logger()->flush();
   return 0;
 }

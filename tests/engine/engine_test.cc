@@ -405,3 +405,40 @@ TEST_CASE("a request that cannot get pages fails and leaves its session as it wa
   // The session still works.
   CHECK(run(*e, a, request({4}, 3, 0.0f, 0)).size() == 3);
 }
+
+TEST_CASE("an abort ends running generates from the scheduler thread and is not sticky", "[engine]") {
+  ModelFile mf;
+  auto e = mf.engine();
+  const SessionId a = e->create_session().value(), b = e->create_session().value();
+  Collector ca, cb;
+  std::thread::id sink_thread;
+  std::atomic<bool> other_thread{false};
+  std::mutex mu;
+  auto tagged = [&](Collector& c) {
+    EventSink inner = c.sink();
+    return EventSink([&, inner](const GenerateEvent& ev) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (sink_thread == std::thread::id()) sink_thread = std::this_thread::get_id();
+        other_thread = other_thread || sink_thread != std::this_thread::get_id();
+      }
+      inner(ev);
+    });
+  };
+  REQUIRE(e->generate(a, request({1, 2, 3}, 2000, 0.8f, 3), tagged(ca)).ok());
+  REQUIRE(e->generate(b, request({4, 5}, 2000, 0.8f, 4), tagged(cb)).ok());
+  e->abort_generating(Status(StatusCode::kUnavailable, "shutting down"));
+  ca.wait();
+  cb.wait();
+  CHECK(ca.status.code() == StatusCode::kUnavailable);
+  CHECK(cb.status.code() == StatusCode::kUnavailable);
+  CHECK_FALSE(other_thread);  // every event from the scheduler thread, in order
+  CHECK(e->info(a)->length == 0);  // a failed request is undone
+  // The next request runs normally.
+  Collector c2;
+  REQUIRE(e->generate(a, request({7}, 3, 0.0f, 0), c2.sink()).ok());
+  c2.wait();
+  CHECK(c2.status.ok());
+  CHECK(c2.tokens.size() == 3);
+  REQUIRE(e->check_invariants().ok());
+}

@@ -85,6 +85,7 @@ struct ServerProcess {
     int status = 0;
     waitpid(pid, &status, 0);
     pid = -1;
+    if (WIFSIGNALED(status)) UNSCOPED_INFO("combs-server killed by signal " << WTERMSIG(status) << "; log:\n" << logs());
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
   int stop() {

@@ -147,8 +147,8 @@ class Engine {
   StatusOr<SessionInfo> info(const SessionId& id);
   std::vector<SessionInfo> list();
   EngineStats stats();
-  // Ends every running generate with kError(why) (after the forward in progress); for a server
-  // whose shutdown grace period ran out.
+  // Ends every running generate with kError(why) at the scheduler's next step (after the forward
+  // in progress; returns at once); for a server whose shutdown grace period ran out.
   void abort_generating(const Status& why);
   const Model& model() const;
 
