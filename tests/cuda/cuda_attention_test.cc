@@ -1,5 +1,6 @@
 // Paged attention on the GPU against the CPU's (checked against float64 in tests/kv) and against
-// a contiguous GPU cache, over ragged batches of prefill chunks and decodes: page sizes 16 and 32,
+// a contiguous GPU cache, over ragged batches of prefill chunks (tensor cores from 16 new tokens)
+// and decodes: page sizes 16 and 32,
 // GQA ratios 1 to 8, head_dim 64 and 128, f16/bf16/f32 caches, contexts up to 32k (split-KV), and
 // the manual reference path. [cuda]: skipped (and saying so) without a GPU.
 #include <catch2/catch.hpp>
@@ -121,7 +122,10 @@ void run_case(CudaBackend& gpu, const Case& c, uint64_t seed) {
   const auto want = batched(cpu_caches, false, nullptr, q, k, v, new_tokens, AttentionImpl::kFlash);
   const auto paged = batched(gpu_caches, false, &gpu, q, k, v, new_tokens, AttentionImpl::kFlash);
   const auto flat = batched(contiguous, false, &gpu, q, k, v, new_tokens, AttentionImpl::kFlash);
-  CHECK(rel_err(paged, want) < 2e-4);
+  // Chunks of 16 or more new tokens run on tensor cores: q and the softmax weights are rounded to
+  // the cache dtype there, so the tolerance is that dtype's.
+  const double tol = c.dtype == DType::kF32 ? 2e-4 : c.dtype == DType::kF16 ? 3e-3 : 2.5e-2;
+  CHECK(rel_err(paged, want) < tol);
   CHECK(rel_err(flat, paged) < 2e-5);
   // The manual path on the GPU: roll the new tokens back and attend again.
   for (size_t i = 0; i < gpu_caches.size(); ++i) gpu_caches[i]->popn(c.seqs[i].second);
@@ -155,4 +159,11 @@ TEST_CASE("cuda paged decode over a 32k context splits and merges correctly", "[
   if (!gpu) return;
   run_case(*gpu, {16, 2, 4, 128, DType::kF16, {{32767, 1}}}, 99);
   run_case(*gpu, {32, 8, 4, 64, DType::kBF16, {{16000, 1}, {9000, 1}, {20, 1}}}, 100);
+}
+
+TEST_CASE("cuda tensor-core prefill over long chunks after long prefixes matches the cpu", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  run_case(*gpu, {16, 8, 4, 128, DType::kBF16, {{1000, 300}, {0, 513}, {77, 16}, {5000, 1}}}, 7);
+  run_case(*gpu, {32, 2, 8, 64, DType::kF16, {{2047, 129}, {1, 15}, {0, 17}}}, 8);
 }

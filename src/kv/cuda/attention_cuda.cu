@@ -8,6 +8,7 @@
 // COMBS_ATTN=manual runs a simple reference instead (scores in global memory, softmax, P@V).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>
 
 #include <algorithm>
 #include <cstring>
@@ -43,6 +44,7 @@ struct Meta {
   const int32_t* tables;
   const void* k;
   const void* v;
+  int prefill_min;  // tokens of sequences with at least this many new tokens go to prefill_kernel
 };
 
 __device__ inline float load_f32(const float* p) { return *p; }
@@ -161,6 +163,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPK, sub = lane % LPK;
   const SeqDev s = M.seqs[M.tok_seq[t]];
+  if (s.n_new >= M.prefill_min) return;  // prefill_kernel's
   const int64_t ctx = s.pos + (t - s.row) + 1;  // causal: keys [0, ctx)
   const int64_t chunk = (ctx + splits - 1) / splits;
   const int64_t k0 = split * chunk, k1 = ctx < k0 + chunk ? ctx : k0 + chunk;
@@ -275,19 +278,131 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// Prefill (chunks of new tokens) on tensor cores: one block of 4 warps per (16-token tile of a
+// sequence's new tokens, query head). The block walks the keys in tiles of 32 up to the tile's
+// last position: K and V tiles are read from the pages into shared memory, S = Q K^T and P V run
+// as 16x16x16 WMMA products in T (bf16 or f16) with f32 accumulation, the online softmax in f32
+// (P rounded to T for the product, as flash attention does), the output kept in f32.
+// tiles: per block, (sequence, first new-token row of the tile).
+namespace wmma = nvcuda::wmma;
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(128)
+    prefill_kernel(const Meta M, const int32_t* __restrict__ tiles, const float* __restrict__ q,
+                   float* __restrict__ out, int n_kv, int n_q, float scale_log2) {
+  constexpr int QT = 16, KT = 32;
+  const int tile = blockIdx.x, h = blockIdx.y, kvh = h / (n_q / n_kv);
+  const SeqDev s = M.seqs[tiles[2 * tile]];
+  const int r0 = tiles[2 * tile + 1];  // first new-token index of this tile within the sequence
+  const int rows = min(QT, s.n_new - r0);
+  const int64_t last_pos = s.pos + r0 + rows - 1;
+  const T* K = static_cast<const T*>(s.k ? s.k : M.k);
+  const T* V = static_cast<const T*>(s.v ? s.v : M.v);
+  __shared__ __align__(32) T qs[QT][HD];
+  __shared__ __align__(32) T ks[KT][HD];
+  __shared__ __align__(32) T vs[KT][HD];
+  __shared__ __align__(32) float ss[QT][KT];
+  __shared__ __align__(32) T ps[QT][KT];
+  __shared__ __align__(32) float os[QT][HD];
+  __shared__ __align__(32) float tmp[QT][HD];
+  __shared__ float ml[QT][3];  // running max, running sum, this tile's correction
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  for (int i = tid; i < QT * HD; i += blockDim.x) {
+    const int r = i / HD, d = i % HD;
+    const float v = r < rows ? q[(static_cast<int64_t>(s.row + r0 + r) * n_q + h) * HD + d] : 0.0f;
+    qs[r][d] = store_as<T>(v);
+    os[r][d] = 0.0f;
+  }
+  if (tid < QT) ml[tid][0] = -INFINITY, ml[tid][1] = 0.0f;
+  __syncthreads();
+  for (int64_t k0 = 0; k0 <= last_pos; k0 += KT) {
+    // K and V tiles from the pages (rows past the end are zero: masked below).
+    for (int i = tid; i < KT * (HD / 8); i += blockDim.x) {
+      const int kr = i / (HD / 8), c = (i % (HD / 8)) * 8;
+      const int64_t key = k0 + kr;
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      if (key <= last_pos) {
+        const int64_t off = kv_offset(s, M.tables, key, kvh, HD) + c;
+        kv = *reinterpret_cast<const uint4*>(K + off);
+        vv = *reinterpret_cast<const uint4*>(V + off);
+      }
+      *reinterpret_cast<uint4*>(&ks[kr][c]) = kv;
+      *reinterpret_cast<uint4*>(&vs[kr][c]) = vv;
+    }
+    __syncthreads();
+    // S = Q K^T: warps 0 and 1 each a 16x16 half (keys 0-15, 16-31).
+    if (warp < 2) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+      for (int kk = 0; kk < HD; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
+        wmma::load_matrix_sync(a, &qs[0][kk], HD);
+        wmma::load_matrix_sync(b, &ks[warp * 16][kk], HD);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(&ss[0][warp * 16], acc, KT, wmma::mem_row_major);
+    }
+    __syncthreads();
+    // Online softmax: warp w takes rows 4w .. 4w+3, lane j key k0 + j.
+    for (int r = warp * 4; r < warp * 4 + 4; ++r) {
+      const int64_t pos = s.pos + r0 + r, key = k0 + lane;
+      const bool valid = r < rows && key <= pos;
+      const float sc = valid ? ss[r][lane] * scale_log2 : -INFINITY;
+      const float m_old = ml[r][0];
+      const float m_new = fmaxf(m_old, warp_max(sc));
+      const float p = valid ? exp2f(sc - m_new) : 0.0f;
+      const float sum = warp_sum(p);
+      ps[r][lane] = store_as<T>(p);
+      if (lane == 0) {
+        const float corr = m_new == -INFINITY ? 1.0f : exp2f(m_old - m_new);
+        ml[r][0] = m_new;
+        ml[r][1] = ml[r][1] * corr + sum;
+        ml[r][2] = corr;
+      }
+    }
+    __syncthreads();
+    // O = O * corr + P V: each warp HD / 4 output columns.
+    for (int c0 = warp * (HD / 4); c0 < (warp + 1) * (HD / 4); c0 += 16) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+      for (int kk = 0; kk < KT; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+        wmma::load_matrix_sync(a, &ps[0][kk], KT);
+        wmma::load_matrix_sync(b, &vs[kk][c0], HD);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(&tmp[0][c0], acc, HD, wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int i = tid; i < QT * HD; i += blockDim.x) {
+      const int r = i / HD, d = i % HD;
+      os[r][d] = os[r][d] * ml[r][2] + tmp[r][d];
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < rows * HD; i += blockDim.x) {
+    const int r = i / HD, d = i % HD;
+    out[(static_cast<int64_t>(s.row + r0 + r) * n_q + h) * HD + d] = os[r][d] / ml[r][1];
+  }
+}
+
 // grid (tokens * n_q); block: head_dim threads. Log-sum-exp merge of the splits.
-__global__ void merge_splits_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                    float* __restrict__ out, int splits, int hd) {
+__global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                    float* __restrict__ out, int splits, int hd, int n_q) {
   const int64_t row = blockIdx.x;
   const int d = threadIdx.x;
-  if (d >= hd) return;
-  float M = -INFINITY;
-  for (int sp = 0; sp < splits; ++sp) M = fmaxf(M, part_ml[(row * splits + sp) * 2]);
+  if (d >= hd || meta.seqs[meta.tok_seq[row / n_q]].n_new >= meta.prefill_min) return;
+  float mx = -INFINITY;
+  for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, part_ml[(row * splits + sp) * 2]);
   float L = 0.0f, O = 0.0f;
   for (int sp = 0; sp < splits; ++sp) {
     const float m = part_ml[(row * splits + sp) * 2];
     if (m == -INFINITY) continue;  // an empty split
-    const float f = exp2f(m - M);
+    const float f = exp2f(m - mx);
     L += part_ml[(row * splits + sp) * 2 + 1] * f;
     O += part_o[(row * splits + sp) * hd + d] * f;
   }
@@ -409,6 +524,24 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
     max_ctx = std::max(max_ctx, end);
   }
   if (max_ctx > INT32_MAX) return invalid_argument_error("attention (cuda): positions beyond 2^31");
+  // Sequences with kPrefillMin or more new tokens run on tensor cores (prefill_kernel), in tiles of
+  // 16 tokens, where the cache holds f16 or bf16 and the head_dim has a kernel; the rest (decode)
+  // in attention_kernel.
+  constexpr int kPrefillMin = 16;
+  const bool tensor_cores = out && impl == AttentionImpl::kFlash && (hd == 64 || hd == 128) &&
+                            (cache_dtype == DType::kF16 || cache_dtype == DType::kBF16);
+  const size_t tiles_at = ints.size();
+  int64_t n_tiles = 0, n_decode = T_;
+  if (tensor_cores) {
+    for (size_t i = 0; i < work.size(); ++i) {
+      if (work[i].n_new < kPrefillMin) continue;
+      n_decode -= work[i].n_new;
+      for (int64_t r0 = 0; r0 < work[i].n_new; r0 += 16, ++n_tiles) {
+        ints.push_back(static_cast<int32_t>(i));
+        ints.push_back(static_cast<int32_t>(r0));
+      }
+    }
+  }
   if (shared_arena)
     for (SeqDev& d : sd) d.k = d.v = nullptr;  // from Meta
   const size_t sd_bytes = sd.size() * sizeof(SeqDev), int_bytes = ints.size() * sizeof(int32_t);
@@ -422,10 +555,12 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
   M.tables = M.tok_seq + T_;
   M.k = work[0].kv.k;
   M.v = work[0].kv.v;
+  M.prefill_min = tensor_cores ? kPrefillMin : INT32_MAX;
+  const int32_t* d_tiles = reinterpret_cast<const int32_t*>(static_cast<char*>(meta) + sd_bytes) + tiles_at;
   const int n_q = out ? static_cast<int>(q.dim(1)) : n_kv;
   const int G = n_q / n_kv;
   // Splits: ~8 blocks per SM of an H200 (132 SMs), each split at least 64 keys.
-  const int64_t base_blocks = T_ * n_kv;
+  const int64_t base_blocks = std::max<int64_t>(n_decode, 1) * n_kv;
   int splits = 1;
   if (out && impl == AttentionImpl::kFlash) {
     splits = static_cast<int>(std::clamp<int64_t>((1056 + base_blocks - 1) / base_blocks, 1, 128));
@@ -461,8 +596,20 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return ok_status();
   }
-  const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(n_kv), static_cast<unsigned>(splits));
   const float scale_log2 = scale * kLog2e;
+  if (n_tiles > 0) {
+    const dim3 pgrid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(n_q));
+    if (cache_dtype == DType::kF16) {
+      if (hd == 64) prefill_kernel<__half, 64><<<pgrid, 128, 0, st>>>(M, d_tiles, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
+      else prefill_kernel<__half, 128><<<pgrid, 128, 0, st>>>(M, d_tiles, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
+    } else {
+      if (hd == 64) prefill_kernel<__nv_bfloat16, 64><<<pgrid, 128, 0, st>>>(M, d_tiles, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
+      else prefill_kernel<__nv_bfloat16, 128><<<pgrid, 128, 0, st>>>(M, d_tiles, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
+    }
+    COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  if (n_decode == 0) return ok_status();
+  const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(n_kv), static_cast<unsigned>(splits));
   bool ok;
   switch (cache_dtype) {
     case DType::kF32: ok = dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
@@ -476,8 +623,8 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (splits > 1) {
-    merge_splits_kernel<<<static_cast<unsigned>(T_ * n_q), wthreads, 0, st>>>(part_o, part_ml, out->data_as<float>(),
-                                                                               splits, hd);
+    merge_splits_kernel<<<static_cast<unsigned>(T_ * n_q), wthreads, 0, st>>>(M, part_o, part_ml, out->data_as<float>(),
+                                                                               splits, hd, n_q);
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   return ok_status();
