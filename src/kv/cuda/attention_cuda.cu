@@ -128,27 +128,6 @@ __device__ inline void to_f32x8(const Raw<float>& r, float* f) {
   for (int i = 0; i < 4; ++i) f[i] = a[i], f[4 + i] = b[i];
 }
 
-// 8 consecutive elements of T at p (16-byte aligned for 16-bit types) as f32.
-__device__ inline void load8(const float* p, float* f) {
-  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-}
-__device__ inline void load8(const __nv_bfloat16* p, float* f) {
-  const uint4 r = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) f[2 * i] = __uint_as_float(w[i] << 16), f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-}
-__device__ inline void load8(const __half* p, float* f) {
-  const uint4 r = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __half22float2(h[i]);
-    f[2 * i] = x.x, f[2 * i + 1] = x.y;
-  }
-}
-
 // grid (tokens, n_kv, splits); block kWarps warps. HD: head_dim (64 or 128); G: query heads per
 // KV head. Each key is read by a group of LPK = HD / 8 lanes, each lane 8 dimensions (one 16-byte
 // load of K and one of V); a warp reads 32 / LPK keys at once. Every lane keeps the G heads' query
