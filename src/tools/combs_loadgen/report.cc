@@ -257,14 +257,17 @@ std::string Stats::json(const Options& o, double measured_s) const {
 // below, each with its axis labelled.
 std::string Stats::svg(double measured_s) const {
   std::lock_guard<std::mutex> lock(mu_);
-  const int W = 900, H = 560, left = 70, right = 20, panel = 200, gap = 70, top = 40;
+  const int W = 900, H = 800, left = 70, right = 20, panel = 180, gap = 70, top = 40;
   const size_t n = std::max<size_t>(seconds_.size(), 1);
-  std::vector<double> tok, ttft, itl, e2e;
+  std::vector<double> tok, ttft, ttft99, itl, itl99, e2e, e2e99;
   for (const Second& s : seconds_) {
     tok.push_back(static_cast<double>(s.tokens));
     ttft.push_back(percentile(s.ttft, 50) * 1e3);
+    ttft99.push_back(percentile(s.ttft, 99) * 1e3);
     itl.push_back(percentile(s.itl, 50) * 1e3);
-    e2e.push_back(percentile(s.e2e, 99) * 1e3);
+    itl99.push_back(percentile(s.itl, 99) * 1e3);
+    e2e.push_back(percentile(s.e2e, 50) * 1e3);
+    e2e99.push_back(percentile(s.e2e, 99) * 1e3);
   }
   auto max_of = [](const std::vector<double>& v) {
     double m = 0;
@@ -296,10 +299,11 @@ std::string Stats::svg(double measured_s) const {
                     x0 - 6, y + 4, v, x0, y, x1, y);
       out += buf;
     }
-    for (int k = 0; k <= 5; ++k) {  // x ticks (seconds)
-      const int x = x0 + (x1 - x0) * k / 5;
-      std::snprintf(buf, sizeof buf, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">%.0f s</text>\n", x, y1 + 16,
-                    static_cast<double>(n) * k / 5);
+    const size_t step = std::max<size_t>(1, (n + 9) / 10);  // x ticks: whole seconds
+    for (size_t sec = 0; sec <= n; sec += step) {
+      const double x = x0 + (x1 - x0) * static_cast<double>(sec) / static_cast<double>(n);
+      std::snprintf(buf, sizeof buf, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">%zu s</text>\n", x, y1 + 16,
+                    sec);
       out += buf;
     }
     for (const auto& [v, color] : series) {
@@ -314,9 +318,12 @@ std::string Stats::svg(double measured_s) const {
     }
   };
   panel_at(top + 20, "output tokens / s", max_of(tok), {{&tok, "#1f77b4"}});
-  const double lat_max = std::max({max_of(ttft), max_of(itl), max_of(e2e)});
-  panel_at(top + 20 + panel + gap, "latency (ms): TTFT p50 (orange), inter-token p50 (green), end-to-end p99 (red)",
-           lat_max, {{&ttft, "#ff7f0e"}, {&itl, "#2ca02c"}, {&e2e, "#d62728"}});
+  panel_at(top + 20 + panel + gap,
+           "per-token latency (ms): TTFT p50 (orange), p99 (red); inter-token p50 (green), p99 (purple)",
+           std::max({max_of(ttft), max_of(ttft99), max_of(itl), max_of(itl99)}),
+           {{&ttft, "#ff7f0e"}, {&ttft99, "#d62728"}, {&itl, "#2ca02c"}, {&itl99, "#9467bd"}});
+  panel_at(top + 20 + 2 * (panel + gap), "end-to-end latency (ms): p50 (blue), p99 (red)",
+           std::max(max_of(e2e), max_of(e2e99)), {{&e2e, "#1f77b4"}, {&e2e99, "#d62728"}});
   out += "</svg>\n";
   return out;
 }
