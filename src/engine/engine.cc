@@ -37,6 +37,7 @@ struct Active {
   std::unique_ptr<Sampler> sampler;
   StopCriteria stop;
   std::unique_ptr<StreamDecoder> text;
+  std::string generated_text;  // for stop strings
   std::vector<int32_t> generated;
   Usage usage;
   bool counted_cache = false;
@@ -201,6 +202,12 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::generate(const SessionId& id, 
                                     " exceeds the limit of " + std::to_string(impl_->options.max_tokens_per_request));
   }
   if (!sink) return invalid_argument_error("generate: no event sink");
+  for (const std::string& stop : request.stop_strings) {
+    if (stop.empty()) return invalid_argument_error("generate: empty stop string");
+  }
+  if (!request.stop_strings.empty() && !impl_->tokenizer) {
+    return invalid_argument_error("generate: stop strings need a model with a tokenizer");
+  }
   std::unique_lock<std::mutex> lock(impl_->mu);
   COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
   const SamplingParams params = request.sampling.value_or(s->options.sampling);
@@ -565,7 +572,21 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       GenerateEvent e;
       e.token = token;
       if (a.text) e.text = a.text->push(token);
+      bool stop_string = false;
+      if (!a.request.stop_strings.empty()) {
+        // Only the tail can hold a new match: the text this token added and what precedes it.
+        const size_t before = a.generated_text.size();
+        a.generated_text += e.text;
+        for (const std::string& stop : a.request.stop_strings) {
+          const size_t from = before >= stop.size() ? before - stop.size() + 1 : 0;
+          stop_string |= a.generated_text.find(stop, from) != std::string::npos;
+        }
+      }
       events.emplace_back(a.sink, std::move(e));
+      if (stop_string) {
+        finish(s, FinishKind::kStop, ok_status(), events);
+        continue;
+      }
       switch (check_stop(a.stop, a.generated)) {
         case FinishReason::kNone: break;
         case FinishReason::kEos: finish(s, FinishKind::kEos, ok_status(), events); break;

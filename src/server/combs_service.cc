@@ -103,9 +103,6 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     bool writing = false, finished = false;
     bool ended = false;  // the engine's last event arrived
     grpc::Status final_status;
-    std::vector<std::string> stop;
-    std::string text;  // generated so far, for stop strings
-    bool stopped = false;
     std::shared_ptr<GenerateHandle> handle;
     // For the metrics and the log line.
     Metrics* metrics = nullptr;
@@ -171,16 +168,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     r.sampling = merge(info.sampling, req.sampling());
     for (const auto& seq : req.stop_token_sequences()) r.stop_sequences.emplace_back(seq.ids().begin(), seq.ids().end());
     r.ignore_eos = req.ignore_eos();
-    state_->stop.assign(req.stop().begin(), req.stop().end());
-    for (const auto& s : state_->stop)
-      if (s.empty()) return invalid_argument_error("generate: empty stop string");
+    r.stop_strings.assign(req.stop().begin(), req.stop().end());
     std::shared_ptr<State> st = state_;
     COMBS_ASSIGN_OR_RETURN(auto handle, engine.generate(req.session_id(), std::move(r), [st](const GenerateEvent& e) {
       v1::GenerateResponse resp;
       std::lock_guard<std::mutex> lock(st->mu);
       if (st->ended) return;  // nothing follows the end of the stream
       if (e.type == GenerateEvent::Type::kToken) {
-        if (st->stopped) return;
         const Clock::time_point now = Clock::now();
         if (st->metrics) {
           if (!st->got_token) st->metrics->observe_ttft(std::chrono::duration<double>(now - st->start).count());
@@ -190,21 +184,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
         st->last_token = now;
         resp.set_token_id(e.token);
         resp.set_text(to_valid_utf8(e.text));
-        st->text += e.text;
-        for (const auto& s : st->stop) {
-          if (st->text.find(s) != std::string::npos) {
-            st->stopped = true;  // ends at the next step; the stream reports "stop"
-            if (st->handle) st->handle->cancel();
-          }
-        }
       } else {
         if (!e.status.ok()) {
           st->final_status = to_grpc(e.status);
         } else {
           resp.set_finished(true);
           resp.set_text(to_valid_utf8(e.text));
-          resp.set_finish_reason(st->stopped && e.finish == FinishKind::kCancelled ? v1::FINISH_REASON_STOP
-                                                                                    : finish_reason(e.finish));
+          resp.set_finish_reason(finish_reason(e.finish));
           auto* u = resp.mutable_usage();
           u->set_input_tokens(e.usage.input_tokens);
           u->set_output_tokens(e.usage.output_tokens);
@@ -217,7 +203,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
         st->finished = true;
         st->ended = true;
       }
-      if (resp.ByteSizeLong() > 0 || resp.finished()) st->queue.push_back(std::move(resp));
+      // Every token is sent (token id 0 with empty text serializes to nothing, and still counts);
+      // an error ends the stream with its status and no final message.
+      if (e.type == GenerateEvent::Type::kToken || resp.finished()) st->queue.push_back(std::move(resp));
       if (st->reactor) st->reactor->pump();
     }));
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -252,7 +240,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
       code = ctx_->deadline() <= std::chrono::system_clock::now() ? grpc::StatusCode::DEADLINE_EXCEEDED
                                                                    : grpc::StatusCode::CANCELLED;
     }
-    if (call_.metrics) {
+    if (call_.metrics && st.ended) {  // a request the engine ran (not one refused up front)
       call_.metrics->add_tokens(st.usage.input_tokens, st.usage.output_tokens);
       call_.metrics->observe_generate(seconds_since(call_.start));
     }
@@ -296,6 +284,17 @@ void CombsService::own(const std::string& session, const std::string& key) {
   if (keys_.empty()) return;
   std::lock_guard<std::mutex> lock(owners_mu_);
   owners_[session] = key;
+  // Sessions also end by expiring (TTL) in the engine: drop their owners now and then, so the
+  // map does not grow with every session ever made.
+  if (++owned_since_prune_ >= 1024) {
+    owned_since_prune_ = 0;
+    std::unordered_map<std::string, std::string> live;
+    for (const SessionInfo& i : engine_->list()) {
+      if (auto it = owners_.find(i.id); it != owners_.end()) live.insert(*it);
+    }
+    live[session] = key;
+    owners_.swap(live);
+  }
 }
 
 grpc::ServerUnaryReactor* CombsService::CreateSession(grpc::CallbackServerContext* ctx,

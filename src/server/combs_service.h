@@ -76,6 +76,7 @@ class CombsService final : public combs::v1::Combs::CallbackService {
   std::atomic<bool> draining_{false};
   std::mutex owners_mu_;
   std::unordered_map<std::string, std::string> owners_;  // session id -> key
+  int owned_since_prune_ = 0;
 };
 
 // combs Status -> grpc::Status (the codes are the same numbers).

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 namespace combs::server {
@@ -44,7 +45,8 @@ StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::start(const std::string& h
   int fd = -1;
   std::string err = "no address";
   for (addrinfo* a = res; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    // Non-blocking: a connection reset between poll() and accept() must not block the thread.
+    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
     if (fd < 0) continue;
     const int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -87,13 +89,17 @@ void HttpEndpoint::serve() {
 }
 
 void HttpEndpoint::answer(int conn) {
-  timeval timeout{2, 0};  // a slow or silent client cannot hold the endpoint
-  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  // A slow or silent client cannot hold the endpoint: 2 s for the whole request, 2 s per send.
+  timeval timeout{2, 0};
   setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   std::string req;
   char buf[1024];
   while (req.find("\r\n\r\n") == std::string::npos && req.size() <= 8192) {
-    const ssize_t n = recv(conn, buf, sizeof buf, 0);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    pollfd p{conn, POLLIN, 0};
+    if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+    const ssize_t n = recv(conn, buf, sizeof buf, MSG_DONTWAIT);
     if (n <= 0) break;
     req.append(buf, static_cast<size_t>(n));
   }

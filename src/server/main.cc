@@ -160,6 +160,7 @@ int main(int argc, char** argv) {
   Engine& eng = **engine;
   server::Metrics metrics([&eng] { return eng.stats(); });
   server::ServiceOptions so;
+  const bool auth = !keys.empty();
   so.api_keys = std::move(keys);
   so.max_input_tokens = max_input;
   so.metrics = &metrics;
@@ -209,7 +210,7 @@ int main(int argc, char** argv) {
       .add("listen", host + ":" + std::to_string(port))
       .add("device", device)
       .add("tls", flags.str("tls-cert").empty() ? "off" : "on")
-      .add("auth", so.api_keys.empty() ? "off" : "api-keys")
+      .add("auth", auth ? "api-keys" : "off")
       .add("kv_pages", eng.stats().pages_total)
       .info();
   std::printf("combs-server: serving %s on %s:%d\n", path.c_str(), host.c_str(), port);

@@ -10,7 +10,7 @@ namespace {
 std::string number(double v) {
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
+  std::snprintf(buf, sizeof buf, "%.17g", v);
   return buf;
 }
 
@@ -19,6 +19,13 @@ void header(std::string* out, const char* name, const char* type, const char* he
 }
 
 void sample(std::string* out, const std::string& series, double v) { *out += series + " " + number(v) + "\n"; }
+// Counts print as integers: %g would round them once past 1e9.
+void sample(std::string* out, const std::string& series, uint64_t v) {
+  *out += series + " " + std::to_string(v) + "\n";
+}
+void sample(std::string* out, const std::string& series, int64_t v) {
+  *out += series + " " + std::to_string(v) + "\n";
+}
 
 // Latency buckets from 1 ms to 60 s.
 std::vector<double> latency_bounds() {
@@ -48,10 +55,10 @@ void Histogram::render(const std::string& name, std::string* out) const {
   for (size_t i = 0; i <= bounds_.size(); ++i) {
     cumulative += counts_[i];
     const double le = i < bounds_.size() ? bounds_[i] : INFINITY;
-    sample(out, name + "_bucket{le=\"" + number(le) + "\"}", static_cast<double>(cumulative));
+    sample(out, name + "_bucket{le=\"" + number(le) + "\"}", cumulative);
   }
   sample(out, name + "_sum", sum_);
-  sample(out, name + "_count", static_cast<double>(count_));
+  sample(out, name + "_count", count_);
 }
 
 Metrics::Metrics(std::function<EngineStats()> stats)
@@ -74,13 +81,13 @@ std::string Metrics::render() const {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [key, n] : requests_) {
       sample(&out, "combs_requests_total{method=\"" + key.first + "\",code=\"" + grpc_code_name(key.second) + "\"}",
-             static_cast<double>(n));
+             n);
     }
   }
   header(&out, "combs_input_tokens_total", "counter", "Tokens appended to sessions by Generate requests.");
-  sample(&out, "combs_input_tokens_total", static_cast<double>(input_tokens_.load()));
+  sample(&out, "combs_input_tokens_total", input_tokens_.load());
   header(&out, "combs_output_tokens_total", "counter", "Tokens generated.");
-  sample(&out, "combs_output_tokens_total", static_cast<double>(output_tokens_.load()));
+  sample(&out, "combs_output_tokens_total", output_tokens_.load());
   header(&out, "combs_time_to_first_token_seconds", "histogram", "From the Generate call to its first token.");
   ttft_.render("combs_time_to_first_token_seconds", &out);
   header(&out, "combs_inter_token_latency_seconds", "histogram", "Between consecutive tokens of a Generate stream.");
@@ -101,7 +108,7 @@ std::string Metrics::render() const {
   };
   for (const auto& [name, g] : gauges) {
     header(&out, name, "gauge", g.first);
-    sample(&out, name, static_cast<double>(g.second));
+    sample(&out, name, g.second);
   }
   const std::pair<const char*, std::pair<const char*, int64_t>> counters[] = {
       {"combs_engine_steps_total", {"Engine steps (model forwards).", st.steps}},
@@ -110,7 +117,7 @@ std::string Metrics::render() const {
   };
   for (const auto& [name, c] : counters) {
     header(&out, name, "counter", c.first);
-    sample(&out, name, static_cast<double>(c.second));
+    sample(&out, name, c.second);
   }
   return out;
 }

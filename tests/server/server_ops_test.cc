@@ -356,3 +356,29 @@ TEST_CASE("SIGTERM drains: health NOT_SERVING then running streams finish or end
   CHECK(server.wait() == 0);
   CHECK(server.logs().find("event=stopped streams_aborted=1") != std::string::npos);
 }
+
+TEST_CASE("every token is streamed even one that serializes to nothing", "[server]") {
+  // The built-in byte-level vocabulary: token 0 is <unk>, whose text is empty, so its message
+  // (token_id 0, text "") has no bytes on the wire; it must still reach the client.
+  ServerProcess server({"--vocab", ""});
+  auto stub = server.stub();
+  const std::string s = create(*stub);
+  GenerateRequest g = greedy(s, {65, 66}, 5);
+  (*g.mutable_sampling()->mutable_logit_bias())[0] = 100.0f;
+  Streamed r = generate(*stub, g);
+  REQUIRE(r.status.ok());
+  CHECK(r.tokens == std::vector<int32_t>(5, 0));
+  CHECK(r.last.usage().output_tokens() == 5);
+  // Stop strings end the request at the token that completes one: with the vocabulary's byte
+  // tokens, bias 'x' then check that the session holds exactly up to it.
+  const std::string t = create(*stub);
+  GenerateRequest st = greedy(t, {65}, 20);
+  (*st.mutable_sampling()->mutable_logit_bias())[static_cast<int>('x') + 3] = 100.0f;  // byte tokens start at 3
+  st.add_stop("xx");
+  Streamed sr = generate(*stub, st);
+  REQUIRE(sr.status.ok());
+  CHECK(sr.last.finish_reason() == FINISH_REASON_STOP);
+  CHECK(sr.tokens.size() == 2);
+  CHECK(info(*stub, t).length() == 1 + 2);
+  CHECK(server.stop() == 0);
+}

@@ -74,6 +74,9 @@ struct GenerateRequest {
   int max_tokens = 0;                              // 0: only extend the session
   std::optional<SamplingParams> sampling;          // else the session's defaults
   std::vector<std::vector<int32_t>> stop_sequences;
+  // Stop strings: the request ends (kStop) with the token whose text completes one (the model
+  // needs a tokenizer; INVALID_ARGUMENT otherwise or for an empty string).
+  std::vector<std::string> stop_strings;
   bool ignore_eos = false;
 };
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <chrono>
 #include <thread>
 
 namespace combs::loadgen {
@@ -77,7 +78,11 @@ struct Flow : std::enable_shared_from_this<Flow> {
   void begin() {
     auto self = shared_from_this();
     d->create([self](bool ok, const std::string& id) {
-      if (!ok) return self->d->flow_done();
+      if (!ok) {
+        // The server refused a session (limit, draining): back off before the loop tries again.
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        return self->d->flow_done();
+      }
       self->session = id;
       self->first();
     });
@@ -85,6 +90,7 @@ struct Flow : std::enable_shared_from_this<Flow> {
 
   // The first generate of a fresh session, with a prompt from the pool.
   void first() {
+    if (d->stopping()) return finish();
     auto self = shared_from_this();
     gen(session, prompt, out, [self](GenResult& r) {
       if (self->greedy) self->d->check_greedy_repeat(self->prompt, r.tokens);
@@ -127,6 +133,7 @@ struct Flow : std::enable_shared_from_this<Flow> {
                                 "rollback " + std::to_string(drop) + ": length " + std::to_string(resp.length()) +
                                     ", expected " + std::to_string(self->length - drop));
           self->length = resp.length();
+          if (self->d->stopping()) return self->finish();
           const std::vector<int32_t> kept(self->output.begin(), self->output.end() - drop);
           const std::vector<int32_t> dropped(self->output.end() - drop, self->output.end());
           self->gen(self->session, {}, drop, [self, kept, dropped](GenResult& r) {
@@ -256,7 +263,9 @@ Driver::Driver(std::shared_ptr<grpc::Channel> channel, Options options, int n_vo
     : o_(std::move(options)),
       stub_(v1::Combs::NewStub(channel)),
       n_vocab_(n_vocab),
-      stats_(Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.warmup_s))),
+      stats_(Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.warmup_s)),
+             Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double>(o_.warmup_s + o_.duration_s))),
       rng_(o_.seed) {
   for (int i = 0; i < o_.prompt_pool; ++i) prompts_.push_back(random_tokens(draw(o_.prompt_tokens)));
 }
@@ -379,11 +388,11 @@ void Driver::check_greedy_repeat(const std::vector<int32_t>& prompt, const std::
   if (output.size() > it->second.size()) it->second = output;
 }
 
-void Driver::start_flow() {
+void Driver::start_flow(bool slot_held) {
   auto f = std::make_shared<Flow>(this);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ++flows_in_flight_;
+    if (!slot_held) ++flows_in_flight_;
     std::discrete_distribution<int> pick(std::begin(o_.mix), std::end(o_.mix));
     f->kind = static_cast<FlowKind>(pick(rng_));
     f->prompt = prompts_[std::uniform_int_distribution<size_t>(0, prompts_.size() - 1)(rng_)];
@@ -398,16 +407,18 @@ void Driver::flow_done() {
   bool again;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    --flows_in_flight_;
+    // Closed loop: the next flow takes this one's slot, so the count never reads 0 in between
+    // (run() returns once it does, and the Driver goes with it).
     again = o_.rate <= 0 && !stopping();
+    if (!again) --flows_in_flight_;
     cv_.notify_all();
   }
-  if (again) start_flow();
+  if (again) start_flow(/*slot_held=*/true);
 }
 
 void Driver::run() {
   start_ = Clock::now();
-  const Clock::time_point end = stats_.t0() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.duration_s));
+  const Clock::time_point end = stats_.t1();
   std::thread arrivals;
   if (o_.rate > 0) {  // open loop: Poisson arrivals
     arrivals = std::thread([this] {
@@ -440,7 +451,8 @@ void Driver::run() {
     }
   }
   stop();
-  measured_s_ = std::max(0.0, seconds(std::min(Clock::now(), end) - stats_.t0()));
+  stats_.close_window(Clock::now());
+  measured_s_ = std::max(0.0, seconds(stats_.t1() - stats_.t0()));
   if (arrivals.joinable()) arrivals.join();
   // Drain: flows end at their next step; calls still running after drain_s are cancelled.
   std::unique_lock<std::mutex> lock(mu_);

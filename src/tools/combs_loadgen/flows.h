@@ -29,7 +29,8 @@ class Driver {
 
  private:
   friend struct Flow;
-  void start_flow();
+  // slot_held: the flow takes over a finished flow's count in flows_in_flight_.
+  void start_flow(bool slot_held = false);
   void flow_done();
   bool stopping() const { return stopping_.load(); }
   std::vector<int32_t> random_tokens(int n);

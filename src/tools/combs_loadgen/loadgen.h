@@ -13,6 +13,7 @@
 // state agree, and a reset session repeats its first output.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -73,9 +74,19 @@ struct GenResult {
 // Latency samples and counters; thread-safe.
 class Stats {
  public:
-  explicit Stats(Clock::time_point measure_from) : t0_(measure_from) {}
+  // The measured window [from, to): latencies of requests started in it, tokens that arrived
+  // in it, requests that ended in it.
+  Stats(Clock::time_point from, Clock::time_point to) : t0_(from), t1_(to) {}
   Clock::time_point t0() const { return t0_; }
-  // A finished Generate; measured when it started at or after t0.
+  Clock::time_point t1() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return t1_;
+  }
+  // Ends the window early (a --requests bound or Ctrl-C): what arrives later is not counted.
+  void close_window(Clock::time_point at) {
+    std::lock_guard<std::mutex> lock(mu_);
+    t1_ = std::min(t1_, std::max(at, t0_));
+  }
   void record_generate(const GenResult& r);
   void record_error(const std::string& method, int grpc_code, const std::string& message);
   void check(const std::string& name, bool ok, const std::string& detail = "");
@@ -95,7 +106,7 @@ class Stats {
     int64_t requests = 0, tokens = 0;
     std::vector<double> ttft, itl, e2e;
   };
-  Clock::time_point t0_;
+  Clock::time_point t0_, t1_;
   mutable std::mutex mu_;
   std::vector<double> ttft_, itl_, e2e_;
   int64_t ok_requests_ = 0, output_tokens_ = 0;

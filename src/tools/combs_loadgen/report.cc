@@ -74,16 +74,28 @@ double secs(Clock::duration d) { return std::chrono::duration<double>(d).count()
 }  // namespace
 
 void Stats::record_generate(const GenResult& r) {
-  if (r.start < t0_) return;  // warm-up
-  ++measured_;
+  if (r.start >= t0_) ++measured_;  // toward --requests
   std::lock_guard<std::mutex> lock(mu_);
-  ++ok_requests_;
-  output_tokens_ += static_cast<int64_t>(r.tokens.size());
-  const size_t sec = static_cast<size_t>(std::max(0.0, secs(r.end - t0_)));
-  if (seconds_.size() <= sec) seconds_.resize(sec + 1);
-  Second& s = seconds_[sec];
-  ++s.requests;
-  s.tokens += static_cast<int64_t>(r.tokens.size());
+  auto second = [&](Clock::time_point t) -> Second& {
+    const size_t sec = static_cast<size_t>(std::max(0.0, secs(t - t0_)));
+    if (seconds_.size() <= sec) seconds_.resize(sec + 1);
+    return seconds_[sec];
+  };
+  // Tokens count where they arrived, inside the window.
+  Clock::time_point at = r.first_token;
+  for (size_t i = 0; i < r.tokens.size(); ++i) {
+    if (i > 0) at += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(r.itl_s[i - 1]));
+    if (at >= t0_ && at < t1_) {
+      ++output_tokens_;
+      ++second(at).tokens;
+    }
+  }
+  if (r.end >= t0_ && r.end < t1_) {
+    ++ok_requests_;
+    ++second(r.end).requests;
+  }
+  if (r.start < t0_) return;  // warm-up: no latency samples
+  Second& s = second(std::min(r.end, t1_ - std::chrono::nanoseconds(1)));
   const double e2e = secs(r.end - r.start);
   e2e_.push_back(e2e);
   s.e2e.push_back(e2e);
