@@ -233,3 +233,38 @@ TEST_CASE("cuda fused projections split outputs and fold swiglu into the down pr
     CHECK(max_rel_err(download(*gpu, y1), download(*gpu, y2)) < 1e-3);
   }
 }
+
+TEST_CASE("cuda decode projections fold the rms norm into their input and the residual add into their output", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(9);
+  const int64_t in = 512, out = 96;
+  for (int64_t n : {1, 3, 8}) {
+    INFO("n " << n);
+    auto w = random_floats(rng, out * in, 0.05f), x = random_floats(rng, n * in, 3.0f), g = random_floats(rng, in);
+    auto resid = random_floats(rng, n * out);
+    Tensor wd = upload(*gpu, w, Shape{out, in}, DType::kBF16), xd = upload(*gpu, x, Shape{n * in}),
+           gd = upload(*gpu, g, Shape{in});
+    REQUIRE(cuda::decode_fused(wd, n));
+    // Reference: add_rms_norm (no delta) into h, then the plain projection.
+    Tensor xc = upload(*gpu, x, Shape{n * in}), h = poisoned(*gpu, n * in), want = poisoned(*gpu, n * out);
+    REQUIRE(cuda::add_rms_norm(*gpu, xc.data_as<float>(), nullptr, gd.data_as<float>(), h.data_as<float>(), n, in, 1e-5f).ok());
+    REQUIRE(cuda::matmul(*gpu, wd, h.data_as<float>(), n, want.data_as<float>()).ok());
+    Tensor got = poisoned(*gpu, n * out);
+    const cuda::MatmulOut o[] = {{got.data_as<float>(), out}};
+    REQUIRE(cuda::matmul_split(*gpu, wd, xd.data_as<float>(), n, o, gd.data_as<float>(), 1e-5f).ok());
+    CHECK(max_rel_err(download(*gpu, got), download(*gpu, want)) < 2e-3);
+    // Accumulate: y = resid + W x.
+    Tensor y = upload(*gpu, resid, Shape{n * out}), plain = poisoned(*gpu, n * out);
+    REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, y.data_as<float>(), nullptr, /*accumulate=*/true).ok());
+    REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, plain.data_as<float>()).ok());
+    auto sum = download(*gpu, plain);
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += resid[i];
+    CHECK(max_rel_err(download(*gpu, y), sum) < 1e-5);
+  }
+  // Without the decode kernel a fused norm is refused, not ignored.
+  auto w = random_floats(rng, out * in);
+  Tensor wd = upload(*gpu, w, Shape{out, in}, DType::kF32), x = poisoned(*gpu, in), g = poisoned(*gpu, in), y = poisoned(*gpu, out);
+  const cuda::MatmulOut o[] = {{y.data_as<float>(), out}};
+  CHECK(cuda::matmul_split(*gpu, wd, x.data_as<float>(), 1, o, g.data_as<float>(), 1e-5f).code() == StatusCode::kInvalidArgument);
+}

@@ -119,6 +119,9 @@ struct GemvOut {
   const float* bias[3];
   int64_t end[3];
   int count;
+  bool accumulate;       // y += result (the residual stream) instead of y = result
+  const float* norm_w;   // when set: x is RMS-normalized with these weights as it is staged
+  float eps;
 };
 
 // Small-batch matmul (decode): y[n, o] = sum_i w[o, i] x[n, i] (+ bias[o]) for N <= 8 rows of x.
@@ -136,9 +139,26 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                 int n, int64_t in) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);  // [n, in]
+  __shared__ float red[kGemvWarps], scale[8];
+  if (outs.norm_w) {  // RMSNorm of each x row, as add_rms_norm computes it
+    for (int j = 0; j < n; ++j) {
+      float ss = 0.0f;
+      for (int64_t i = threadIdx.x; i < in; i += blockDim.x) ss += x[j * in + i] * x[j * in + i];
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+      if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float t = 0.0f;
+        for (int w8 = 0; w8 < kGemvWarps; ++w8) t += red[w8];
+        scale[j] = rsqrtf(t / static_cast<float>(in) + outs.eps);
+      }
+      __syncthreads();
+    }
+  }
   for (int64_t i = threadIdx.x; i < n * in; i += blockDim.x) {
     float v = x[i];
     if (SWIGLU) v = v / (1.0f + expf(-v)) * x2[i];
+    if (outs.norm_w) v = v * scale[i / in] * outs.norm_w[i % in];
     xs[i] = from_f32<T>(v);
   }
   __syncthreads();
@@ -199,7 +219,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     for (int j = 0; j < N; ++j) {
       float v = acc[r][j];
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-      if (lane == 0 && j < n && row < total_rows) outs.y[seg][j * rows + rr] = v + (outs.bias[seg] ? outs.bias[seg][rr] : 0.0f);
+      if (lane == 0 && j < n && row < total_rows) {
+        float* dst = outs.y[seg] + j * rows + rr;
+        *dst = (outs.accumulate ? *dst : 0.0f) + v + (outs.bias[seg] ? outs.bias[seg][rr] : 0.0f);
+      }
     }
   }
 }
@@ -267,7 +290,9 @@ unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + thre
 
 }  // namespace
 
-Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float* y, const float* bias) {
+bool decode_fused(const Tensor& w, int64_t n) { return gemv_fits(w, n); }
+
+Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float* y, const float* bias, bool accumulate) {
   if (w.rank() != 2) return invalid_argument_error("cuda matmul: weight must be 2-D, not " + w.shape().to_string());
   if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul: weight is not in device memory");
   const int64_t out = w.dim(0), in = w.dim(1);
@@ -275,12 +300,13 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
   // Decode-sized batches of 16-bit weights: the bandwidth-bound kernel above (in: whole 16-byte
   // chunks; every model dimension is a multiple of 8).
   if (gemv_fits(w, n)) {
-    GemvOut o{{y, nullptr, nullptr}, {bias, nullptr, nullptr}, {out, 0, 0}, 1};
+    GemvOut o{{y, nullptr, nullptr}, {bias, nullptr, nullptr}, {out, 0, 0}, 1, accumulate, nullptr, 0.0f};
     gemv<false>(w, x, nullptr, o, static_cast<int>(n), stream_of(b));
     return launched("gemv_kernel");
   }
   auto handle = static_cast<cublasHandle_t>(b.cublas());
   const float one = 1.0f, zero = 0.0f;
+  const float* beta = accumulate ? &one : &zero;
   cudaDataType_t wtype;
   const void* xin = x;
   switch (w.dtype()) {
@@ -305,7 +331,7 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
   // Column-major view: y^T [out, n] = w [in, out]^T . x^T [in, n].
   COMBS_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(n),
                                             static_cast<int>(in), &one, w.data(), wtype, static_cast<int>(in), xin,
-                                            wtype, static_cast<int>(in), &zero, y, CUDA_R_32F, static_cast<int>(out),
+                                            wtype, static_cast<int>(in), beta, y, CUDA_R_32F, static_cast<int>(out),
                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   if (bias) {
     add_bias_kernel<<<blocks(n * out, 256), 256, 0, stream_of(b)>>>(y, bias, n, out);
@@ -314,7 +340,8 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
   return ok_status();
 }
 
-Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs) {
+Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
+                    const float* norm_weight, float eps) {
   if (outs.empty() || outs.size() > 3) return invalid_argument_error("cuda matmul_split: 1 to 3 outputs");
   int64_t rows = 0;
   for (const MatmulOut& o : outs) rows += o.rows;
@@ -330,9 +357,12 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
       g.y[i] = outs[i].y, g.bias[i] = outs[i].bias, g.end[i] = end;
     }
     g.count = static_cast<int>(outs.size());
+    g.norm_w = norm_weight;
+    g.eps = eps;
     gemv<false>(w, x, nullptr, g, static_cast<int>(n), stream_of(b));
     return launched("gemv_kernel");
   }
+  if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
   int64_t begin = 0;
   for (const MatmulOut& o : outs) {
     COMBS_RETURN_IF_ERROR(matmul(b, w.rows(begin, begin + o.rows), x, n, o.y, o.bias));
@@ -341,15 +371,16 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   return ok_status();
 }
 
-Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y) {
+Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
+                     bool accumulate) {
   if (n == 0) return ok_status();
   if (gemv_fits(w, n)) {
-    GemvOut g{{y, nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0), 0, 0}, 1};
+    GemvOut g{{y, nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0), 0, 0}, 1, accumulate, nullptr, 0.0f};
     gemv<true>(w, gate, up, g, static_cast<int>(n), stream_of(b));
     return launched("gemv_kernel");
   }
   COMBS_RETURN_IF_ERROR(silu_mul(b, gate, up, n * w.dim(1)));
-  return matmul(b, w, gate, n, y);
+  return matmul(b, w, gate, n, y, nullptr, accumulate);
 }
 
 Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_t n, float* out) {

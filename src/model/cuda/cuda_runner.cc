@@ -212,26 +212,41 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   } while (0)
 
   COMBS_FORWARD_STEP(cuda::embedding(b, I.tok_embd, d_tokens, total, x));
+  // Decode-sized steps with 16-bit weights fold the norms into the projections' input and the
+  // residual adds into their output (x += W a): no separate norm or add kernels.
+  const bool fused = cuda::decode_fused(I.layers[0].wqkv, total) && cuda::decode_fused(I.layers[0].w_gate_up, total) &&
+                     cuda::decode_fused(I.layers[0].wo, total) && cuda::decode_fused(I.layers[0].w_down, total);
   for (int l = 0; l < c.n_layers; ++l) {
     const Impl::Layer& w = I.layers[static_cast<size_t>(l)];
-    // The previous layer's MLP output joins the residual here, fused with this layer's norm.
-    COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps));
     const float* bqkv = bias(w.bqkv);
     const cuda::MatmulOut qkv[] = {{q, nq * hd, bqkv}, {k, nkv * hd, bqkv ? bqkv + nq * hd : nullptr},
                                    {v, nkv * hd, bqkv ? bqkv + (nq + nkv) * hd : nullptr}};
-    COMBS_FORWARD_STEP(cuda::matmul_split(b, w.wqkv, h, total, qkv));
+    const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
+    if (fused) {
+      COMBS_FORWARD_STEP(cuda::matmul_split(b, w.wqkv, x, total, qkv, w.attn_norm.data_as<float>(), c.rms_eps));
+    } else {
+      // The previous layer's MLP output joins the residual here, fused with this layer's norm.
+      COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps));
+      COMBS_FORWARD_STEP(cuda::matmul_split(b, w.wqkv, h, total, qkv));
+    }
     COMBS_FORWARD_STEP(cuda::rope(b, q, k, d_pos, total, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, inv_freq,
                                   adjacent));
     COMBS_FORWARD_STEP(attention_batch(I.batch, l, q_t, k_t, v_t, scale, &att_t));
     appended = true;
-    COMBS_FORWARD_STEP(cuda::matmul(b, w.wo, att, total, delta));
-    COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
-    const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
-    COMBS_FORWARD_STEP(cuda::matmul_split(b, w.w_gate_up, h, total, gate_up));
-    COMBS_FORWARD_STEP(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
+    if (fused) {
+      COMBS_FORWARD_STEP(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));
+      COMBS_FORWARD_STEP(cuda::matmul_split(b, w.w_gate_up, x, total, gate_up, w.ffn_norm.data_as<float>(), c.rms_eps));
+      COMBS_FORWARD_STEP(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, x,
+                                             /*accumulate=*/true));
+    } else {
+      COMBS_FORWARD_STEP(cuda::matmul(b, w.wo, att, total, delta));
+      COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
+      COMBS_FORWARD_STEP(cuda::matmul_split(b, w.w_gate_up, h, total, gate_up));
+      COMBS_FORWARD_STEP(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
+    }
   }
   // The last residual add, the wanted rows, the final norm and the logits.
-  COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
+  COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, fused ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
   COMBS_FORWARD_STEP(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
   COMBS_FORWARD_STEP(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
   if (options.argmax) {  // only the token ids cross to the host

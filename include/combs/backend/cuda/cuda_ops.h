@@ -14,7 +14,13 @@ namespace combs::cuda {
 // y[t, :] = x[t, :] @ w^T (+ bias): w [out, in] on the device (F32, F16 or BF16), x [n, in] f32,
 // y [n, out] f32. F16/BF16 weights: x rounded to the weight's dtype, f32 accumulation; n <= 8
 // (decode) a bandwidth-bound kernel, larger n cuBLAS on tensor cores. F32 weights: cuBLAS SGEMM.
-Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float* y, const float* bias = nullptr);
+// accumulate: y += the product (a residual add folded into the projection).
+Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float* y, const float* bias = nullptr,
+              bool accumulate = false);
+
+// Whether w and n take the decode kernel, which can also fold an RMSNorm of x into its input
+// (matmul_split's norm_weight).
+bool decode_fused(const Tensor& w, int64_t n);
 
 // One output of matmul_split: the next `rows` rows of the weight go to y [n, rows] (+ bias).
 struct MatmulOut {
@@ -24,11 +30,15 @@ struct MatmulOut {
 };
 // A fused projection: w's rows split among up to three outputs (Q/K/V, or gate/up), one pass
 // over the weights for decode-sized n.
-Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs);
+// norm_weight (only where decode_fused(w, n)): x is RMS-normalized (eps) with these weights first,
+// as add_rms_norm does, inside the same kernel.
+Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
+                    const float* norm_weight = nullptr, float eps = 0.0f);
 
 // y = (silu(gate) * up) @ w^T, the MLP's down projection; for decode-sized n the product is formed
 // as x is read (no separate kernel); otherwise gate is overwritten with it first.
-Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y);
+Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
+                     bool accumulate = false);
 
 // out[i, :] = table[ids[i], :] as f32; table [n_rows, dim] on the device (F32, F16, BF16).
 // Ids outside [0, n_rows) are the caller's to exclude (the runner validates them).
