@@ -107,6 +107,19 @@ check(dns["names"] == ["combs-replica"] and str(dns["port"]) == metrics, "Promet
 check(any("prometheus.yml" in v or "/etc/prometheus" in v for v in services["prometheus"]["volumes"]),
       "compose mounts the Prometheus config")
 
+# Compose itself validates the file, where it is installed (Debian's docker-compose 1.29 needs no
+# Docker engine for `config`), for the default services and with every profile.
+import shutil  # noqa: E402
+
+compose_cmd = ["docker-compose"] if shutil.which("docker-compose") else None
+if compose_cmd:
+    for profiles in ([], ["--profile", "replicas", "--profile", "loadtest"]):
+        r = subprocess.run(compose_cmd + ["-f", f"{src}/deploy/docker-compose.yml"] + profiles + ["config", "-q"],
+                           capture_output=True, text=True)
+        check(r.returncode == 0, f"docker-compose config {' '.join(profiles) or '(default)'}: {r.stderr.strip()[:200]}")
+else:
+    print("skip  docker-compose is not installed: compose did not validate the file")
+
 # The rules use metrics a real server exposes.
 with tempfile.TemporaryDirectory() as tmp:
     server = subprocess.Popen([f"{bin_dir}/combs-server", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
