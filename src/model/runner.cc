@@ -29,31 +29,39 @@ void Runner::reserve(int64_t n) {
   capacity_ = n;
 }
 
-Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options) {
-  const ModelConfig& c = model_->config();
-  const Model& m = *model_;
-  if (seqs.empty()) return invalid_argument_error("forward: no sequences");
-  const KVGeometry want = c.kv_geometry(DType::kF32);
-  int64_t total = 0;
+Status check_forward_inputs(const ModelConfig& c, std::span<const SequenceInput> seqs, const Backend* backend,
+                            int64_t* total) {
+  *total = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const SequenceInput& in = seqs[s];
     auto which = [s] { return "forward: sequence " + std::to_string(s); };
     if (in.cache == nullptr) return invalid_argument_error(which() + ": no cache");
     const KVGeometry& g = in.cache->geometry();
-    if (g.num_layers != want.num_layers || g.n_kv_heads != want.n_kv_heads ||
-        g.head_dim != want.head_dim) {
+    if (g.num_layers != c.n_layers || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim) {
       return invalid_argument_error(which() + ": the cache's geometry is not this model's");
+    }
+    if (backend && &in.cache->backend() != backend) {
+      return invalid_argument_error(which() + ": the cache is not on this runner's " + std::string(backend->name()) +
+                                    " backend");
     }
     if (in.tokens.empty()) return invalid_argument_error(which() + ": no tokens");
     for (int32_t t : in.tokens) {
       if (t < 0 || t >= c.n_vocab) {
         return invalid_argument_error(which() + ": token id " + std::to_string(t) +
-                                      " is outside the vocabulary [0, " +
-                                      std::to_string(c.n_vocab) + ")");
+                                      " is outside the vocabulary [0, " + std::to_string(c.n_vocab) + ")");
       }
     }
-    total += static_cast<int64_t>(in.tokens.size());
+    *total += static_cast<int64_t>(in.tokens.size());
   }
+  return ok_status();
+}
+
+Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options) {
+  const ModelConfig& c = model_->config();
+  const Model& m = *model_;
+  if (seqs.empty()) return invalid_argument_error("forward: no sequences");
+  int64_t total = 0;
+  COMBS_RETURN_IF_ERROR(check_forward_inputs(c, seqs, nullptr, &total));
   reserve(total);
   batch_.clear();
   int64_t row = 0;

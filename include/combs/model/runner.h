@@ -51,6 +51,13 @@ class ModelRunner {
   virtual const Model& model() const = 0;
 };
 
+// The checks every runner makes of a forward's input: each sequence has a cache of the model's
+// geometry (and, when `backend` is set, on that backend) and at least one token, every token in
+// the vocabulary. INVALID_ARGUMENT naming the sequence otherwise; on success *total is the number
+// of tokens.
+Status check_forward_inputs(const ModelConfig& config, std::span<const SequenceInput> seqs,
+                            const Backend* backend, int64_t* total);
+
 class Runner final : public ModelRunner {
  public:
   // The model and backend must outlive the runner.
