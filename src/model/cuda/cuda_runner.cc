@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstring>
 #include <initializer_list>
 #include <vector>
 
@@ -30,47 +29,31 @@ struct CudaRunner::Impl {
 
 namespace {
 
-// A device copy of a host weight: F32/F16/BF16 as they are, Q8_0 as BF16.
-StatusOr<Tensor> upload(CudaBackend& b, const Tensor& w) {
-  if (!w.defined()) return Tensor();
-  if (w.dtype() != DType::kQ8_0) {
-    COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc(w.shape(), w.dtype()));
-    COMBS_RETURN_IF_ERROR(b.copy(w, d));
-    return d;
-  }
-  const int64_t n = w.numel();
-  std::vector<float> f(static_cast<size_t>(n));
-  cpu::dequantize_row(w.data(), DType::kQ8_0, f.data(), n);
-  std::vector<uint16_t> bf(static_cast<size_t>(n));
-  cpu::quantize_row(f.data(), DType::kBF16, bf.data(), n);
-  COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc(w.shape(), DType::kBF16));
-  COMBS_RETURN_IF_ERROR(b.copy(Tensor::wrap(bf.data(), w.shape(), DType::kBF16), d));
-  return d;
-}
-
-// Host weights stacked by rows into one device tensor of their dtype (Q8_0: BF16); all or none
-// defined.
-StatusOr<Tensor> upload_stacked(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
-  if (!(*parts.begin())->defined()) return Tensor();
-  const DType dt = (*parts.begin())->dtype() == DType::kQ8_0 ? DType::kBF16 : (*parts.begin())->dtype();
+// Host weights stacked by rows into one device tensor (all parts or none defined; one part: a
+// plain device copy). The first part's dtype is kept (Q8_0 becomes BF16); a part of another dtype
+// is converted on the host; the others are copied to their rows directly.
+StatusOr<Tensor> upload(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
+  const Tensor& first = **parts.begin();
+  if (!first.defined()) return Tensor();
+  const DType dt = first.dtype() == DType::kQ8_0 ? DType::kBF16 : first.dtype();
   int64_t rows = 0;
-  const int64_t cols = (*parts.begin())->rank() == 2 ? (*parts.begin())->dim(1) : 1;
   for (const Tensor* t : parts) rows += t->dim(0);
-  std::vector<uint8_t> host(nbytes_for(dt, rows * cols));
-  size_t at = 0;
+  const Shape shape = first.rank() == 2 ? Shape{rows, first.dim(1)} : Shape{rows};
+  COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc(shape, dt));
+  int64_t row = 0;
   for (const Tensor* t : parts) {
+    const Tensor dst = d.rows(row, row + t->dim(0));
     if (t->dtype() == dt) {
-      std::memcpy(host.data() + at, t->data(), t->nbytes());
+      COMBS_RETURN_IF_ERROR(b.copy(*t, dst));
     } else {
       std::vector<float> f(static_cast<size_t>(t->numel()));
       cpu::dequantize_row(t->data(), t->dtype(), f.data(), t->numel());
-      cpu::quantize_row(f.data(), dt, host.data() + at, t->numel());
+      std::vector<uint8_t> host(nbytes_for(dt, t->numel()));
+      cpu::quantize_row(f.data(), dt, host.data(), t->numel());
+      COMBS_RETURN_IF_ERROR(b.copy(Tensor::wrap(host.data(), t->shape(), dt), dst));
     }
-    at += nbytes_for(dt, t->numel());
+    row += t->dim(0);
   }
-  const Shape shape = (*parts.begin())->rank() == 2 ? Shape{rows, cols} : Shape{rows};
-  COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc(shape, dt));
-  COMBS_RETURN_IF_ERROR(b.copy(Tensor::wrap(host.data(), shape, dt), d));
   return d;
 }
 
@@ -82,28 +65,29 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
   register_cuda_attention();
   CudaBackend& b = *impl->backend;
   const ModelConfig& c = model.config();
-  COMBS_ASSIGN_OR_RETURN(impl->tok_embd, upload(b, model.tok_embd));
-  COMBS_ASSIGN_OR_RETURN(impl->output_norm, upload(b, model.output_norm));
+  COMBS_ASSIGN_OR_RETURN(impl->tok_embd, upload(b, {&model.tok_embd}));
+  COMBS_ASSIGN_OR_RETURN(impl->output_norm, upload(b, {&model.output_norm}));
   if (model.output.data() == model.tok_embd.data()) {
     impl->output = impl->tok_embd;  // tied
   } else {
-    COMBS_ASSIGN_OR_RETURN(impl->output, upload(b, model.output));
+    COMBS_ASSIGN_OR_RETURN(impl->output, upload(b, {&model.output}));
   }
   for (const LayerWeights& w : model.layers) {
     Impl::Layer l;
-    COMBS_ASSIGN_OR_RETURN(l.attn_norm, upload(b, w.attn_norm));
-    COMBS_ASSIGN_OR_RETURN(l.wqkv, upload_stacked(b, {&w.wq, &w.wk, &w.wv}));
-    COMBS_ASSIGN_OR_RETURN(l.bqkv, upload_stacked(b, {&w.bq, &w.bk, &w.bv}));
-    COMBS_ASSIGN_OR_RETURN(l.wo, upload(b, w.wo));
-    COMBS_ASSIGN_OR_RETURN(l.ffn_norm, upload(b, w.ffn_norm));
-    COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload_stacked(b, {&w.w_gate, &w.w_up}));
-    COMBS_ASSIGN_OR_RETURN(l.w_down, upload(b, w.w_down));
+    COMBS_ASSIGN_OR_RETURN(l.attn_norm, upload(b, {&w.attn_norm}));
+    COMBS_ASSIGN_OR_RETURN(l.wqkv, upload(b, {&w.wq, &w.wk, &w.wv}));
+    COMBS_ASSIGN_OR_RETURN(l.bqkv, upload(b, {&w.bq, &w.bk, &w.bv}));
+    COMBS_ASSIGN_OR_RETURN(l.wo, upload(b, {&w.wo}));
+    COMBS_ASSIGN_OR_RETURN(l.ffn_norm, upload(b, {&w.ffn_norm}));
+    COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload(b, {&w.w_gate, &w.w_up}));
+    COMBS_ASSIGN_OR_RETURN(l.w_down, upload(b, {&w.w_down}));
     impl->layers.push_back(std::move(l));
   }
   std::vector<float> inv_freq(static_cast<size_t>(c.rope_dim / 2));
   cpu::rope_inv_freq(c.rope_dim, c.rope_freq_base,
                      model.rope_freqs.defined() ? model.rope_freqs.data_as<float>() : nullptr, inv_freq.data());
-  COMBS_ASSIGN_OR_RETURN(impl->inv_freq, upload(b, Tensor::wrap(inv_freq.data(), Shape{c.rope_dim / 2}, DType::kF32)));
+  const Tensor inv_freq_host = Tensor::wrap(inv_freq.data(), Shape{c.rope_dim / 2}, DType::kF32);
+  COMBS_ASSIGN_OR_RETURN(impl->inv_freq, upload(b, {&inv_freq_host}));
   return std::unique_ptr<CudaRunner>(new CudaRunner(model, std::move(impl)));
 }
 
@@ -119,24 +103,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   CudaBackend& b = *I.backend;
   if (seqs.empty()) return ok_status();
   int64_t total = 0;
-  for (size_t s = 0; s < seqs.size(); ++s) {
-    const SequenceInput& in = seqs[s];
-    auto which = [s] { return "forward: sequence " + std::to_string(s); };
-    if (in.cache == nullptr) return invalid_argument_error(which() + ": no cache");
-    const KVGeometry& g = in.cache->geometry();
-    if (g.num_layers != c.n_layers || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim) {
-      return invalid_argument_error(which() + ": the cache's geometry is not this model's");
-    }
-    if (&in.cache->backend() != &b) return invalid_argument_error(which() + ": the cache is not on this runner's GPU");
-    if (in.tokens.empty()) return invalid_argument_error(which() + ": no tokens");
-    for (int32_t t : in.tokens) {
-      if (t < 0 || t >= c.n_vocab) {
-        return invalid_argument_error(which() + ": token id " + std::to_string(t) + " is outside the vocabulary [0, " +
-                                      std::to_string(c.n_vocab) + ")");
-      }
-    }
-    total += static_cast<int64_t>(in.tokens.size());
-  }
+  COMBS_RETURN_IF_ERROR(check_forward_inputs(c, seqs, &b, &total));
   const int64_t e = c.n_embd, hd = c.head_dim, nq = c.n_heads, nkv = c.n_kv_heads, ff = c.n_ff;
   const int64_t n_out = options.all_logits ? total : static_cast<int64_t>(seqs.size());
   if (total > I.capacity) {
