@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <string>
 #include <vector>
 
 #include "combs/backend/cpu/cpu_backend.h"
@@ -16,6 +17,9 @@ inline double now_seconds() {
 }
 
 double median(std::vector<double> v);
+
+// A comma-separated list flag ("a,b,,c") as its non-empty items.
+std::vector<std::string> split_list(const std::string& s);
 
 // Median GB/s of summing a buffer of `bytes` (larger than the caches) on all of the backend's
 // threads: the memory-bandwidth bound that results are compared with.

@@ -1,4 +1,6 @@
 // Helpers shared by the combs-bench subcommands.
+#include <algorithm>
+#include <string>
 #include <vector>
 
 #include "bench.h"
@@ -29,6 +31,18 @@ double measure_read_bandwidth(CpuBackend& backend, int64_t bytes, int reps) {
     if (r > 0) rates.push_back(double(bytes) / dt / 1e9);  // the first run warms up
   }
   return median(rates);
+}
+
+// "a,b,,c" -> {"a", "b", "c"}: empty items are dropped.
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t end = std::min(s.find(',', start), s.size());
+    if (end > start) out.push_back(s.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
 }
 
 }  // namespace combs::bench

@@ -163,12 +163,7 @@ int run_gpu(int argc, char** argv) {
               sessions);
   std::error_code ec;
   std::filesystem::create_directories(flags.str("dir"), ec);
-  std::string csv = flags.str("shapes");
-  for (size_t start = 0; start <= csv.size();) {
-    const size_t end = std::min(csv.find(',', start), csv.size());
-    const std::string shape = csv.substr(start, end - start);
-    start = end + 1;
-    if (shape.empty()) continue;
+  for (const std::string& shape : split_list(flags.str("shapes"))) {
     const std::string path = flags.str("dir") + "/" + shape + "-bf16.gguf";
     if (!std::filesystem::exists(path)) {
       RandomModelOptions o;

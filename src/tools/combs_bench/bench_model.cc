@@ -15,17 +15,6 @@
 namespace combs::bench {
 namespace {
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    const size_t end = std::min(s.find(',', start), s.size());
-    if (end > start) out.push_back(s.substr(start, end - start));
-    start = end + 1;
-  }
-  return out;
-}
-
 struct Figures {
   double prompt_tps, decode_tps, bandwidth_gbs, decode_over_bound;
 };
@@ -92,8 +81,8 @@ int run_model(int argc, char** argv) {
               "| decode bound tok/s | decode / bound |\n|---|---|---|---|---|---|---|---|\n");
   std::error_code ec;
   std::filesystem::create_directories(flags.str("dir"), ec);
-  for (const std::string& shape_name : split(flags.str("shapes"))) {
-    for (const std::string& dtype_str : split(flags.str("dtypes"))) {
+  for (const std::string& shape_name : split_list(flags.str("shapes"))) {
+    for (const std::string& dtype_str : split_list(flags.str("dtypes"))) {
       RandomModelOptions o;
       auto shape = named_shape(shape_name);
       if (!shape.ok() || !parse_dtype(dtype_str, &o.dtype)) {
