@@ -14,34 +14,15 @@
 #include "combs/kv/cuda/cuda_attention.h"
 #include "combs/kv/paged_kv_cache.h"
 #include "combs/kv/page_pool.h"
+#include "support/cuda_helpers.h"
 #include "support/random.h"
 
 using namespace combs;
+using combs::testing::download;
+using combs::testing::gpu_or_skip;
+using combs::testing::upload;
 
 namespace {
-
-std::unique_ptr<CudaBackend> gpu_or_skip() {
-  if (CudaBackend::device_count() == 0) {
-    WARN("no CUDA device: [cuda] test skipped");
-    std::fprintf(stderr, "combs_cuda_tests: no CUDA device: [cuda] test skipped\n");
-    return nullptr;
-  }
-  register_cuda_attention();
-  auto b = CudaBackend::create();
-  REQUIRE(b.ok());
-  return std::move(b).value();
-}
-
-Tensor to_device(CudaBackend& b, std::vector<float>& host, Shape shape) {
-  Tensor t = b.alloc(shape, DType::kF32).value();
-  REQUIRE(b.copy(Tensor::wrap(host.data(), shape, DType::kF32), t).ok());
-  return t;
-}
-std::vector<float> to_host(CudaBackend& b, const Tensor& t) {
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  REQUIRE(b.copy(t, Tensor::wrap(out.data(), t.shape(), DType::kF32)).ok());
-  return out;
-}
 
 // max |a - b| / max |b|; infinite when a holds a NaN.
 double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
@@ -98,13 +79,13 @@ void run_case(CudaBackend& gpu, const Case& c, uint64_t seed) {
                   .ok());
       return out;
     }
-    Tensor qd = prefix ? Tensor() : to_device(gpu, q, qs), kd = to_device(gpu, k, ks), vd = to_device(gpu, v, ks);
+    Tensor qd = prefix ? Tensor() : upload(gpu, q, qs), kd = upload(gpu, k, ks), vd = upload(gpu, v, ks);
     Tensor od = gpu.alloc(qs, DType::kF32).value();
     const Status s = attention_batch(batch, 0, qd, kd, vd, 0.125f, prefix ? nullptr : &od, impl);
     INFO(s.to_string());
     REQUIRE(s.ok());
     REQUIRE(gpu.synchronize().ok());
-    return prefix ? std::vector<float>() : to_host(gpu, od);
+    return prefix ? std::vector<float>() : download(gpu, od);
   };
   int64_t pre_tokens = 0, new_tokens = 0;
   for (auto [pre, n] : c.seqs) pre_tokens += pre, new_tokens += n;

@@ -10,21 +10,14 @@
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/backend/cpu/cpu_ops.h"
 #include "combs/backend/cuda/cuda_ops.h"
+#include "support/cuda_helpers.h"
 
 using namespace combs;
+using combs::testing::download;
+using combs::testing::gpu_or_skip;
+using combs::testing::upload;
 
 namespace {
-
-std::unique_ptr<CudaBackend> gpu_or_skip() {
-  if (CudaBackend::device_count() == 0) {
-    WARN("no CUDA device: [cuda] test skipped");
-    std::fprintf(stderr, "combs_cuda_tests: no CUDA device: [cuda] test skipped\n");
-    return nullptr;
-  }
-  auto b = CudaBackend::create();
-  REQUIRE(b.ok());
-  return std::move(b).value();
-}
 
 std::vector<float> random_floats(std::mt19937& rng, size_t n, float scale = 1.0f) {
   std::normal_distribution<float> d(0.0f, scale);
@@ -33,14 +26,6 @@ std::vector<float> random_floats(std::mt19937& rng, size_t n, float scale = 1.0f
   return v;
 }
 
-// A device tensor holding `host` (as f32), or converted to `dtype` first.
-Tensor upload(CudaBackend& b, const std::vector<float>& host, Shape shape, DType dtype = DType::kF32) {
-  std::vector<uint8_t> bytes(nbytes_for(dtype, static_cast<int64_t>(host.size())));
-  cpu::quantize_row(host.data(), dtype, bytes.data(), static_cast<int64_t>(host.size()));
-  Tensor t = b.alloc(shape, dtype).value();
-  REQUIRE(b.copy(Tensor::wrap(bytes.data(), shape, dtype), t).ok());
-  return t;
-}
 template <typename T>
 Tensor upload_raw(CudaBackend& b, const std::vector<T>& host, DType dtype) {
   Tensor t = b.alloc(Shape{static_cast<int64_t>(host.size() * sizeof(T) / 4)}, dtype).value();
@@ -51,12 +36,6 @@ Tensor upload_raw(CudaBackend& b, const std::vector<T>& host, DType dtype) {
 Tensor poisoned(CudaBackend& b, int64_t n) {
   std::vector<float> nan(static_cast<size_t>(n), std::nanf(""));
   return upload(b, nan, Shape{n});
-}
-std::vector<float> download(CudaBackend& b, const Tensor& t) {
-  REQUIRE(b.synchronize().ok());
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  REQUIRE(b.copy(t, Tensor::wrap(out.data(), t.shape(), DType::kF32)).ok());
-  return out;
 }
 
 // max |a - b| / (|b| + floor), over all elements; NaN anywhere fails.

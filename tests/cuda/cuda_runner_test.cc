@@ -11,18 +11,14 @@
 #include "combs/backend/cuda/cuda_backend.h"
 #include "combs/engine/engine.h"
 #include "combs/model/cuda_runner.h"
+#include "support/cuda_helpers.h"
 #include "support/model_helpers.h"
 
 using namespace combs;
+using combs::testing::have_gpu;
 
 namespace {
 
-bool have_gpu() {
-  if (CudaBackend::device_count() > 0) return true;
-  WARN("no CUDA device: [cuda] test skipped");
-  std::fprintf(stderr, "combs_cuda_tests: no CUDA device: [cuda] test skipped\n");
-  return false;
-}
 
 int32_t argmax(const float* v, int n) { return static_cast<int32_t>(std::max_element(v, v + n) - v); }
 
