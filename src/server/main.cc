@@ -224,17 +224,18 @@ int main(int argc, char** argv) {
   server::LogLine("drain").add("signal", static_cast<int>(g_signal)).add("grace_s", static_cast<int64_t>(grace)).info();
   srv->GetHealthCheckService()->SetServingStatus(false);
   service.drain();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace);
-  while (eng.stats().generating > 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  const int64_t aborted = eng.stats().generating;
-  if (aborted > 0) {
-    eng.abort_generating(unavailable_error("combs-server is shutting down"));
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (eng.stats().generating > 0 && std::chrono::steady_clock::now() < until) {
+  // Waits up to `limit` for the engine to have no request running; what is still running.
+  auto wait_idle = [&eng](std::chrono::seconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (eng.stats().generating > 0 && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+    return eng.stats().generating;
+  };
+  const int64_t aborted = wait_idle(std::chrono::seconds(grace));
+  if (aborted > 0) {
+    eng.abort_generating(unavailable_error("combs-server is shutting down"));
+    wait_idle(std::chrono::seconds(5));
   }
   srv->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   srv.reset();  // every call is done (their last log lines written) before the logger stops
