@@ -2,21 +2,17 @@
 // open and closed loop, Ctrl-C, and its reports.
 #include <catch2/catch.hpp>
 
-#include <fstream>
-#include <iterator>
 #include <regex>
 #include <thread>
 
 #include "support/server_process.h"
 
+using combs::testing::read_file;
+using combs::testing::run_command;
 using combs::testing::ServerProcess;
 
 namespace {
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
 
 // The number after "key": in a JSON text; -1 when absent.
 double json_number(const std::string& json, const std::string& key) {
@@ -34,13 +30,6 @@ std::pair<int, int> check_counts(const std::string& json, const std::string& nam
   return {std::stoi(m[1]), std::stoi(m[2])};
 }
 
-int run(const std::string& cmd, std::string* out) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out->append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
 
 }  // namespace
 
@@ -48,16 +37,15 @@ TEST_CASE("a closed-loop loadgen run has no errors and every check passes", "[lo
   ServerProcess server({"--log-level", "warn", "--kv-memory-mib", "256"});
   combs::testing::TempDir dir;
   const std::string json = dir.file("report.json"), svg = dir.file("chart.svg");
-  std::string out;
-  const int rc = run(std::string(COMBS_LOADGEN_BIN) + " --server " + server.address +
-                         " --concurrency 8 --duration-s 6 --warmup-s 0.5 --requests 60 --prompt-tokens uniform:8:48"
-                         " --output-tokens uniform:4:16 --mix chat=1,rollback=1,fork=1,reset=1,oneshot=1 --quiet"
-                         " --json " + json + " --svg " + svg,
-                     &out);
+  const auto [rc, out] = run_command(
+      std::string(COMBS_LOADGEN_BIN) + " --server " + server.address +
+      " --concurrency 8 --duration-s 6 --warmup-s 0.5 --requests 60 --prompt-tokens uniform:8:48"
+      " --output-tokens uniform:4:16 --mix chat=1,rollback=1,fork=1,reset=1,oneshot=1 --quiet"
+      " --json " + json + " --svg " + svg);
   INFO(out);
   CHECK(rc == 0);
   CHECK(out.find("time to first token") != std::string::npos);
-  const std::string r = slurp(json);
+  const std::string r = read_file(json);
   CHECK(json_number(r, "errors") == 0);
   CHECK(json_number(r, "mismatches") == 0);
   CHECK(json_number(r, "requests") >= 10);
@@ -69,7 +57,7 @@ TEST_CASE("a closed-loop loadgen run has no errors and every check passes", "[lo
     CHECK(passed > 0);
     CHECK(failed == 0);
   }
-  const std::string chart = slurp(svg);
+  const std::string chart = read_file(svg);
   CHECK(chart.rfind("<svg", 0) == 0);
   CHECK(chart.find("<polyline") != std::string::npos);
   CHECK(chart.find("</svg>") != std::string::npos);
@@ -78,11 +66,9 @@ TEST_CASE("a closed-loop loadgen run has no errors and every check passes", "[lo
 
 TEST_CASE("an open-loop loadgen run with sampling stops by itself", "[loadgen]") {
   ServerProcess server({"--log-level", "warn"});
-  std::string out;
-  const int rc = run(std::string(COMBS_LOADGEN_BIN) + " --server " + server.address +
-                         " --rate 8 --duration-s 3 --prompt-tokens 16 --output-tokens exp:8 --temperature 0.8"
-                         " --mix oneshot=3,chat=1 --quiet",
-                     &out);
+  const auto [rc, out] = run_command(std::string(COMBS_LOADGEN_BIN) + " --server " + server.address +
+                                     " --rate 8 --duration-s 3 --prompt-tokens 16 --output-tokens exp:8"
+                                     " --temperature 0.8 --mix oneshot=3,chat=1 --quiet");
   INFO(out);
   CHECK(rc == 0);
   CHECK(out.find("open loop") != std::string::npos);
@@ -111,7 +97,7 @@ TEST_CASE("Ctrl-C stops the loadgen cleanly and it still reports", "[loadgen]") 
   CHECK(std::chrono::steady_clock::now() - t < std::chrono::seconds(30));
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
-  const std::string out = slurp(out_path);
+  const std::string out = read_file(out_path);
   INFO(out);
   CHECK(out.find("generate requests") != std::string::npos);
   CHECK(server.stop() == 0);
@@ -120,8 +106,7 @@ TEST_CASE("Ctrl-C stops the loadgen cleanly and it still reports", "[loadgen]") 
 TEST_CASE("the loadgen refuses bad flags", "[loadgen]") {
   for (const char* flags : {"--mix chat=x", "--mix nothing=1", "--prompt-tokens uniform:9:3", "--output-tokens 0",
                             "--concurrency 0", "--duration-s -1", "--bogus 1"}) {
-    std::string out;
     INFO(flags);
-    CHECK(run(std::string(COMBS_LOADGEN_BIN) + " --server 127.0.0.1:1 " + flags, &out) == 2);
+    CHECK(run_command(std::string(COMBS_LOADGEN_BIN) + " --server 127.0.0.1:1 " + flags).first == 2);
   }
 }

@@ -2,8 +2,6 @@
 // reference tokenizers), round trips, streaming detokenization and bad metadata.
 #include <catch2/catch.hpp>
 
-#include <fstream>
-#include <iterator>
 #include <sstream>
 
 #include "combs/model/gguf.h"
@@ -21,10 +19,6 @@ const char* kVocabs[] = {"ggml-vocab-llama-spm.gguf", "ggml-vocab-llama-bpe.gguf
 
 std::string data(const std::string& name) { return std::string(COMBS_TEST_DATA_DIR) + "/vocab/" + name; }
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
 
 struct Case {
   std::string text;
@@ -33,7 +27,7 @@ struct Case {
 
 // Cases are separated by "\n__ggml_vocab_test__\n" lines; the .out file has one line per case.
 std::vector<Case> load_cases(const std::string& vocab) {
-  const std::string inp = slurp(data(vocab + ".inp")), out = slurp(data(vocab + ".out"));
+  const std::string inp = combs::testing::read_file(data(vocab + ".inp")), out = combs::testing::read_file(data(vocab + ".out"));
   const std::string sep = "\n__ggml_vocab_test__\n";
   std::vector<Case> cases;
   for (size_t pos = 0;;) {

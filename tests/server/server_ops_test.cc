@@ -10,6 +10,7 @@
 using namespace combs::v1;
 using combs::testing::generate;
 using combs::testing::http_get;
+using combs::testing::run_command;
 using combs::testing::ServerProcess;
 using combs::testing::Streamed;
 
@@ -42,15 +43,6 @@ SessionInfo info(Combs::Stub& stub, const std::string& session, grpc::StatusCode
   return i;
 }
 
-// Runs `cmd` and returns its exit code and stdout (stderr joined in).
-std::pair<int, std::string> run(const std::string& cmd) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
 
 // The value of one sample line "name value" in a Prometheus text exposition; -1 when absent.
 double metric(const std::string& text, const std::string& series) {
@@ -280,18 +272,18 @@ TEST_CASE("metrics are served over http at /metrics", "[server]") {
 
 TEST_CASE("flags come from the command line or a config file and bad ones are refused", "[server]") {
   const std::string bin = COMBS_SERVER_BIN;
-  auto [help_code, help] = run(bin + " --help");
+  auto [help_code, help] = run_command(bin + " --help");
   CHECK(help_code == 0);
   for (const char* flag : {"--config", "--model", "--listen", "--metrics-listen", "--max-new-tokens", "--api-keys",
                            "--tls-cert", "--grace-s", "--log-format"}) {
     INFO(flag);
     CHECK(help.find(flag) != std::string::npos);
   }
-  auto [bad_code, bad] = run(bin + " --log-format xml --listen 127.0.0.1:0");
+  auto [bad_code, bad] = run_command(bin + " --log-format xml --listen 127.0.0.1:0");
   CHECK(bad_code == 2);
   CHECK(bad.find("--log-format") != std::string::npos);
-  CHECK(run(bin + " --max-new-tokens -5").first == 2);
-  CHECK(run(bin + " --no-such-flag 1").first == 2);
+  CHECK(run_command(bin + " --max-new-tokens -5").first == 2);
+  CHECK(run_command(bin + " --no-such-flag 1").first == 2);
 
   combs::testing::TempDir dir;
   const std::string cfg = dir.file("combs.conf");
@@ -316,10 +308,10 @@ TEST_CASE("flags come from the command line or a config file and bad ones are re
     std::fputs("listen = 127.0.0.1:0\nmax-new-tokenz = 8\n", f);
     std::fclose(f);
   }
-  auto [cfg_code, cfg_out] = run(bin + " --config " + cfg);
+  auto [cfg_code, cfg_out] = run_command(bin + " --config " + cfg);
   CHECK(cfg_code == 2);
   CHECK(cfg_out.find("combs.conf:2: unknown flag 'max-new-tokenz'") != std::string::npos);
-  CHECK(run(bin + " --config " + dir.file("missing.conf")).first == 2);
+  CHECK(run_command(bin + " --config " + dir.file("missing.conf")).first == 2);
 }
 
 TEST_CASE("SIGTERM drains: health NOT_SERVING then running streams finish or end UNAVAILABLE and exit 0",
@@ -337,7 +329,7 @@ TEST_CASE("SIGTERM drains: health NOT_SERVING then running streams finish or end
   server.signal(SIGTERM);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   // Draining: health says NOT_SERVING; new work is UNAVAILABLE; existing sessions still answer.
-  auto [health_code, health] = run(std::string(COMBS_CLI_BIN) + " --server " + server.address + " health");
+  auto [health_code, health] = run_command(std::string(COMBS_CLI_BIN) + " --server " + server.address + " health");
   CHECK(health_code == 1);
   CHECK(health == "NOT_SERVING\n");
   {

@@ -11,9 +11,8 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "combs/v1/combs.grpc.pb.h"
@@ -70,10 +69,7 @@ struct ServerProcess {
     REQUIRE(!address.empty());
   }
   std::string log_path() const { return dir.file("server.log"); }
-  std::string logs() const {
-    std::ifstream f(log_path());
-    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-  }
+  std::string logs() const { return read_file(log_path()); }
   std::unique_ptr<v1::Combs::Stub> stub() const {
     auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
     REQUIRE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
@@ -96,6 +92,16 @@ struct ServerProcess {
     if (pid > 0) stop();
   }
 };
+
+// Runs a shell command; its exit code (-1 when a signal ended it) and stdout with stderr joined in.
+inline std::pair<int, std::string> run_command(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
 
 // GET path from HOST:PORT over plain HTTP/1.1; the whole response (status line, headers, body).
 inline std::string http_get(const std::string& host_port, const std::string& path,

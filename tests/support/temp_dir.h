@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 namespace combs::testing {
@@ -26,5 +28,11 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// The whole file (binary); "" when it cannot be read.
+inline std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
 
 }  // namespace combs::testing
