@@ -1,6 +1,9 @@
-// attention_batch(): validation, page reservation (prepare, then apply) and the per-device
-// dispatch of the attention-in-cache call. Device choice happens here and nowhere else in kv/.
+// attention_batch() and AttentionStep: validation, page reservation (prepare, then apply) and the
+// per-device dispatch of the attention-in-cache call. Device choice happens here and nowhere else
+// in kv/.
 #include <algorithm>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,33 +38,22 @@ Status check_tokens(const char* name, const Tensor& t, int64_t n_tokens, int64_t
   return ok_status();
 }
 
-DeviceAttentionFn g_cuda_attention = nullptr;
+DeviceAttentionFactory g_cuda_attention = nullptr;
 
-}  // namespace
-
-void set_device_attention(DeviceType device, DeviceAttentionFn fn) {
-  if (device == DeviceType::kCuda) g_cuda_attention = fn;
-}
-
-Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
-                       const Tensor& k, const Tensor& v, float scale, const Tensor* out,
-                       AttentionImpl impl) {
-  if (seqs.empty()) return ok_status();
-  // ---- Check everything; change nothing. ----
+// The checks of a batch against its caches (everything but the tensors). layer >= 0: that layer
+// must hold pos positions; layer < 0: every layer must. On success *n_tokens is the new tokens.
+Status check_batch(std::span<const SeqAttention> seqs, int layer, int64_t* n_tokens) {
   KVCache* first = seqs[0].cache;
   if (first == nullptr) return invalid_argument_error("attention: null cache in batch");
   const KVGeometry& g = first->geometry();
   Backend& backend = first->backend();
-  if (layer < 0 || layer >= g.num_layers) {
-    return invalid_argument_error("attention: layer " + std::to_string(layer) +
-                                  " out of range [0, " + std::to_string(g.num_layers) + ")");
+  if (layer >= g.num_layers) {
+    return invalid_argument_error("attention: layer " + std::to_string(layer) + " out of range [0, " +
+                                  std::to_string(g.num_layers) + ")");
   }
-  // Buffers reused from call to call: a decode step allocates nothing.
   thread_local std::vector<const KVCache*> seen;
-  thread_local std::vector<std::pair<PagePool*, int64_t>> demand;
-  thread_local std::vector<cpu::SeqWork> work;
-  int64_t n_tokens = 0;
   seen.clear();
+  *n_tokens = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const SeqAttention& s = seqs[i];
     auto which = [i] { return "attention: sequence " + std::to_string(i); };
@@ -71,39 +63,51 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
     }
     seen.push_back(s.cache);
     if (s.n_new < 0) return invalid_argument_error(which() + ": negative n_new");
-    if (s.pos != s.cache->layer_len(layer)) {
-      return failed_precondition_error(which() + ": pos " + std::to_string(s.pos) +
-                                       " != cached length " +
-                                       std::to_string(s.cache->layer_len(layer)) + " of layer " +
-                                       std::to_string(layer));
+    for (int l = layer < 0 ? 0 : layer; l < (layer < 0 ? g.num_layers : layer + 1); ++l) {
+      if (s.pos != s.cache->layer_len(l)) {
+        return failed_precondition_error(which() + ": pos " + std::to_string(s.pos) + " != cached length " +
+                                         std::to_string(s.cache->layer_len(l)) + " of layer " + std::to_string(l));
+      }
     }
     if (s.pos + s.n_new > s.cache->capacity()) {
       return resource_exhausted_error(which() + ": " + std::to_string(s.pos + s.n_new) +
-                                      " positions exceed the cache capacity of " +
-                                      std::to_string(s.cache->capacity()));
+                                      " positions exceed the cache capacity of " + std::to_string(s.cache->capacity()));
     }
-    n_tokens += s.n_new;
+    *n_tokens += s.n_new;
   }
   std::sort(seen.begin(), seen.end());
   if (std::adjacent_find(seen.begin(), seen.end()) != seen.end()) {
     return invalid_argument_error("attention: the same cache appears twice in one batch");
   }
-  COMBS_RETURN_IF_ERROR(check_tokens("k", k, n_tokens, g.n_kv_heads, g.head_dim, backend.device_type()));
-  COMBS_RETURN_IF_ERROR(check_tokens("v", v, n_tokens, g.n_kv_heads, g.head_dim, backend.device_type()));
+  if (backend.device_type() == DeviceType::kCuda && g_cuda_attention == nullptr) {
+    return unimplemented_error("attention: the CUDA kernels are not registered (register_cuda_attention())");
+  }
+  return ok_status();
+}
+
+// The tensors of a batch of n_tokens: k and v always; q and out when out is set.
+Status check_tensors(const KVGeometry& g, DeviceType device, int64_t n_tokens, const Tensor& q, const Tensor& k,
+                     const Tensor& v, const Tensor* out) {
+  COMBS_RETURN_IF_ERROR(check_tokens("k", k, n_tokens, g.n_kv_heads, g.head_dim, device));
+  COMBS_RETURN_IF_ERROR(check_tokens("v", v, n_tokens, g.n_kv_heads, g.head_dim, device));
   if (out != nullptr) {
     if (q.rank() != 3 || q.dim(1) < 1 || q.dim(1) % g.n_kv_heads != 0) {
       return invalid_argument_error("attention: " + describe("q", q) +
                                     " should be [n_new, n_q_heads, head_dim] with n_q_heads a "
                                     "multiple of n_kv_heads = " + std::to_string(g.n_kv_heads));
     }
-    COMBS_RETURN_IF_ERROR(check_tokens("q", q, n_tokens, q.dim(1), g.head_dim, backend.device_type()));
-    COMBS_RETURN_IF_ERROR(check_tokens("out", *out, n_tokens, q.dim(1), g.head_dim, backend.device_type()));
+    COMBS_RETURN_IF_ERROR(check_tokens("q", q, n_tokens, q.dim(1), g.head_dim, device));
+    COMBS_RETURN_IF_ERROR(check_tokens("out", *out, n_tokens, q.dim(1), g.head_dim, device));
   }
-  if (backend.device_type() == DeviceType::kCuda && g_cuda_attention == nullptr) {
-    return unimplemented_error("attention: the CUDA kernels are not registered (register_cuda_attention())");
-  }
-  // Pages: every pool must have what its caches need, all together; the pools' bookkeeping stays
-  // locked (in a fixed order) from the count through the reservations.
+  return ok_status();
+}
+
+}  // namespace
+
+// Pages: every pool must have what its caches need, all together; the pools' bookkeeping stays
+// locked (in a fixed order) from the count through the reservations. Cannot half-fail.
+Status reserve_batch_pages(std::span<const SeqAttention> seqs) {
+  thread_local std::vector<std::pair<PagePool*, int64_t>> demand;
   demand.clear();
   for (const SeqAttention& s : seqs) {
     PagePool* pool = s.cache->pool();
@@ -122,25 +126,46 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
   }
   for (const auto& [pool, n] : demand) {
     if (n > pool->num_free()) {
-      return resource_exhausted_error("attention: page pool exhausted: the batch needs " +
-                                      std::to_string(n) + " pages, " +
-                                      std::to_string(pool->num_free()) + " of " +
+      return resource_exhausted_error("attention: page pool exhausted: the batch needs " + std::to_string(n) +
+                                      " pages, " + std::to_string(pool->num_free()) + " of " +
                                       std::to_string(pool->num_pages()) + " are free");
     }
   }
+  for (const SeqAttention& s : seqs) s.cache->reserve(s.pos + s.n_new);
+  return ok_status();
+}
+
+void set_device_attention(DeviceType device, DeviceAttentionFactory factory) {
+  if (device == DeviceType::kCuda) g_cuda_attention = factory;
+}
+
+Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
+                       const Tensor& k, const Tensor& v, float scale, const Tensor* out,
+                       AttentionImpl impl) {
+  if (seqs.empty()) return ok_status();
+  // ---- Check everything; change nothing. ----
+  if (layer < 0) return invalid_argument_error("attention: layer " + std::to_string(layer) + " out of range");
+  int64_t n_tokens = 0;
+  COMBS_RETURN_IF_ERROR(check_batch(seqs, layer, &n_tokens));
+  const KVGeometry& g = seqs[0].cache->geometry();
+  Backend& backend = seqs[0].cache->backend();
+  COMBS_RETURN_IF_ERROR(check_tensors(g, backend.device_type(), n_tokens, q, k, v, out));
+  COMBS_RETURN_IF_ERROR(reserve_batch_pages(seqs));
 
   // ---- Apply. ----
+  thread_local std::vector<SeqWork> work;
   work.clear();
   int64_t row = 0;
   for (const SeqAttention& s : seqs) {
-    s.cache->reserve(s.pos + s.n_new);
     work.push_back({s.cache->layout(layer), row, s.pos, s.n_new});
     row += s.n_new;
   }
-  locks.clear();
   if (backend.device_type() == DeviceType::kCuda) {
     // Lengths advance only once the kernels are queued; a launch error leaves them as they were.
-    COMBS_RETURN_IF_ERROR(g_cuda_attention(backend, work, g.n_kv_heads, q, k, v, out, scale, impl));
+    std::unique_ptr<DeviceAttentionPlan> plan = g_cuda_attention(backend);
+    COMBS_RETURN_IF_ERROR(plan->prepare(work, g.n_kv_heads, out ? static_cast<int>(q.dim(1)) : g.n_kv_heads,
+                                        out != nullptr, impl));
+    COMBS_RETURN_IF_ERROR(plan->launch(work, q, k, v, out, scale));
     for (const SeqAttention& s : seqs) s.cache->layer_len_[layer] = s.pos + s.n_new;
     return ok_status();
   }
@@ -150,5 +175,93 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
   if (out != nullptr) cpu::attention(cpu_backend, work, g.n_kv_heads, q, *out, scale, impl);
   return ok_status();
 }
+
+// ---- AttentionStep ----
+
+AttentionStep::AttentionStep() = default;
+AttentionStep::~AttentionStep() {
+  if (active_) cancel();
+}
+
+Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, AttentionImpl impl) {
+  if (active_) return failed_precondition_error("attention step: begin() before the last step's commit() or cancel()");
+  if (seqs.empty()) return invalid_argument_error("attention step: empty batch");
+  int64_t n_tokens = 0;
+  COMBS_RETURN_IF_ERROR(check_batch(seqs, -1, &n_tokens));
+  const KVGeometry& g = seqs[0].cache->geometry();
+  if (n_q_heads < 1 || n_q_heads % g.n_kv_heads != 0) {
+    return invalid_argument_error("attention step: " + std::to_string(n_q_heads) +
+                                  " query heads is not a multiple of n_kv_heads = " + std::to_string(g.n_kv_heads));
+  }
+  Backend& backend = seqs[0].cache->backend();
+  COMBS_RETURN_IF_ERROR(reserve_batch_pages(seqs));
+  seqs_.assign(seqs.begin(), seqs.end());
+  work_.clear();
+  int64_t row = 0;
+  for (const SeqAttention& s : seqs_) {
+    work_.push_back({s.cache->layout(0), row, s.pos, s.n_new});
+    row += s.n_new;
+  }
+  n_tokens_ = n_tokens;
+  n_q_heads_ = n_q_heads;
+  impl_ = impl;
+  active_ = true;
+  if (backend.device_type() == DeviceType::kCuda) {
+    if (!plan_ || plan_backend_ != &backend) {
+      plan_ = g_cuda_attention(backend);
+      plan_backend_ = &backend;
+    }
+    if (Status st = plan_->prepare(work_, g.n_kv_heads, n_q_heads, true, impl); !st.ok()) {
+      cancel();
+      return st;
+    }
+    // The key: the plan's, and every layer's arenas (shared by the batch when replayable).
+    launch_key_ = plan_->key();
+    for (int l = 0; l < g.num_layers && plan_->replayable(); ++l) {
+      const KVLayout kv = seqs_[0].cache->layout(l);
+      for (const void* p : {kv.k, kv.v}) {
+        launch_key_ = (launch_key_ ^ reinterpret_cast<uintptr_t>(p)) * 0x100000001b3ull + 0x9e3779b97f4a7c15ull;
+      }
+    }
+  }
+  return ok_status();
+}
+
+Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Tensor& v, float scale,
+                          const Tensor& out) {
+  if (!active_) return failed_precondition_error("attention step: run() outside begin() .. commit()");
+  const KVGeometry& g = seqs_[0].cache->geometry();
+  if (layer < 0 || layer >= g.num_layers) {
+    return invalid_argument_error("attention step: layer " + std::to_string(layer) + " out of range [0, " +
+                                  std::to_string(g.num_layers) + ")");
+  }
+  Backend& backend = seqs_[0].cache->backend();
+  COMBS_RETURN_IF_ERROR(check_tensors(g, backend.device_type(), n_tokens_, q, k, v, &out));
+  if (q.dim(1) != n_q_heads_) {
+    return invalid_argument_error("attention step: q has " + std::to_string(q.dim(1)) + " heads, begin() said " +
+                                  std::to_string(n_q_heads_));
+  }
+  for (size_t i = 0; i < seqs_.size(); ++i) work_[i].kv = seqs_[i].cache->layout(layer);
+  if (backend.device_type() == DeviceType::kCuda) return plan_->launch(work_, q, k, v, &out, scale);
+  auto& cpu_backend = static_cast<CpuBackend&>(backend);
+  cpu::write_kv(cpu_backend, work_, g.n_kv_heads, k, v);
+  cpu::attention(cpu_backend, work_, g.n_kv_heads, q, out, scale, impl_);
+  return ok_status();
+}
+
+void AttentionStep::commit() {
+  if (!active_) return;
+  for (const SeqAttention& s : seqs_) s.cache->grow_layers_to(s.pos + s.n_new);
+  active_ = false;
+}
+
+void AttentionStep::cancel() {
+  if (!active_) return;
+  for (const SeqAttention& s : seqs_) s.cache->popn(0);  // lengths stay; pages past them are released
+  active_ = false;
+}
+
+bool AttentionStep::replayable() const { return active_ && plan_ && plan_->replayable(); }
+uint64_t AttentionStep::launch_key() const { return replayable() ? launch_key_ : 0; }
 
 }  // namespace combs

@@ -264,3 +264,107 @@ TEST_CASE("attention over a long context with 16-bit q and out", "[kv]") {
     }
   }
 }
+
+TEST_CASE("an attention step over every layer equals attention_batch layer by layer", "[kv]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  const int hd = 32, n_q = 4, n_kv = 2, layers = 3, n_seqs = 3;
+  CpuBackend backend({2});
+  PagePoolOptions o;
+  o.geometry = {layers, n_kv, hd, DType::kF32};
+  o.page_size = 8;
+  o.num_pages = 64;
+  auto pool = std::move(PagePool::create(backend, o)).value();
+  std::vector<std::unique_ptr<PagedKVCache>> stepped, layered;
+  for (int i = 0; i < n_seqs; ++i) {
+    stepped.push_back(std::move(PagedKVCache::create(*pool, 256)).value());
+    layered.push_back(std::move(PagedKVCache::create(*pool, 256)).value());
+  }
+  AttentionStep step;
+  for (int it = 0; it < 5; ++it) {
+    std::vector<SeqAttention> a, b;
+    int64_t total = 0;
+    for (int i = 0; i < n_seqs; ++i) {
+      const int64_t n = it == 0 ? rng.integer(1, 20) : rng.integer(1, 3);
+      a.push_back({stepped[i].get(), stepped[i]->seq_len(), n});
+      b.push_back({layered[i].get(), layered[i]->seq_len(), n});
+      total += n;
+    }
+    REQUIRE(step.begin(a, n_q).ok());
+    for (int l = 0; l < layers; ++l) {
+      auto q = rng.floats(total * n_q * hd, -2, 2);
+      auto k = rng.floats(total * n_kv * hd);
+      auto v = rng.floats(total * n_kv * hd);
+      std::vector<float> out_a(q.size(), -7.0f), out_b(q.size(), 7.0f);
+      const Tensor ta = view(out_a, {total, n_q, hd}), tb = view(out_b, {total, n_q, hd});
+      REQUIRE(step.run(l, view(q, {total, n_q, hd}), view(k, {total, n_kv, hd}), view(v, {total, n_kv, hd}), 0.2f, ta)
+                  .ok());
+      CHECK(stepped[0]->layer_len(l) == a[0].pos);  // lengths move at commit
+      REQUIRE(attention_batch(b, l, view(q, {total, n_q, hd}), view(k, {total, n_kv, hd}), view(v, {total, n_kv, hd}),
+                              0.2f, &tb)
+                  .ok());
+      INFO("iteration " << it << ", layer " << l);
+      REQUIRE(out_a == out_b);
+    }
+    step.commit();
+    for (int i = 0; i < n_seqs; ++i) {
+      REQUIRE(stepped[i]->seq_len() == layered[i]->seq_len());
+      for (int l = 0; l < layers; ++l) REQUIRE(stepped[i]->layer_len(l) == layered[i]->seq_len());
+      REQUIRE(stepped[i]->pages_used() == layered[i]->pages_used());
+    }
+  }
+}
+
+TEST_CASE("an attention step that is cancelled or refused changes no cache", "[kv]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  const int hd = 8, n_q = 4, n_kv = 2, layers = 2;
+  CpuBackend backend({1});
+  PagePoolOptions o;
+  o.geometry = {layers, n_kv, hd, DType::kF32};
+  o.page_size = 4;
+  o.num_pages = 4;
+  auto pool = std::move(PagePool::create(backend, o)).value();
+  auto cache = std::move(PagedKVCache::create(*pool, 64)).value();
+  AttentionStep step;
+  const SeqAttention first{cache.get(), 0, 6};
+  REQUIRE(step.begin({&first, 1}, n_q).ok());
+  CHECK(pool->num_free() == 2);  // reserved at begin
+  CHECK(step.begin({&first, 1}, n_q).code() == StatusCode::kFailedPrecondition);  // one step at a time
+  step.cancel();
+  CHECK(cache->seq_len() == 0);
+  CHECK(pool->num_free() == 4);
+  // Refusals: too many pages, a wrong position, a layer half-way, query heads, run outside a step.
+  const SeqAttention big{cache.get(), 0, 17};
+  CHECK(step.begin({&big, 1}, n_q).code() == StatusCode::kResourceExhausted);
+  CHECK(pool->num_free() == 4);
+  const SeqAttention late{cache.get(), 3, 1};
+  CHECK(step.begin({&late, 1}, n_q).code() == StatusCode::kFailedPrecondition);
+  CHECK(step.begin({&first, 1}, 3).code() == StatusCode::kInvalidArgument);
+  auto q = rng.floats(n_q * hd), k = rng.floats(n_kv * hd), v = rng.floats(n_kv * hd);
+  std::vector<float> out(q.size());
+  std::vector<float> q6 = rng.floats(6 * n_q * hd), k6 = rng.floats(6 * n_kv * hd), v6 = rng.floats(6 * n_kv * hd);
+  CHECK(step.run(0, view(q, {1, n_q, hd}), view(k, {1, n_kv, hd}), view(v, {1, n_kv, hd}), 0.3f, view(out, {1, n_q, hd}))
+            .code() == StatusCode::kFailedPrecondition);
+  REQUIRE(cache->attention(0, view(q, {1, n_q, hd}), view(k, {1, n_kv, hd}), view(v, {1, n_kv, hd}), 0, 0.3f,
+                           view(out, {1, n_q, hd}))
+              .ok());  // layer 0 holds 1 position, layer 1 none: a step needs every layer at pos
+  const SeqAttention half{cache.get(), 1, 1};
+  const Status s = step.begin({&half, 1}, n_q);
+  CHECK(s.code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(s.message(), Catch::Contains("layer 1"));
+  CHECK(cache->layer_len(0) == 1);
+  CHECK(pool->num_free() == 3);
+  // A step whose run fails (a wrong shape) is cancelled by its owner; nothing moved.
+  cache->popn(1);
+  REQUIRE(step.begin({&first, 1}, n_q).ok());
+  CHECK(step.run(0, view(q, {1, n_q, hd}), view(k, {1, n_kv, hd}), view(v, {1, n_kv, hd}), 0.3f, view(out, {1, n_q, hd}))
+            .code() == StatusCode::kInvalidArgument);  // 1 token where the step has 6
+  std::vector<float> out6(q6.size());
+  REQUIRE(step.run(0, view(q6, {6, n_q, hd}), view(k6, {6, n_kv, hd}), view(v6, {6, n_kv, hd}), 0.3f,
+                   view(out6, {6, n_q, hd}))
+              .ok());
+  step.cancel();
+  CHECK(cache->seq_len() == 0);
+  CHECK(pool->num_free() == 4);
+}

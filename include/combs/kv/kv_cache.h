@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -36,6 +37,8 @@ namespace combs {
 
 class KVCache;
 class PagePool;
+class DeviceAttentionPlan;
+struct SeqWork;
 
 // Which attention computation runs. kFlash: fused, online softmax, reads K/V in place, never
 // materializes the [n_new, total] scores. kManual: the reference (gather, explicit scores, mask,
@@ -65,6 +68,53 @@ struct SeqAttention {
 Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
                        const Tensor& k, const Tensor& v, float scale, const Tensor* out,
                        AttentionImpl impl = default_attention_impl());
+
+// Internal to kv/ (attention_batch and AttentionStep): reserves the pages of pos + n_new positions
+// for every sequence, all pools' bookkeeping locked together; RESOURCE_EXHAUSTED (nothing reserved)
+// when a pool has too few free pages.
+Status reserve_batch_pages(std::span<const SeqAttention> seqs);
+
+// One forward's attention over every layer, with the host work done once: attention_batch() per
+// layer checks the batch, reserves pages and prepares the kernels' metadata, identically for every
+// layer. A step does that once (begin), each layer then only queues its kernels (run), and the
+// lengths advance at the end (commit). On a device whose plan is replayable(), run()'s launches
+// depend on launch_key() alone, so a runner can capture them (all layers) into a CUDA graph once
+// and replay it for later steps with the same key.
+// Thread-compatible; a runner keeps one and reuses it (no allocation per step once warm).
+class AttentionStep {
+ public:
+  AttentionStep();
+  ~AttentionStep();
+  AttentionStep(const AttentionStep&) = delete;
+  AttentionStep& operator=(const AttentionStep&) = delete;
+
+  // Checks the batch as attention_batch does, for all layers at once (every layer of each cache
+  // must hold exactly pos positions), reserves the pages of pos + n_new positions and does the
+  // device's host work. Errors as attention_batch's; on error nothing changes.
+  Status begin(std::span<const SeqAttention> seqs, int n_q_heads, AttentionImpl impl = default_attention_impl());
+  // Appends layer `layer`'s k, v and writes the attention of q into out (shapes as attention_batch;
+  // out on the caches' backend, f32 on CUDA). Lengths do not move until commit().
+  Status run(int layer, const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out);
+  // Every layer of every cache now holds pos + n_new positions.
+  void commit();
+  // Abandons the step: lengths stay at pos; pages reserved beyond them go back to the pool.
+  void cancel();
+  bool active() const { return active_; }
+
+  bool replayable() const;
+  uint64_t launch_key() const;
+
+ private:
+  std::vector<SeqAttention> seqs_;
+  std::vector<SeqWork> work_;
+  std::unique_ptr<DeviceAttentionPlan> plan_;
+  Backend* plan_backend_ = nullptr;
+  AttentionImpl impl_ = AttentionImpl::kFlash;
+  int64_t n_tokens_ = 0;
+  uint64_t launch_key_ = 0;
+  int n_q_heads_ = 0;
+  bool active_ = false;
+};
 
 class KVCache {
  public:
@@ -118,6 +168,8 @@ class KVCache {
   friend Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
                                 const Tensor& k, const Tensor& v, float scale, const Tensor* out,
                                 AttentionImpl impl);
+  friend class AttentionStep;
+  friend Status reserve_batch_pages(std::span<const SeqAttention> seqs);
 
   Backend* backend_;
   KVGeometry geometry_;

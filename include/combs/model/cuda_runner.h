@@ -2,8 +2,9 @@
 // CPU Runner, on device memory: weights copied to the device at create (F32/F16/BF16 as they are;
 // Q8_0 dequantized to BF16 once, so every matmul is a cuBLAS tensor-core GEMM — Q8_0 saves disk
 // and host memory, not GPU bandwidth), activations f32, the KV caches' pages on the device, the
-// residual add fused into the next RMSNorm, attention through attention_batch() (the CUDA kernels).
-// Only the logits cross to the host.
+// residual add fused into the next RMSNorm, attention through an AttentionStep (the CUDA kernels;
+// its host work once per forward). Only the logits, or with ForwardOptions::argmax the token ids,
+// cross to the host.
 #pragma once
 
 #include <memory>
@@ -15,6 +16,14 @@ namespace combs {
 
 struct CudaRunnerOptions {
   int device = 0;
+  // Decode steps (one new token per sequence, up to 512 sequences) as CUDA graphs, one per batch
+  // size: a step is then one graph launch. Off: every kernel launched on its own (to compare).
+  bool cuda_graphs = true;
+};
+
+struct CudaRunnerStats {
+  int64_t graph_captures = 0;  // decode graphs captured (the first and any whose launch key changed)
+  int64_t graph_replays = 0;   // decode steps run as one graph launch
 };
 
 class CudaRunner final : public ModelRunner {
@@ -28,6 +37,7 @@ class CudaRunner final : public ModelRunner {
   Backend& backend() override;
   const Model& model() const override { return *model_; }
   CudaBackend& cuda();
+  CudaRunnerStats stats() const;
 
  private:
   struct Impl;

@@ -1,5 +1,6 @@
 #include "combs/backend/cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -13,10 +14,15 @@ struct CudaBackend::Impl {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   cudaDeviceProp prop{};
-  void* scratch[2] = {nullptr, nullptr};
-  size_t scratch_bytes[2] = {0, 0};
-  std::vector<char> last_upload[2];
+  void* scratch[kScratchSlots] = {};
+  size_t scratch_bytes[kScratchSlots] = {};
+  std::vector<char> last_upload[kScratchSlots];
+  uint64_t generation = 0;
+  void* cublas_workspace = nullptr;
 };
+
+// cuBLAS's workspace, set once so that cuBLAS never allocates inside a captured CUDA graph.
+constexpr size_t kCublasWorkspaceBytes = 32u << 20;
 
 int CudaBackend::device_count() {
   int n = 0;
@@ -41,6 +47,13 @@ StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::create(CudaBackendOptions op
     return s;
   }
   cublasSetStream(impl->cublas, impl->stream);
+  if (cudaError_t e = cudaMalloc(&impl->cublas_workspace, kCublasWorkspaceBytes); e != cudaSuccess) {
+    cudaGetLastError();
+    cublasDestroy(impl->cublas);
+    cudaStreamDestroy(impl->stream);
+    return cuda::cuda_status(e, "cudaMalloc(cuBLAS workspace)");
+  }
+  cublasSetWorkspace(impl->cublas, impl->cublas_workspace, kCublasWorkspaceBytes);
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
 }
 
@@ -52,6 +65,7 @@ CudaBackend::~CudaBackend() {
   for (void* p : impl_->scratch)
     if (p) cudaFree(p);
   cublasDestroy(impl_->cublas);
+  cudaFree(impl_->cublas_workspace);
   cudaStreamDestroy(impl_->stream);
 }
 
@@ -65,13 +79,19 @@ std::string CudaBackend::description() const {
 void* CudaBackend::stream() const { return impl_->stream; }
 void* CudaBackend::cublas() const { return impl_->cublas; }
 
+uint64_t CudaBackend::scratch_generation() const { return impl_->generation; }
+
 StatusOr<void*> CudaBackend::scratch(size_t bytes, int slot) {
+  if (slot < 0 || slot >= kScratchSlots) return invalid_argument_error("cuda scratch: no slot " + std::to_string(slot));
   if (bytes > impl_->scratch_bytes[slot]) {
     COMBS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl_->stream));  // the old scratch may be in use
+    ++impl_->generation;
     if (impl_->scratch[slot]) cudaFree(impl_->scratch[slot]);
     impl_->scratch[slot] = nullptr;
     impl_->scratch_bytes[slot] = 0;
     impl_->last_upload[slot].clear();
+    // Grown by half again at least, so a slowly growing user (page tables) moves it rarely.
+    bytes = std::max({bytes, impl_->scratch_bytes[slot] + impl_->scratch_bytes[slot] / 2, size_t{64} << 10});
     if (cudaError_t e = cudaMalloc(&impl_->scratch[slot], bytes); e != cudaSuccess) {
       cudaGetLastError();
       return cuda::cuda_status(e, "cudaMalloc(scratch)");

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <mutex>
 #include <vector>
 
@@ -33,11 +35,13 @@ struct SeqDev {
   int64_t page_stride, head_stride;  // elements
   int32_t page_size, table_off;      // table_off: its page table in the tables array
   int32_t row, pos, n_new, pad;  // pad: log2(page_size) when a power of two, else -1
+  int32_t splits, unused;        // splits: how many of the grid's splits this sequence's keys use
 };
 
 // What every kernel gets: the sequences, each token's sequence, the page tables, and the layer's
 // K/V arenas when all sequences share them (then SeqDev::k/v are null and the uploaded metadata
-// is the same for every layer of a forward: it is uploaded once).
+// is the same for every layer of a forward: it is uploaded once, and the launches of a layer
+// differ from another's only in k and v).
 struct Meta {
   const SeqDev* seqs;
   const int32_t* tok_seq;
@@ -139,10 +143,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     attention_kernel(const Meta M, const float* __restrict__ q, float* __restrict__ out,
                      float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, float scale_log2) {
   constexpr int DPL = 8, LPK = HD / DPL, KPW = 32 / LPK, SLOTS = kWarps * KPW;
-  const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, grid_splits = gridDim.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPK, sub = lane % LPK;
   const SeqDev s = M.seqs[M.tok_seq[t]];
   if (s.n_new >= M.prefill_min) return;  // prefill_kernel's
+  const int splits = s.splits;
+  if (split >= splits) return;  // a shorter sequence than the grid was sized for
   const int64_t ctx = s.pos + (t - s.row) + 1;  // causal: keys [0, ctx)
   const int64_t chunk = (ctx + splits - 1) / splits;
   const int64_t k0 = split * chunk, k1 = ctx < k0 + chunk ? ctx : k0 + chunk;
@@ -248,10 +254,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (splits == 1) {
       out[row * HD + d] = O / L;
     } else {
-      part_o[(row * splits + split) * HD + d] = O;
+      part_o[(row * grid_splits + split) * HD + d] = O;
       if (d == 0) {
-        part_ml[(row * splits + split) * 2] = M;
-        part_ml[(row * splits + split) * 2 + 1] = L;
+        part_ml[(row * grid_splits + split) * 2] = M;
+        part_ml[(row * grid_splits + split) * 2 + 1] = L;
       }
     }
   }
@@ -369,21 +375,24 @@ __global__ void __launch_bounds__(128)
   }
 }
 
-// grid (tokens * n_q); block: head_dim threads. Log-sum-exp merge of the splits.
+// grid (tokens * n_q); block: head_dim threads. Log-sum-exp merge of a token's splits (rows of
+// sequences that ran in one split were written by attention_kernel directly).
 __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                    float* __restrict__ out, int splits, int hd, int n_q) {
+                                    float* __restrict__ out, int grid_splits, int hd, int n_q) {
   const int64_t row = blockIdx.x;
   const int d = threadIdx.x;
-  if (d >= hd || meta.seqs[meta.tok_seq[row / n_q]].n_new >= meta.prefill_min) return;
+  const SeqDev& s = meta.seqs[meta.tok_seq[row / n_q]];
+  if (d >= hd || s.n_new >= meta.prefill_min || s.splits == 1) return;
+  const int splits = s.splits;
   float mx = -INFINITY;
-  for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, part_ml[(row * splits + sp) * 2]);
+  for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, part_ml[(row * grid_splits + sp) * 2]);
   float L = 0.0f, O = 0.0f;
   for (int sp = 0; sp < splits; ++sp) {
-    const float m = part_ml[(row * splits + sp) * 2];
+    const float m = part_ml[(row * grid_splits + sp) * 2];
     if (m == -INFINITY) continue;  // an empty split
     const float f = exp2f(m - mx);
-    L += part_ml[(row * splits + sp) * 2 + 1] * f;
-    O += part_o[(row * splits + sp) * hd + d] * f;
+    L += part_ml[(row * grid_splits + sp) * 2 + 1] * f;
+    O += part_o[(row * grid_splits + sp) * hd + d] * f;
   }
   out[row * hd + d] = O / L;
 }
@@ -465,135 +474,209 @@ bool dispatch_hd(int HD, int G, dim3 grid, cudaStream_t st, const Meta& M, const
   }
 }
 
-Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv, const Tensor& q, const Tensor& k,
-                      const Tensor& v, const Tensor* out, float scale, AttentionImpl impl) {
-  auto& b = static_cast<CudaBackend&>(backend);
-  auto st = static_cast<cudaStream_t>(b.stream());
-  if (k.dtype() != DType::kF32 || v.dtype() != DType::kF32 || (out && (q.dtype() != DType::kF32 || out->dtype() != DType::kF32))) {
-    return invalid_argument_error("attention (cuda): q, k, v and out must be f32");
+// The batch's metadata, uploaded once per prepare(): [SeqDev x S][tok_seq x T][tiles 2 x n_tiles]
+// [page tables]; launch() then only queues kernels (unless the sequences' arenas differ, as for
+// contiguous caches: then each layer's SeqDev::k/v are patched in and the metadata re-uploaded).
+class CudaAttentionPlan final : public DeviceAttentionPlan {
+ public:
+  explicit CudaAttentionPlan(CudaBackend& b) : b_(b) {}
+
+  Status prepare(std::span<const SeqWork> work, int n_kv, int n_q, bool attend, AttentionImpl impl) override;
+  Status launch(std::span<const SeqWork> layer_work, const Tensor& q, const Tensor& k, const Tensor& v,
+                const Tensor* out, float scale) override;
+  bool replayable() const override { return shared_arena_ && impl_ == AttentionImpl::kFlash; }
+  uint64_t key() const override;
+
+ private:
+  Status upload_meta();
+
+  CudaBackend& b_;
+  std::vector<SeqDev> sd_;
+  std::vector<int32_t> ints_;  // tok_seq, tiles, tables
+  std::vector<char> blob_;
+  Meta M_{};
+  const int32_t* d_tiles_ = nullptr;
+  float* part_o_ = nullptr;
+  float* part_ml_ = nullptr;
+  float* scores_ = nullptr;
+  int64_t tokens_ = 0, n_tiles_ = 0, n_decode_ = 0, max_ctx_ = 0;
+  int n_kv_ = 0, n_q_ = 0, hd_ = 0, grid_splits_ = 1;
+  DType dtype_ = DType::kF32;
+  AttentionImpl impl_ = AttentionImpl::kFlash;
+  bool attend_ = false, shared_arena_ = true;
+};
+
+// Sequences with kPrefillMin or more new tokens run on tensor cores (prefill_kernel), in tiles of
+// 16 tokens, where the cache holds f16 or bf16 and the head_dim has a kernel; the rest (decode)
+// in attention_kernel.
+constexpr int kPrefillMin = 16;
+// Decode splits: the grid has ~8 blocks per SM of an H200 (132 SMs) whatever the contexts (so a
+// batch's launches depend on its token count only); each sequence uses up to that many, one per
+// 64 keys of its own context.
+// The partial results are capped at kMaxPartialBytes (a long prefill chunk batched with a decode
+// would otherwise ask for gigabytes).
+constexpr int64_t kTargetBlocks = 1056, kMinKeysPerSplit = 64, kMaxSplits = 128, kMaxPartialBytes = 64 << 20;
+
+Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n_q, bool attend, AttentionImpl impl) {
+  dtype_ = work[0].kv.dtype;
+  hd_ = work[0].kv.head_dim;
+  n_kv_ = n_kv, n_q_ = n_q, attend_ = attend, impl_ = impl;
+  if (hd_ > 1024) return invalid_argument_error("attention (cuda): head_dim above 1024");
+  if (dtype_ != DType::kF32 && dtype_ != DType::kF16 && dtype_ != DType::kBF16) {
+    return invalid_argument_error("attention (cuda): cache dtype must be f32, f16 or bf16");
   }
-  const DType cache_dtype = work[0].kv.dtype;
-  const int hd = work[0].kv.head_dim;
-  const int64_t T_ = k.dim(0);
-  if (T_ == 0) return ok_status();
-  if (hd > 1024) return invalid_argument_error("attention (cuda): head_dim above 1024");
-  // Metadata: [SeqDev x S][tok_seq x T][page tables], one upload, skipped when the previous call
-  // uploaded the same (the other layers of a forward, when all sequences share the layer's arenas).
-  thread_local std::vector<SeqDev> sd;
-  thread_local std::vector<int32_t> ints;  // tok_seq, then tables
-  thread_local std::vector<char> blob;
-  sd.clear();
-  ints.assign(static_cast<size_t>(T_), 0);
-  int64_t max_ctx = 0;
-  bool shared_arena = true;
+  tokens_ = 0;
+  max_ctx_ = 0;
+  shared_arena_ = true;
+  for (const SeqWork& w : work) {
+    tokens_ += w.n_new;
+    max_ctx_ = std::max(max_ctx_, w.pos + w.n_new);
+    shared_arena_ &= w.kv.k == work[0].kv.k && w.kv.v == work[0].kv.v;
+  }
+  if (max_ctx_ > INT32_MAX) return invalid_argument_error("attention (cuda): positions beyond 2^31");
+  const bool tensor_cores = attend && impl == AttentionImpl::kFlash && (hd_ == 64 || hd_ == 128) &&
+                            (dtype_ == DType::kF16 || dtype_ == DType::kBF16);
+  n_tiles_ = 0;
+  n_decode_ = tokens_;
+  if (tensor_cores) {
+    for (const SeqWork& w : work) {
+      if (w.n_new < kPrefillMin) continue;
+      n_decode_ -= w.n_new;
+      n_tiles_ += (w.n_new + 15) / 16;
+    }
+  }
+  grid_splits_ = 1;
+  if (attend && impl == AttentionImpl::kFlash) {
+    const int64_t base_blocks = std::max<int64_t>(n_decode_, 1) * n_kv;
+    const int64_t per_split = std::max<int64_t>(tokens_ * n_q * (hd_ + 2) * 4, 1);
+    grid_splits_ = static_cast<int>(std::clamp<int64_t>((kTargetBlocks + base_blocks - 1) / base_blocks, 1,
+                                                        std::clamp<int64_t>(kMaxPartialBytes / per_split, 1, kMaxSplits)));
+  }
+  sd_.clear();
+  ints_.assign(static_cast<size_t>(tokens_ + 2 * n_tiles_), 0);
+  int64_t tile = tokens_;
   for (size_t i = 0; i < work.size(); ++i) {
     const SeqWork& w = work[i];
-    shared_arena &= w.kv.k == work[0].kv.k && w.kv.v == work[0].kv.v;
     const int64_t end = w.pos + w.n_new;
-    const int64_t n_pages = (end + w.kv.page_size - 1) / w.kv.page_size;
     SeqDev d{};
     d.k = w.kv.k, d.v = w.kv.v, d.page_stride = w.kv.page_stride, d.head_stride = w.kv.head_stride;
     d.page_size = static_cast<int32_t>(w.kv.page_size);
     d.pad = (w.kv.page_size & (w.kv.page_size - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(w.kv.page_size)) : -1;
-    d.table_off = static_cast<int32_t>(ints.size() - static_cast<size_t>(T_));
+    d.table_off = static_cast<int32_t>(ints_.size() - static_cast<size_t>(tokens_ + 2 * n_tiles_));
     d.row = static_cast<int32_t>(w.row), d.pos = static_cast<int32_t>(w.pos), d.n_new = static_cast<int32_t>(w.n_new);
-    sd.push_back(d);
-    for (int64_t r = w.row; r < w.row + w.n_new; ++r) ints[static_cast<size_t>(r)] = static_cast<int32_t>(i);
-    ints.insert(ints.end(), w.kv.page_table, w.kv.page_table + n_pages);
-    max_ctx = std::max(max_ctx, end);
-  }
-  if (max_ctx > INT32_MAX) return invalid_argument_error("attention (cuda): positions beyond 2^31");
-  // Sequences with kPrefillMin or more new tokens run on tensor cores (prefill_kernel), in tiles of
-  // 16 tokens, where the cache holds f16 or bf16 and the head_dim has a kernel; the rest (decode)
-  // in attention_kernel.
-  constexpr int kPrefillMin = 16;
-  const bool tensor_cores = out && impl == AttentionImpl::kFlash && (hd == 64 || hd == 128) &&
-                            (cache_dtype == DType::kF16 || cache_dtype == DType::kBF16);
-  const size_t tiles_at = ints.size();
-  int64_t n_tiles = 0, n_decode = T_;
-  if (tensor_cores) {
-    for (size_t i = 0; i < work.size(); ++i) {
-      if (work[i].n_new < kPrefillMin) continue;
-      n_decode -= work[i].n_new;
-      for (int64_t r0 = 0; r0 < work[i].n_new; r0 += 16, ++n_tiles) {
-        ints.push_back(static_cast<int32_t>(i));
-        ints.push_back(static_cast<int32_t>(r0));
+    d.splits = static_cast<int32_t>(std::clamp<int64_t>(end / kMinKeysPerSplit, 1, grid_splits_));
+    sd_.push_back(d);
+    for (int64_t r = w.row; r < w.row + w.n_new; ++r) ints_[static_cast<size_t>(r)] = static_cast<int32_t>(i);
+    if (tensor_cores && w.n_new >= kPrefillMin) {
+      for (int64_t r0 = 0; r0 < w.n_new; r0 += 16, tile += 2) {
+        ints_[static_cast<size_t>(tile)] = static_cast<int32_t>(i);
+        ints_[static_cast<size_t>(tile + 1)] = static_cast<int32_t>(r0);
       }
     }
+    const int64_t n_pages = (end + w.kv.page_size - 1) / w.kv.page_size;
+    ints_.insert(ints_.end(), w.kv.page_table, w.kv.page_table + n_pages);
   }
-  if (shared_arena)
-    for (SeqDev& d : sd) d.k = d.v = nullptr;  // from Meta
-  const size_t sd_bytes = sd.size() * sizeof(SeqDev), int_bytes = ints.size() * sizeof(int32_t);
-  blob.resize(sd_bytes + int_bytes);
-  std::memcpy(blob.data(), sd.data(), sd_bytes);
-  std::memcpy(blob.data() + sd_bytes, ints.data(), int_bytes);
-  COMBS_ASSIGN_OR_RETURN(void* meta, b.upload(1, blob.data(), blob.size()));
-  Meta M;
-  M.seqs = static_cast<const SeqDev*>(meta);
-  M.tok_seq = reinterpret_cast<const int32_t*>(static_cast<char*>(meta) + sd_bytes);
-  M.tables = M.tok_seq + T_;
-  M.k = work[0].kv.k;
-  M.v = work[0].kv.v;
-  M.prefill_min = tensor_cores ? kPrefillMin : INT32_MAX;
-  const int32_t* d_tiles = reinterpret_cast<const int32_t*>(static_cast<char*>(meta) + sd_bytes) + tiles_at;
-  const int n_q = out ? static_cast<int>(q.dim(1)) : n_kv;
-  const int G = n_q / n_kv;
-  // Splits: ~8 blocks per SM of an H200 (132 SMs), each split at least 64 keys.
-  const int64_t base_blocks = std::max<int64_t>(n_decode, 1) * n_kv;
-  int splits = 1;
-  if (out && impl == AttentionImpl::kFlash) {
-    splits = static_cast<int>(std::clamp<int64_t>((1056 + base_blocks - 1) / base_blocks, 1, 128));
-    splits = static_cast<int>(std::min<int64_t>(splits, std::max<int64_t>(1, max_ctx / 64)));
-  }
-  const size_t part_o_bytes = splits > 1 ? static_cast<size_t>(T_ * n_q * splits * hd) * 4 : 0;
-  const size_t part_ml_bytes = splits > 1 ? static_cast<size_t>(T_ * n_q * splits * 2) * 4 : 0;
-  const size_t manual_bytes = out && impl == AttentionImpl::kManual ? static_cast<size_t>(T_ * n_q * max_ctx) * 4 : 0;
+  if (shared_arena_)
+    for (SeqDev& d : sd_) d.k = d.v = nullptr;  // from Meta
+  M_.prefill_min = tensor_cores ? kPrefillMin : INT32_MAX;
+  COMBS_RETURN_IF_ERROR(upload_meta());
+  // Partial results of the splits, or the reference's scores.
+  const size_t part_o_bytes = grid_splits_ > 1 && n_decode_ > 0 ? static_cast<size_t>(tokens_ * n_q * grid_splits_ * hd_) * 4 : 0;
+  const size_t part_ml_bytes = grid_splits_ > 1 && n_decode_ > 0 ? static_cast<size_t>(tokens_ * n_q * grid_splits_ * 2) * 4 : 0;
+  const size_t manual_bytes = attend && impl == AttentionImpl::kManual ? static_cast<size_t>(tokens_ * n_q * max_ctx_) * 4 : 0;
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
-  COMBS_ASSIGN_OR_RETURN(void* scratch_v, b.scratch(align(part_o_bytes) + align(part_ml_bytes) + manual_bytes + 256));
-  float* part_o = static_cast<float*>(scratch_v);
-  float* part_ml = reinterpret_cast<float*>(reinterpret_cast<char*>(part_o) + align(part_o_bytes));
-  float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(part_ml) + align(part_ml_bytes));
+  COMBS_ASSIGN_OR_RETURN(void* scratch, b_.scratch(align(part_o_bytes) + align(part_ml_bytes) + manual_bytes + 256, 2));
+  part_o_ = static_cast<float*>(scratch);
+  part_ml_ = reinterpret_cast<float*>(reinterpret_cast<char*>(part_o_) + align(part_o_bytes));
+  scores_ = reinterpret_cast<float*>(reinterpret_cast<char*>(part_ml_) + align(part_ml_bytes));
+  return ok_status();
+}
 
-  const dim3 wgrid(static_cast<unsigned>(T_), static_cast<unsigned>(n_kv));
+Status CudaAttentionPlan::upload_meta() {
+  const size_t sd_bytes = sd_.size() * sizeof(SeqDev), int_bytes = ints_.size() * sizeof(int32_t);
+  blob_.resize(sd_bytes + int_bytes);
+  std::memcpy(blob_.data(), sd_.data(), sd_bytes);
+  std::memcpy(blob_.data() + sd_bytes, ints_.data(), int_bytes);
+  COMBS_ASSIGN_OR_RETURN(void* meta, b_.upload(1, blob_.data(), blob_.size()));
+  M_.seqs = static_cast<const SeqDev*>(meta);
+  M_.tok_seq = reinterpret_cast<const int32_t*>(static_cast<char*>(meta) + sd_bytes);
+  d_tiles_ = M_.tok_seq + tokens_;
+  M_.tables = d_tiles_ + 2 * n_tiles_;
+  return ok_status();
+}
+
+uint64_t CudaAttentionPlan::key() const {
+  // Everything launch() passes to a kernel besides the layer's arenas.
+  const uint64_t fields[] = {reinterpret_cast<uintptr_t>(M_.seqs), reinterpret_cast<uintptr_t>(part_o_),
+                             static_cast<uint64_t>(sd_.size()), static_cast<uint64_t>(tokens_),
+                             static_cast<uint64_t>(n_tiles_), static_cast<uint64_t>(n_decode_),
+                             static_cast<uint64_t>(grid_splits_), static_cast<uint64_t>(M_.prefill_min),
+                             static_cast<uint64_t>(n_kv_) << 32 | static_cast<uint32_t>(n_q_),
+                             static_cast<uint64_t>(hd_) << 8 | static_cast<uint64_t>(dtype_),
+                             static_cast<uint64_t>(attend_)};
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields
+  for (uint64_t f : fields) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((f >> (8 * i)) & 0xff)) * 1099511628211ull;
+  }
+  return h;
+}
+
+Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor* out, float scale) {
+  auto st = static_cast<cudaStream_t>(b_.stream());
+  if (k.dtype() != DType::kF32 || v.dtype() != DType::kF32 || (out && (q.dtype() != DType::kF32 || out->dtype() != DType::kF32))) {
+    return invalid_argument_error("attention (cuda): q, k, v and out must be f32");
+  }
+  if (tokens_ == 0) return ok_status();
+  if (shared_arena_) {
+    M_.k = work[0].kv.k;
+    M_.v = work[0].kv.v;
+  } else {  // each sequence's own arena: this layer's pointers into the metadata
+    for (size_t i = 0; i < sd_.size(); ++i) sd_[i].k = work[i].kv.k, sd_[i].v = work[i].kv.v;
+    COMBS_RETURN_IF_ERROR(upload_meta());
+  }
+  const int hd = hd_, n_kv = n_kv_, n_q = n_q_;
+  const dim3 wgrid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_kv));
   const unsigned wthreads = static_cast<unsigned>((hd + 31) / 32 * 32);
-  switch (cache_dtype) {
-    case DType::kF32: write_kv_kernel<float><<<wgrid, wthreads, 0, st>>>(M, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
-    case DType::kF16: write_kv_kernel<__half><<<wgrid, wthreads, 0, st>>>(M, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
-    case DType::kBF16: write_kv_kernel<__nv_bfloat16><<<wgrid, wthreads, 0, st>>>(M, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
-    default: return invalid_argument_error("attention (cuda): cache dtype must be f32, f16 or bf16");
+  switch (dtype_) {
+    case DType::kF32: write_kv_kernel<float><<<wgrid, wthreads, 0, st>>>(M_, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
+    case DType::kF16: write_kv_kernel<__half><<<wgrid, wthreads, 0, st>>>(M_, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
+    default: write_kv_kernel<__nv_bfloat16><<<wgrid, wthreads, 0, st>>>(M_, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (!out) return ok_status();
+  if (!out || !attend_) return ok_status();
+  const Meta& M = M_;
 
-  if (impl == AttentionImpl::kManual) {
-    const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(n_q));
-    switch (cache_dtype) {
-      case DType::kF32: manual_attention_kernel<float><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
-      case DType::kF16: manual_attention_kernel<__half><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
-      default: manual_attention_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores, n_kv, n_q, hd, max_ctx, scale); break;
+  if (impl_ == AttentionImpl::kManual) {
+    const dim3 grid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_q));
+    switch (dtype_) {
+      case DType::kF32: manual_attention_kernel<float><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores_, n_kv, n_q, hd, max_ctx_, scale); break;
+      case DType::kF16: manual_attention_kernel<__half><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores_, n_kv, n_q, hd, max_ctx_, scale); break;
+      default: manual_attention_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores_, n_kv, n_q, hd, max_ctx_, scale); break;
     }
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return ok_status();
   }
   const float scale_log2 = scale * kLog2e;
-  if (n_tiles > 0) {
-    const dim3 pgrid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(n_q));
-    if (cache_dtype == DType::kF16) {
-      if (hd == 64) prefill_kernel<__half, 64><<<pgrid, 128, 0, st>>>(M, d_tiles, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
-      else prefill_kernel<__half, 128><<<pgrid, 128, 0, st>>>(M, d_tiles, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
+  if (n_tiles_ > 0) {
+    const dim3 pgrid(static_cast<unsigned>(n_tiles_), static_cast<unsigned>(n_q));
+    if (dtype_ == DType::kF16) {
+      if (hd == 64) prefill_kernel<__half, 64><<<pgrid, 128, 0, st>>>(M, d_tiles_, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
+      else prefill_kernel<__half, 128><<<pgrid, 128, 0, st>>>(M, d_tiles_, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
     } else {
-      if (hd == 64) prefill_kernel<__nv_bfloat16, 64><<<pgrid, 128, 0, st>>>(M, d_tiles, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
-      else prefill_kernel<__nv_bfloat16, 128><<<pgrid, 128, 0, st>>>(M, d_tiles, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
+      if (hd == 64) prefill_kernel<__nv_bfloat16, 64><<<pgrid, 128, 0, st>>>(M, d_tiles_, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
+      else prefill_kernel<__nv_bfloat16, 128><<<pgrid, 128, 0, st>>>(M, d_tiles_, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
     }
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  if (n_decode == 0) return ok_status();
-  const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(n_kv), static_cast<unsigned>(splits));
+  if (n_decode_ == 0) return ok_status();
+  const int G = n_q / n_kv;
+  const dim3 grid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_kv), static_cast<unsigned>(grid_splits_));
   bool ok;
-  switch (cache_dtype) {
-    case DType::kF32: ok = dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
-    case DType::kF16: ok = dispatch_hd<__half>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
-    default: ok = dispatch_hd<__nv_bfloat16>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o, part_ml, n_kv, scale_log2); break;
+  switch (dtype_) {
+    case DType::kF32: ok = dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2); break;
+    case DType::kF16: ok = dispatch_hd<__half>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2); break;
+    default: ok = dispatch_hd<__nv_bfloat16>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2); break;
   }
   if (!ok) {
     return unimplemented_error("attention (cuda): head_dim " + std::to_string(hd) + " with " + std::to_string(G) +
@@ -601,16 +684,20 @@ Status cuda_attention(Backend& backend, std::span<const SeqWork> work, int n_kv,
                                "COMBS_ATTN=manual runs any)");
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (splits > 1) {
-    merge_splits_kernel<<<static_cast<unsigned>(T_ * n_q), wthreads, 0, st>>>(M, part_o, part_ml, out->data_as<float>(),
-                                                                               splits, hd, n_q);
+  if (grid_splits_ > 1) {
+    merge_splits_kernel<<<static_cast<unsigned>(tokens_ * n_q), wthreads, 0, st>>>(M, part_o_, part_ml_, out->data_as<float>(),
+                                                                                    grid_splits_, hd, n_q);
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   return ok_status();
 }
 
+std::unique_ptr<DeviceAttentionPlan> make_plan(Backend& backend) {
+  return std::make_unique<CudaAttentionPlan>(static_cast<CudaBackend&>(backend));
+}
+
 }  // namespace
 
-void register_cuda_attention() { set_device_attention(DeviceType::kCuda, &cuda_attention); }
+void register_cuda_attention() { set_device_attention(DeviceType::kCuda, &make_plan); }
 
 }  // namespace combs

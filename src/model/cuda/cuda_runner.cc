@@ -3,7 +3,9 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <functional>
 #include <initializer_list>
+#include <unordered_map>
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
@@ -12,6 +14,55 @@
 #include "combs/kv/cuda/cuda_attention.h"
 
 namespace combs {
+namespace {
+
+// A decode step's launches as a CUDA graph: captured the second time a step's launch key is seen
+// (the first runs eagerly and sizes every buffer), replayed while the key holds.
+struct DecodeGraph {
+  uint64_t key = 0, pending = 0;
+  cudaGraphExec_t exec = nullptr;
+
+  DecodeGraph() = default;
+  DecodeGraph(const DecodeGraph&) = delete;
+  DecodeGraph& operator=(const DecodeGraph&) = delete;
+  ~DecodeGraph() {
+    if (exec) cudaGraphExecDestroy(exec);
+  }
+
+  // Runs `launches` for a step with this key: replays, captures (and launches), or runs them.
+  // A failed capture (a buffer had to grow mid-capture, say) runs them eagerly instead; the next
+  // step with this key tries again.
+  Status run(cudaStream_t st, uint64_t step_key, const std::function<Status()>& launches, CudaRunnerStats& stats) {
+    if (exec && key == step_key) {
+      ++stats.graph_replays;
+      return cuda::cuda_status(cudaGraphLaunch(exec, st), "cudaGraphLaunch");
+    }
+    if (pending != step_key) {
+      pending = step_key;
+      return launches();
+    }
+    pending = 0;
+    COMBS_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    const Status captured = launches();
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(st, &graph);
+    cudaGraphExec_t instance = nullptr;
+    const bool ok = captured.ok() && ended == cudaSuccess && graph != nullptr &&
+                    cudaGraphInstantiate(&instance, graph, 0) == cudaSuccess;
+    if (graph) cudaGraphDestroy(graph);
+    if (!ok) {
+      cudaGetLastError();  // the failed capture's error is handled here
+      return launches();
+    }
+    if (exec) cudaGraphExecDestroy(exec);
+    exec = instance;
+    key = step_key;
+    ++stats.graph_captures;
+    return cuda::cuda_status(cudaGraphLaunch(exec, st), "cudaGraphLaunch");
+  }
+};
+
+}  // namespace
 
 struct CudaRunner::Impl {
   std::unique_ptr<CudaBackend> backend;
@@ -23,8 +74,14 @@ struct CudaRunner::Impl {
   // Activations, grown to the largest batch seen.
   int64_t capacity = 0, logit_rows = 0;
   Tensor x, h, q, k, v, att, delta, gate, up, last, logits, ints;
+  uint64_t activations_generation = 0;  // bumped when the activations move
   std::vector<int32_t> host_ints;  // tokens, positions, output rows
   std::vector<SeqAttention> batch;
+  AttentionStep step;
+  // Decode steps as CUDA graphs, one per batch size and output (logits or argmax ids).
+  bool use_graphs = true;
+  std::unordered_map<int64_t, DecodeGraph> graphs;
+  CudaRunnerStats stats;
 };
 
 namespace {
@@ -61,6 +118,7 @@ StatusOr<Tensor> upload(CudaBackend& b, std::initializer_list<const Tensor*> par
 
 StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, CudaRunnerOptions options) {
   auto impl = std::make_unique<Impl>();
+  impl->use_graphs = options.cuda_graphs;
   COMBS_ASSIGN_OR_RETURN(impl->backend, CudaBackend::create({.device = options.device}));
   register_cuda_attention();
   CudaBackend& b = *impl->backend;
@@ -95,6 +153,10 @@ CudaRunner::CudaRunner(const Model& model, std::unique_ptr<Impl> impl) : model_(
 CudaRunner::~CudaRunner() = default;
 Backend& CudaRunner::backend() { return *impl_->backend; }
 CudaBackend& CudaRunner::cuda() { return *impl_->backend; }
+CudaRunnerStats CudaRunner::stats() const { return impl_->stats; }
+
+// Decode steps of at most this many sequences run as CUDA graphs.
+constexpr int64_t kMaxGraphBatch = 512;
 
 Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options) {
   const Model& m = *model_;
@@ -120,19 +182,23 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     COMBS_ASSIGN_OR_RETURN(I.last, b.alloc({cap, e}, DType::kF32));
     COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({4 * cap}, DType::kF32));  // int32: tokens, positions, rows, ids
     I.capacity = cap;
+    ++I.activations_generation;
   }
   if (n_out > I.logit_rows) {
     COMBS_ASSIGN_OR_RETURN(I.logits, b.alloc({n_out, static_cast<int64_t>(c.n_vocab)}, DType::kF32));
     I.logit_rows = n_out;
+    ++I.activations_generation;
   }
   // Tokens, positions and the rows whose logits are wanted: one upload.
   I.host_ints.assign(static_cast<size_t>(2 * total + n_out), 0);
   I.batch.clear();
+  bool decode = !options.all_logits;  // one new token per sequence
   int64_t row = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const SequenceInput& in = seqs[s];
     const int64_t pos = in.cache->seq_len();
     I.batch.push_back({in.cache, pos, static_cast<int64_t>(in.tokens.size())});
+    decode &= in.tokens.size() == 1;
     for (size_t i = 0; i < in.tokens.size(); ++i, ++row) {
       I.host_ints[static_cast<size_t>(row)] = in.tokens[i];
       I.host_ints[static_cast<size_t>(total + row)] = static_cast<int32_t>(pos + static_cast<int64_t>(i));
@@ -140,95 +206,110 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     }
     if (!options.all_logits) I.host_ints[static_cast<size_t>(2 * total + s)] = static_cast<int32_t>(row - 1);
   }
-  auto st = static_cast<cudaStream_t>(b.stream());
-  int32_t* d_ints = I.ints.data_as<int32_t>();
-  COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ints, I.host_ints.data(), I.host_ints.size() * 4,
-                                             cudaMemcpyHostToDevice, st));
-  const int32_t* d_tokens = d_ints;
-  const int32_t* d_pos = d_ints + total;
-  const int32_t* d_rows = d_ints + 2 * total;
-
-  float* x = I.x.data_as<float>();
-  float* h = I.h.data_as<float>();
-  float* delta = I.delta.data_as<float>();
-  float* q = I.q.data_as<float>();
-  float* k = I.k.data_as<float>();
-  float* v = I.v.data_as<float>();
-  float* att = I.att.data_as<float>();
-  const Tensor q_t = Tensor::wrap(q, {total, nq, hd}, DType::kF32, DeviceType::kCuda);
-  const Tensor k_t = Tensor::wrap(k, {total, nkv, hd}, DType::kF32, DeviceType::kCuda);
-  const Tensor v_t = Tensor::wrap(v, {total, nkv, hd}, DType::kF32, DeviceType::kCuda);
-  const Tensor att_t = Tensor::wrap(att, {total, nq, hd}, DType::kF32, DeviceType::kCuda);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const bool adjacent = c.rope_style == RopeStyle::kAdjacent;
-  auto bias = [](const Tensor& t) { return t.defined() ? t.data_as<float>() : nullptr; };
-  const float* inv_freq = I.inv_freq.data_as<float>();
-
-  // Everything after the first attention call has changed the caches: undo on error.
-  bool appended = false;
+  // Checks the caches, reserves their pages and uploads the attention metadata, for every layer.
+  COMBS_RETURN_IF_ERROR(I.step.begin(I.batch, static_cast<int>(nq)));
   auto fail = [&](const Status& s) {
-    if (appended) {
-      b.synchronize().ignore();
-      for (const SeqAttention& sa : I.batch) sa.cache->popn(sa.cache->seq_len() - sa.pos);
-    }
+    b.synchronize().ignore();
+    I.step.cancel();  // the caches keep their lengths; pages reserved for this step go back
     return s;
   };
-#define COMBS_FORWARD_STEP(expr)          \
-  do {                                    \
-    if (Status s_ = (expr); !s_.ok()) return fail(s_); \
-  } while (0)
+  auto st = static_cast<cudaStream_t>(b.stream());
+  int32_t* d_ints = I.ints.data_as<int32_t>();
+  if (Status s = cuda::cuda_status(cudaMemcpyAsync(d_ints, I.host_ints.data(), I.host_ints.size() * 4,
+                                                   cudaMemcpyHostToDevice, st),
+                                   "cudaMemcpyAsync(tokens)");
+      !s.ok()) {
+    return fail(s);
+  }
+  int32_t* d_ids = d_ints + 2 * total + n_out;  // argmax ids, after the rows (the buffer has room: 4 * capacity)
 
-  COMBS_FORWARD_STEP(cuda::embedding(b, I.tok_embd, d_tokens, total, x));
-  // Decode-sized steps with 16-bit weights fold the norms into the projections' input and the
-  // residual adds into their output (x += W a): no separate norm or add kernels.
-  const bool fused = cuda::decode_fused(I.layers[0].wqkv, total) && cuda::decode_fused(I.layers[0].w_gate_up, total) &&
-                     cuda::decode_fused(I.layers[0].wo, total) && cuda::decode_fused(I.layers[0].w_down, total);
-  for (int l = 0; l < c.n_layers; ++l) {
-    const Impl::Layer& w = I.layers[static_cast<size_t>(l)];
-    const float* bqkv = bias(w.bqkv);
-    const cuda::MatmulOut qkv[] = {{q, nq * hd, bqkv}, {k, nkv * hd, bqkv ? bqkv + nq * hd : nullptr},
-                                   {v, nkv * hd, bqkv ? bqkv + (nq + nkv) * hd : nullptr}};
-    const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
-    if (fused) {
-      COMBS_FORWARD_STEP(cuda::matmul_split(b, w.wqkv, x, total, qkv, w.attn_norm.data_as<float>(), c.rms_eps));
-    } else {
-      // The previous layer's MLP output joins the residual here, fused with this layer's norm.
-      COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps));
-      COMBS_FORWARD_STEP(cuda::matmul_split(b, w.wqkv, h, total, qkv));
+  // Every device operation of the forward, from the embedding to the logits (or their argmax): only
+  // launches, so that a decode step's can be captured into a graph.
+  auto launches = [&]() -> Status {
+    const int32_t* d_tokens = d_ints;
+    const int32_t* d_pos = d_ints + total;
+    const int32_t* d_rows = d_ints + 2 * total;
+    float* x = I.x.data_as<float>();
+    float* h = I.h.data_as<float>();
+    float* delta = I.delta.data_as<float>();
+    float* q = I.q.data_as<float>();
+    float* k = I.k.data_as<float>();
+    float* v = I.v.data_as<float>();
+    float* att = I.att.data_as<float>();
+    const Tensor q_t = Tensor::wrap(q, {total, nq, hd}, DType::kF32, DeviceType::kCuda);
+    const Tensor k_t = Tensor::wrap(k, {total, nkv, hd}, DType::kF32, DeviceType::kCuda);
+    const Tensor v_t = Tensor::wrap(v, {total, nkv, hd}, DType::kF32, DeviceType::kCuda);
+    const Tensor att_t = Tensor::wrap(att, {total, nq, hd}, DType::kF32, DeviceType::kCuda);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const bool adjacent = c.rope_style == RopeStyle::kAdjacent;
+    auto bias = [](const Tensor& t) { return t.defined() ? t.data_as<float>() : nullptr; };
+    const float* inv_freq = I.inv_freq.data_as<float>();
+    COMBS_RETURN_IF_ERROR(cuda::embedding(b, I.tok_embd, d_tokens, total, x));
+    // Decode-sized steps with 16-bit weights fold the norms into the projections' input and the
+    // residual adds into their output (x += W a): no separate norm or add kernels.
+    const bool fused = cuda::decode_fused(I.layers[0].wqkv, total) && cuda::decode_fused(I.layers[0].w_gate_up, total) &&
+                       cuda::decode_fused(I.layers[0].wo, total) && cuda::decode_fused(I.layers[0].w_down, total);
+    for (int l = 0; l < c.n_layers; ++l) {
+      const Impl::Layer& w = I.layers[static_cast<size_t>(l)];
+      const float* bqkv = bias(w.bqkv);
+      const cuda::MatmulOut qkv[] = {{q, nq * hd, bqkv}, {k, nkv * hd, bqkv ? bqkv + nq * hd : nullptr},
+                                     {v, nkv * hd, bqkv ? bqkv + (nq + nkv) * hd : nullptr}};
+      const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
+      if (fused) {
+        COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.wqkv, x, total, qkv, w.attn_norm.data_as<float>(), c.rms_eps));
+      } else {
+        // The previous layer's MLP output joins the residual here, fused with this layer's norm.
+        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.wqkv, h, total, qkv));
+      }
+      COMBS_RETURN_IF_ERROR(cuda::rope(b, q, k, d_pos, total, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, inv_freq,
+                                       adjacent));
+      COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, scale, att_t));
+      if (fused) {
+        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.w_gate_up, x, total, gate_up, w.ffn_norm.data_as<float>(), c.rms_eps));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, x,
+                                                  /*accumulate=*/true));
+      } else {
+        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta));
+        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.w_gate_up, h, total, gate_up));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
+      }
     }
-    COMBS_FORWARD_STEP(cuda::rope(b, q, k, d_pos, total, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, inv_freq,
-                                  adjacent));
-    COMBS_FORWARD_STEP(attention_batch(I.batch, l, q_t, k_t, v_t, scale, &att_t));
-    appended = true;
-    if (fused) {
-      COMBS_FORWARD_STEP(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));
-      COMBS_FORWARD_STEP(cuda::matmul_split(b, w.w_gate_up, x, total, gate_up, w.ffn_norm.data_as<float>(), c.rms_eps));
-      COMBS_FORWARD_STEP(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, x,
-                                             /*accumulate=*/true));
-    } else {
-      COMBS_FORWARD_STEP(cuda::matmul(b, w.wo, att, total, delta));
-      COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
-      COMBS_FORWARD_STEP(cuda::matmul_split(b, w.w_gate_up, h, total, gate_up));
-      COMBS_FORWARD_STEP(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
+    // The last residual add, the wanted rows, the final norm and the logits.
+    COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, fused ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
+    COMBS_RETURN_IF_ERROR(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
+    COMBS_RETURN_IF_ERROR(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
+    if (options.argmax) COMBS_RETURN_IF_ERROR(cuda::argmax_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_ids));
+    return ok_status();
+  };
+
+  Status ran;
+  const int64_t n_seqs = static_cast<int64_t>(seqs.size());
+  if (I.use_graphs && decode && n_seqs <= kMaxGraphBatch && I.step.replayable()) {
+    // Everything a captured launch depends on: the attention's launches, the scratch and
+    // activation buffers, and what the step computes.
+    uint64_t key = I.step.launch_key();
+    for (uint64_t f : {b.scratch_generation(), I.activations_generation, static_cast<uint64_t>(n_seqs),
+                       static_cast<uint64_t>(options.argmax != nullptr)}) {
+      key = (key ^ f) * 0x100000001b3ull + 0x9e3779b97f4a7c15ull;
     }
-  }
-  // The last residual add, the wanted rows, the final norm and the logits.
-  COMBS_FORWARD_STEP(cuda::add_rms_norm(b, x, fused ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
-  COMBS_FORWARD_STEP(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
-  COMBS_FORWARD_STEP(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
-  if (options.argmax) {  // only the token ids cross to the host
-    int32_t* d_ids = d_ints + 2 * total + n_out;  // after the rows (the buffer has room: 3 * capacity)
-    COMBS_FORWARD_STEP(cuda::argmax_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_ids));
-    COMBS_FORWARD_STEP(cuda::cuda_status(
-        cudaMemcpyAsync(options.argmax, d_ids, static_cast<size_t>(n_out) * 4, cudaMemcpyDeviceToHost, st),
-        "cudaMemcpyAsync(argmax)"));
+    ran = I.graphs[2 * n_seqs + (options.argmax ? 1 : 0)].run(st, key, launches, I.stats);
   } else {
-    COMBS_FORWARD_STEP(cuda::cuda_status(cudaMemcpyAsync(logits, I.logits.data(), static_cast<size_t>(n_out * c.n_vocab) * 4,
-                                                         cudaMemcpyDeviceToHost, st),
-                                         "cudaMemcpyAsync(logits)"));
+    ran = launches();
   }
-  COMBS_FORWARD_STEP(b.synchronize());
-#undef COMBS_FORWARD_STEP
+  if (!ran.ok()) return fail(ran);
+  const Status copied =
+      options.argmax
+          ? cuda::cuda_status(cudaMemcpyAsync(options.argmax, d_ids, static_cast<size_t>(n_out) * 4, cudaMemcpyDeviceToHost, st),
+                              "cudaMemcpyAsync(argmax)")  // only the token ids cross to the host
+          : cuda::cuda_status(cudaMemcpyAsync(logits, I.logits.data(), static_cast<size_t>(n_out * c.n_vocab) * 4,
+                                              cudaMemcpyDeviceToHost, st),
+                              "cudaMemcpyAsync(logits)");
+  if (!copied.ok()) return fail(copied);
+  if (Status s = b.synchronize(); !s.ok()) return fail(s);
+  I.step.commit();
   return ok_status();
 }
 

@@ -158,8 +158,9 @@ int run_gpu(int argc, char** argv) {
   const double bw = copy_bandwidth(**backend);
   std::printf("# combs-bench gpu on %s: device copy bandwidth %.0f GB/s (read + write), median of %lld\n\n",
               (*backend)->description().c_str(), bw / 1e9, reps);
-  std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | prefill tok/s "
-              "(2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |\n|---|---|---|---|---|---|---|\n",
+  std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | same without "
+              "CUDA graphs | prefill tok/s (2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |"
+              "\n|---|---|---|---|---|---|---|---|\n",
               sessions);
   std::error_code ec;
   std::filesystem::create_directories(flags.str("dir"), ec);
@@ -179,16 +180,20 @@ int run_gpu(int argc, char** argv) {
     if (!runner.ok()) return std::fprintf(stderr, "%s\n", runner.status().to_string().c_str()), 1;
     const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
     auto one = run_sessions(**runner, 1, 128, 256, int(reps));
+    StatusOr<Run> eager = Run{};
+    {
+      auto no_graphs = CudaRunner::create(**model, {.cuda_graphs = false});
+      if (!no_graphs.ok()) return std::fprintf(stderr, "%s\n", no_graphs.status().to_string().c_str()), 1;
+      eager = run_sessions(**no_graphs, 1, 128, 256, int(reps));
+    }
     auto prefill = run_sessions(**runner, 1, 2048, 1, int(reps));
     auto many = run_sessions(**runner, int(sessions), 1024, 128, int(reps));
-    if (!one.ok() || !prefill.ok() || !many.ok()) {
-      std::fprintf(stderr, "combs-bench gpu: %s\n",
-                   (!one.ok() ? one.status() : !prefill.ok() ? prefill.status() : many.status()).to_string().c_str());
-      return 1;
+    for (const StatusOr<Run>* r : {&one, &eager, &prefill, &many}) {
+      if (!r->ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r->status().to_string().c_str()), 1;
     }
     const double bound = bw / bytes;
-    std::printf("| %s | %.2f GB | %.0f | %.0f | %.2f | %.0f | %.0f |\n", shape.c_str(), bytes / 1e9, bound,
-                one->decode_tps, one->decode_tps / bound, prefill->prompt_tps, many->decode_tps);
+    std::printf("| %s | %.2f GB | %.0f | %.0f | %.2f | %.0f | %.0f | %.0f |\n", shape.c_str(), bytes / 1e9, bound,
+                one->decode_tps, one->decode_tps / bound, eager->decode_tps, prefill->prompt_tps, many->decode_tps);
     std::fflush(stdout);
   }
   std::printf("\n| decode attention (32 q / 8 kv heads, hd 128, bf16) | sequences | paged GB/s | contiguous GB/s | "
