@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "combs/backend/cpu/cpu_ops.h"
 #include "combs/kv/kv_cache.h"
 #include "combs/kv/page_pool.h"
 #include "kv/cpu/attention_cpu.h"
@@ -164,7 +165,7 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
     // Lengths advance only once the kernels are queued; a launch error leaves them as they were.
     std::unique_ptr<DeviceAttentionPlan> plan = g_cuda_attention(backend);
     COMBS_RETURN_IF_ERROR(plan->prepare(work, g.n_kv_heads, out ? static_cast<int>(q.dim(1)) : g.n_kv_heads,
-                                        out != nullptr, impl));
+                                        out != nullptr, impl, nullptr));
     COMBS_RETURN_IF_ERROR(plan->launch(work, q, k, v, out, scale));
     for (const SeqAttention& s : seqs) s.cache->layer_len_[layer] = s.pos + s.n_new;
     return ok_status();
@@ -183,7 +184,8 @@ AttentionStep::~AttentionStep() {
   if (active_) cancel();
 }
 
-Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, AttentionImpl impl) {
+Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, const AttentionRope* rope,
+                            AttentionImpl impl) {
   if (active_) return failed_precondition_error("attention step: begin() before the last step's commit() or cancel()");
   if (seqs.empty()) return invalid_argument_error("attention step: empty batch");
   int64_t n_tokens = 0;
@@ -193,8 +195,15 @@ Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, A
     return invalid_argument_error("attention step: " + std::to_string(n_q_heads) +
                                   " query heads is not a multiple of n_kv_heads = " + std::to_string(g.n_kv_heads));
   }
+  if (rope && (rope->inv_freq == nullptr || rope->rope_dim < 2 || rope->rope_dim % 2 != 0 ||
+               rope->rope_dim > g.head_dim)) {
+    return invalid_argument_error("attention step: rope_dim " + std::to_string(rope ? rope->rope_dim : 0) +
+                                  " must be even and in [2, head_dim = " + std::to_string(g.head_dim) +
+                                  "], with frequencies");
+  }
   Backend& backend = seqs[0].cache->backend();
   COMBS_RETURN_IF_ERROR(reserve_batch_pages(seqs));
+  rope_ = rope ? *rope : AttentionRope{};
   seqs_.assign(seqs.begin(), seqs.end());
   work_.clear();
   int64_t row = 0;
@@ -211,7 +220,7 @@ Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, A
       plan_ = g_cuda_attention(backend);
       plan_backend_ = &backend;
     }
-    if (Status st = plan_->prepare(work_, g.n_kv_heads, n_q_heads, true, impl); !st.ok()) {
+    if (Status st = plan_->prepare(work_, g.n_kv_heads, n_q_heads, true, impl, rope ? &rope_ : nullptr); !st.ok()) {
       cancel();
       return st;
     }
@@ -241,9 +250,21 @@ Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Ten
     return invalid_argument_error("attention step: q has " + std::to_string(q.dim(1)) + " heads, begin() said " +
                                   std::to_string(n_q_heads_));
   }
+  if (rope_.inv_freq && (q.dtype() != DType::kF32 || k.dtype() != DType::kF32)) {
+    return invalid_argument_error("attention step: q and k must be f32 to be rotated");
+  }
   for (size_t i = 0; i < seqs_.size(); ++i) work_[i].kv = seqs_[i].cache->layout(layer);
   if (backend.device_type() == DeviceType::kCuda) return plan_->launch(work_, q, k, v, &out, scale);
   auto& cpu_backend = static_cast<CpuBackend&>(backend);
+  if (rope_.inv_freq) {
+    positions_.clear();
+    for (const SeqWork& w : work_)
+      for (int64_t i = 0; i < w.n_new; ++i) positions_.push_back(static_cast<int32_t>(w.pos + i));
+    cpu::rope(q.data_as<float>(), positions_.data(), n_tokens_, n_q_heads_, g.head_dim, rope_.rope_dim, rope_.inv_freq,
+              rope_.adjacent_pairs);
+    cpu::rope(k.data_as<float>(), positions_.data(), n_tokens_, g.n_kv_heads, g.head_dim, rope_.rope_dim, rope_.inv_freq,
+              rope_.adjacent_pairs);
+  }
   cpu::write_kv(cpu_backend, work_, g.n_kv_heads, k, v);
   cpu::attention(cpu_backend, work_, g.n_kv_heads, q, out, scale, impl_);
   return ok_status();

@@ -29,11 +29,13 @@ class DeviceAttentionPlan {
  public:
   virtual ~DeviceAttentionPlan() = default;
   // work: the batch as seen by one layer (any: page tables and positions are the same for all).
+  // rope (or null): launch() rotates q and k in place first, fused with the K/V write.
   virtual Status prepare(std::span<const SeqWork> work, int n_kv_heads, int n_q_heads, bool attend,
-                         AttentionImpl impl) = 0;
+                         AttentionImpl impl, const AttentionRope* rope) = 0;
   // layer_work: the batch with this layer's K/V arenas (as prepared otherwise).
   virtual Status launch(std::span<const SeqWork> layer_work, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor* out, float scale) = 0;
+  // (q and k are not const with a rope: they are rotated in place.)
   // Whether launch() queues kernels and nothing else (no uploads, no host decisions beyond the
   // key), so its launches can be captured once and replayed for any batch of the same key.
   virtual bool replayable() const = 0;

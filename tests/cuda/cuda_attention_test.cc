@@ -9,6 +9,7 @@
 #include <cstdio>
 
 #include "combs/backend/cpu/cpu_backend.h"
+#include "combs/backend/cpu/cpu_ops.h"
 #include "combs/backend/cuda/cuda_backend.h"
 #include "combs/kv/contiguous_kv_cache.h"
 #include "combs/kv/cuda/cuda_attention.h"
@@ -147,4 +148,60 @@ TEST_CASE("cuda tensor-core prefill over long chunks after long prefixes matches
   if (!gpu) return;
   run_case(*gpu, {16, 8, 4, 128, DType::kBF16, {{1000, 300}, {0, 513}, {77, 16}, {5000, 1}}}, 7);
   run_case(*gpu, {32, 2, 8, 64, DType::kF16, {{2047, 129}, {1, 15}, {0, 17}}}, 8);
+}
+
+TEST_CASE("a cuda attention step rotates q and k in its append as the cpu step does", "[cuda]") {
+  auto gpu_ptr = gpu_or_skip();
+  if (!gpu_ptr) return;
+  CudaBackend& gpu = *gpu_ptr;
+  testing::Rng rng(testing::test_seed());
+  INFO("seed " << rng.seed());
+  const int hd = 64, n_kv = 2, n_q = 8, layers = 2, rope_dim = 64;
+  for (bool adjacent : {false, true}) {
+    CpuBackend cpu;
+    const KVGeometry g{layers, n_kv, hd, DType::kF32};
+    auto cpu_pool = PagePool::create(cpu, {g, 16, 64}).value();
+    auto gpu_pool = PagePool::create(gpu, {g, 16, 64}).value();
+    std::vector<std::unique_ptr<KVCache>> cc, gc;
+    for (int i = 0; i < 3; ++i) {
+      cc.push_back(PagedKVCache::create(*cpu_pool, 256).value());
+      gc.push_back(PagedKVCache::create(*gpu_pool, 256).value());
+    }
+    std::vector<float> inv_freq(rope_dim / 2);
+    cpu::rope_inv_freq(rope_dim, 500000.0f, nullptr, inv_freq.data());
+    const Tensor inv_gpu = upload(gpu, inv_freq, {rope_dim / 2});
+    const AttentionRope cpu_rope{inv_freq.data(), rope_dim, adjacent}, gpu_rope{inv_gpu.data_as<float>(), rope_dim, adjacent};
+    AttentionStep cpu_step, gpu_step;
+    for (int it = 0; it < 4; ++it) {  // a ragged prefill (one sequence on tensor cores), then decodes
+      std::vector<SeqAttention> cb, gb;
+      int64_t total = 0;
+      for (int i = 0; i < 3; ++i) {
+        const int64_t n = it == 0 ? 7 + 13 * i : 1;
+        cb.push_back({cc[i].get(), cc[i]->seq_len(), n});
+        gb.push_back({gc[i].get(), gc[i]->seq_len(), n});
+        total += n;
+      }
+      REQUIRE(cpu_step.begin(cb, n_q, &cpu_rope).ok());
+      REQUIRE(gpu_step.begin(gb, n_q, &gpu_rope).ok());
+      for (int l = 0; l < layers; ++l) {
+        auto q = rng.floats(total * n_q * hd), k = rng.floats(total * n_kv * hd), v = rng.floats(total * n_kv * hd);
+        const Shape qs{total, n_q, hd}, ks{total, n_kv, hd};
+        Tensor qd = upload(gpu, q, qs), kd = upload(gpu, k, ks), vd = upload(gpu, v, ks);
+        Tensor od = gpu.alloc(qs, DType::kF32).value();
+        std::vector<float> out(q.size());
+        REQUIRE(cpu_step.run(l, Tensor::wrap(q.data(), qs, DType::kF32), Tensor::wrap(k.data(), ks, DType::kF32),
+                             Tensor::wrap(v.data(), ks, DType::kF32), 0.125f, Tensor::wrap(out.data(), qs, DType::kF32))
+                    .ok());
+        const Status s = gpu_step.run(l, qd, kd, vd, 0.125f, od);
+        INFO(s.to_string());
+        REQUIRE(s.ok());
+        INFO("adjacent " << adjacent << ", iteration " << it << ", layer " << l);
+        CHECK(rel_err(download(gpu, qd), q) < 1e-6);  // q rotated in place, as the cpu's
+        CHECK(rel_err(download(gpu, od), out) < 2e-4);
+      }
+      cpu_step.commit();
+      gpu_step.commit();
+      for (int i = 0; i < 3; ++i) CHECK(gc[i]->seq_len() == cc[i]->seq_len());
+    }
+  }
 }

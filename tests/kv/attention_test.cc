@@ -9,6 +9,7 @@
 #include <string>
 
 #include "combs/backend/cpu/cpu_backend.h"
+#include "combs/backend/cpu/cpu_ops.h"
 #include "combs/kv/contiguous_kv_cache.h"
 #include "combs/kv/paged_kv_cache.h"
 #include "support/kv_helpers.h"
@@ -367,4 +368,56 @@ TEST_CASE("an attention step that is cancelled or refused changes no cache", "[k
   step.cancel();
   CHECK(cache->seq_len() == 0);
   CHECK(pool->num_free() == 4);
+}
+
+TEST_CASE("an attention step with a rope rotates q and k as cpu rope does before appending", "[kv]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  const int hd = 16, n_q = 4, n_kv = 2, rope_dim = 12;
+  for (bool adjacent : {false, true}) {
+    CpuBackend backend({1});
+    PagePoolOptions o;
+    o.geometry = {1, n_kv, hd, DType::kF32};
+    o.page_size = 4;
+    o.num_pages = 32;
+    auto pool = std::move(PagePool::create(backend, o)).value();
+    auto a = std::move(PagedKVCache::create(*pool, 64)).value();
+    auto b = std::move(PagedKVCache::create(*pool, 64)).value();
+    std::vector<float> inv_freq(rope_dim / 2);
+    cpu::rope_inv_freq(rope_dim, 10000.0f, nullptr, inv_freq.data());
+    const AttentionRope rope{inv_freq.data(), rope_dim, adjacent};
+    AttentionStep step;
+    for (int64_t n : {5, 1, 3}) {
+      const int64_t pos = a->seq_len();
+      auto q = rng.floats(n * n_q * hd), k = rng.floats(n * n_kv * hd), v = rng.floats(n * n_kv * hd);
+      auto q2 = q, k2 = k;
+      std::vector<int32_t> positions;
+      for (int64_t i = 0; i < n; ++i) positions.push_back(static_cast<int32_t>(pos + i));
+      cpu::rope(q2.data(), positions.data(), n, n_q, hd, rope_dim, 10000.0f, nullptr, adjacent);
+      cpu::rope(k2.data(), positions.data(), n, n_kv, hd, rope_dim, 10000.0f, nullptr, adjacent);
+      std::vector<float> out_a(q.size()), out_b(q.size());
+      const SeqAttention sa{a.get(), pos, n};
+      REQUIRE(step.begin({&sa, 1}, n_q, &rope).ok());
+      REQUIRE(step.run(0, view(q, {n, n_q, hd}), view(k, {n, n_kv, hd}), view(v, {n, n_kv, hd}), 0.25f,
+                       view(out_a, {n, n_q, hd}))
+                  .ok());
+      step.commit();
+      REQUIRE(b->attention(0, view(q2, {n, n_q, hd}), view(k2, {n, n_kv, hd}), view(v, {n, n_kv, hd}), pos, 0.25f,
+                           view(out_b, {n, n_q, hd}))
+                  .ok());
+      INFO("adjacent " << adjacent << ", n " << n);
+      CHECK(q == q2);  // rotated in place
+      CHECK(out_a == out_b);
+    }
+  }
+  // A rope that cannot be: refused before anything changes.
+  CpuBackend backend({1});
+  auto pool = std::move(PagePool::create(backend, {{1, n_kv, hd, DType::kF32}, 4, 8})).value();
+  auto c = std::move(PagedKVCache::create(*pool, 64)).value();
+  const SeqAttention s{c.get(), 0, 1};
+  float f[8] = {};
+  for (const AttentionRope& bad : {AttentionRope{f, 18, false}, AttentionRope{f, 7, false}, AttentionRope{nullptr, 8, false}}) {
+    CHECK(AttentionStep().begin({&s, 1}, n_q, &bad).code() == StatusCode::kInvalidArgument);
+  }
+  CHECK(pool->num_free() == 8);
 }

@@ -74,6 +74,15 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
 // when a pool has too few free pages.
 Status reserve_batch_pages(std::span<const SeqAttention> seqs);
 
+// Rotary position embedding applied by an AttentionStep as it appends (on a GPU, fused with the
+// K/V write into the pages): q and k are rotated in place, each token at its own position, before
+// k is stored and q attends. The same rotation as cpu::rope.
+struct AttentionRope {
+  const float* inv_freq = nullptr;  // rope_dim / 2 frequencies (cpu::rope_inv_freq), on the caches' device
+  int rope_dim = 0;                 // the first rope_dim dims of each head rotate; even, <= head_dim
+  bool adjacent_pairs = false;      // pairs (2i, 2i+1), else (i, i + rope_dim / 2)
+};
+
 // One forward's attention over every layer, with the host work done once: attention_batch() per
 // layer checks the batch, reserves pages and prepares the kernels' metadata, identically for every
 // layer. A step does that once (begin), each layer then only queues its kernels (run), and the
@@ -90,10 +99,13 @@ class AttentionStep {
 
   // Checks the batch as attention_batch does, for all layers at once (every layer of each cache
   // must hold exactly pos positions), reserves the pages of pos + n_new positions and does the
-  // device's host work. Errors as attention_batch's; on error nothing changes.
-  Status begin(std::span<const SeqAttention> seqs, int n_q_heads, AttentionImpl impl = default_attention_impl());
+  // device's host work. With a rope (which must outlive the step), run() rotates q and k first.
+  // Errors as attention_batch's; on error nothing changes.
+  Status begin(std::span<const SeqAttention> seqs, int n_q_heads, const AttentionRope* rope = nullptr,
+               AttentionImpl impl = default_attention_impl());
   // Appends layer `layer`'s k, v and writes the attention of q into out (shapes as attention_batch;
-  // out on the caches' backend, f32 on CUDA). Lengths do not move until commit().
+  // out on the caches' backend, f32 on CUDA; q and k f32 with a rope, rotated in place). Lengths do
+  // not move until commit().
   Status run(int layer, const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out);
   // Every layer of every cache now holds pos + n_new positions.
   void commit();
@@ -109,6 +121,8 @@ class AttentionStep {
   std::vector<SeqWork> work_;
   std::unique_ptr<DeviceAttentionPlan> plan_;
   Backend* plan_backend_ = nullptr;
+  AttentionRope rope_;
+  std::vector<int32_t> positions_;  // each token's, for the CPU's rope
   AttentionImpl impl_ = AttentionImpl::kFlash;
   int64_t n_tokens_ = 0;
   uint64_t launch_key_ = 0;

@@ -123,9 +123,17 @@ void rope_inv_freq(int rope_dim, float freq_base, const float* freq_factors, flo
 
 void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
           float freq_base, const float* freq_factors, bool adjacent_pairs) {
-  const int half = rope_dim / 2;  // <= 512: head_dim is at most 1024 (model.cc)
-  float inv_freq[512], cs[512], sn[512];
+  float inv_freq[2048];  // rope_dim / 2 <= 2048: head_dim is at most 4096 (validate_kv_geometry)
   rope_inv_freq(rope_dim, freq_base, freq_factors, inv_freq);
+  rope(x, pos, n_tokens, n_heads, head_dim, rope_dim, inv_freq, adjacent_pairs);
+}
+
+void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
+          const float* inv_freq, bool adjacent_pairs) {
+  const int half = rope_dim / 2;
+  thread_local std::vector<float> cs, sn;
+  cs.resize(static_cast<size_t>(half));
+  sn.resize(static_cast<size_t>(half));
   for (int64_t t = 0; t < n_tokens; ++t) {
     for (int i = 0; i < half; ++i) {
       const float angle = static_cast<float>(pos[t]) * inv_freq[i];

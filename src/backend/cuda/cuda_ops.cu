@@ -1,5 +1,6 @@
 // The CUDA backend's ops (see include/combs/backend/cuda/cuda_ops.h).
 #include <cuda_bf16.h>
+#include <algorithm>
 #include <cuda_fp16.h>
 
 #include "combs/backend/cuda/cuda_ops.h"
@@ -125,104 +126,169 @@ struct GemvOut {
 };
 
 // Small-batch matmul (decode): y[n, o] = sum_i w[o, i] x[n, i] (+ bias[o]) for N <= 8 rows of x.
-// The block first stages x in shared memory, rounded to the weights' dtype (as the cuBLAS path
-// rounds it: the same numbers whatever n) — with SWIGLU, x = silu(x) * x2 formed there (the MLP's
-// down projection). Then each warp takes kRows output rows: every lane reads 16 bytes (8
-// elements) of each row at a time, two steps ahead, and the matching x from shared memory.
-// Weights are read once at full width: decode is bound by reading them.
-constexpr int kGemvRows = 2;   // output rows per warp
+// Decode is bound by reading the weights once, so the kernel is built to keep enough of them in
+// flight: persistent blocks (a few per SM) whose warps walk the output rows with a stride, one row
+// at a time, each lane reading 16 bytes (8 elements) per load in batches of kGemvBatch loads, two
+// batches in flight, the next row's loads issued while the current row is summed (~8 KB in flight
+// per warp, across row ends). The first two batches are requested before the block stages x in
+// shared memory — once per block — rounded to the weights' dtype, as the cuBLAS path rounds it (the
+// same numbers whatever n), with the RMSNorm folded in (norm_w), or with SWIGLU x = silu(x) * x2
+// (the MLP's down projection).
 constexpr int kGemvWarps = 8;  // warps per block
+constexpr int kGemvBatch = 8;  // 16-byte loads per lane per batch
 
 template <typename T, int N, bool SWIGLU>
-__global__ void __launch_bounds__(kGemvWarps * 32)
+__global__ void __launch_bounds__(kGemvWarps * 32, 2)
     gemv_kernel(const T* __restrict__ w, const float* __restrict__ x, const float* __restrict__ x2, GemvOut outs,
                 int n, int64_t in) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);  // [n, in]
-  __shared__ float red[kGemvWarps], scale[8];
-  if (outs.norm_w) {  // RMSNorm of each x row, as add_rms_norm computes it
-    for (int j = 0; j < n; ++j) {
-      float ss = 0.0f;
-      for (int64_t i = threadIdx.x; i < in; i += blockDim.x) ss += x[j * in + i] * x[j * in + i];
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-      if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float t = 0.0f;
-        for (int w8 = 0; w8 < kGemvWarps; ++w8) t += red[w8];
-        scale[j] = rsqrtf(t / static_cast<float>(in) + outs.eps);
-      }
-      __syncthreads();
+  __shared__ float scale[8];
+  constexpr int kStep = 32 * 8;  // elements of one warp-wide 16-byte load
+  constexpr int kSpan = kGemvBatch * kStep;
+  const int lane = threadIdx.x % 32;
+  const int64_t total_rows = outs.end[outs.count - 1];
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kGemvWarps;
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
+  // This warp's rows: first_row, first_row + warps, ...; each in nb batches: a flat stream of
+  // n_batches batches, batch j = (row first_row + (j / nb) * warps, elements (j % nb) * kSpan ..).
+  const int nb = static_cast<int>((in + kSpan - 1) / kSpan);
+  const int64_t my_rows = first_row < total_rows ? (total_rows - first_row + warps - 1) / warps : 0;
+  const int64_t n_batches = my_rows * nb;
+  uint4 buf0[kGemvBatch], buf1[kGemvBatch];
+  auto load = [&](uint4(&buf)[kGemvBatch], int64_t j) {
+    const T* wr = w + (first_row + (j / nb) * warps) * in;
+    const int64_t base = (j % nb) * kSpan + lane * 8;
+#pragma unroll
+    for (int u = 0; u < kGemvBatch; ++u) {
+      const int64_t i = base + u * kStep;
+      buf[u] = i < in ? __ldg(reinterpret_cast<const uint4*>(wr + i)) : make_uint4(0, 0, 0, 0);
     }
+  };
+  if (n_batches > 0) load(buf0, 0);
+  if (n_batches > 1) load(buf1, 1);
+
+  // Staging x: float4 loads, kStageUnroll per thread in flight (a block's staging is a few round
+  // trips to L2, not one per element).
+  constexpr int kStageUnroll = 4;
+  const int64_t in4 = in / 4, total4 = n * in4;
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const float4* xg4 = reinterpret_cast<const float4*>(x2);
+  const float4* nw4 = reinterpret_cast<const float4*>(outs.norm_w);
+  if (outs.norm_w) {  // RMSNorm of each x row, as add_rms_norm computes it
+    float ss[N];
+#pragma unroll
+    for (int r = 0; r < N; ++r) ss[r] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      if (r >= n) break;
+      for (int64_t i = threadIdx.x; i < in4; i += blockDim.x * kStageUnroll) {
+        float4 v[kStageUnroll];
+#pragma unroll
+        for (int u = 0; u < kStageUnroll; ++u) {
+          const int64_t k = i + u * blockDim.x;
+          v[u] = k < in4 ? x4[r * in4 + k] : make_float4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kStageUnroll; ++u) ss[r] += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+      }
+    }
+    __shared__ float red_n[kGemvWarps][N];
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      float t = ss[r];
+      for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+      if (lane == 0) red_n[threadIdx.x / 32][r] = t;
+    }
+    __syncthreads();
+    if (threadIdx.x < n) {
+      float t = 0.0f;
+      for (int w8 = 0; w8 < kGemvWarps; ++w8) t += red_n[w8][threadIdx.x];
+      scale[threadIdx.x] = rsqrtf(t / static_cast<float>(in) + outs.eps);
+    }
+    __syncthreads();
   }
-  for (int64_t i = threadIdx.x; i < n * in; i += blockDim.x) {
-    float v = x[i];
-    if (SWIGLU) v = v / (1.0f + expf(-v)) * x2[i];
-    if (outs.norm_w) v = v * scale[i / in] * outs.norm_w[i % in];
-    xs[i] = from_f32<T>(v);
+  for (int64_t i = threadIdx.x; i < total4; i += blockDim.x * kStageUnroll) {
+    float4 v[kStageUnroll], g[kStageUnroll], nw[kStageUnroll];
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int64_t k = i + u * blockDim.x;
+      if (k < total4) {
+        v[u] = x4[k];
+        if (SWIGLU) g[u] = xg4[k];
+        if (outs.norm_w) nw[u] = nw4[k % in4];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int64_t k = i + u * blockDim.x;
+      if (k >= total4) break;
+      float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+      if (SWIGLU) {
+        const float gg[4] = {g[u].x, g[u].y, g[u].z, g[u].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[e] = f[e] / (1.0f + expf(-f[e])) * gg[e];
+      }
+      if (outs.norm_w) {
+        const float sc = scale[k / in4];
+        const float ww[4] = {nw[u].x, nw[u].y, nw[u].z, nw[u].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[e] = f[e] * sc * ww[e];
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xs[k * 4 + e] = from_f32<T>(f[e]);
+    }
   }
   __syncthreads();
-  const int64_t total_rows = outs.end[outs.count - 1];
-  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * kGemvRows;
-  const int lane = threadIdx.x % 32;
-  if (row0 >= total_rows) return;
-  float acc[kGemvRows][N];
+
+  float acc[N];
 #pragma unroll
-  for (int r = 0; r < kGemvRows; ++r)
+  for (int j = 0; j < N; ++j) acc[j] = 0.0f;
+  auto consume = [&](const uint4(&buf)[kGemvBatch], int64_t j) {
+    const int64_t base = (j % nb) * kSpan + lane * 8;
 #pragma unroll
-    for (int j = 0; j < N; ++j) acc[r][j] = 0.0f;
-  const T* wr[kGemvRows];
+    for (int u = 0; u < kGemvBatch; ++u) {
+      const int64_t i = base + u * kStep;
+      if (i >= in) break;
+      const T* p = reinterpret_cast<const T*>(&buf[u]);
+      float wf[8];
 #pragma unroll
-  for (int r = 0; r < kGemvRows; ++r) wr[r] = w + (row0 + r < total_rows ? row0 + r : row0) * in;
-  auto dot8 = [](const uint4& a, const uint4& b) {
-    const T* p = reinterpret_cast<const T*>(&a);
-    const T* q = reinterpret_cast<const T*>(&b);
-    float s = 0.0f;
+      for (int e = 0; e < 8; ++e) wf[e] = to_f32(p[e]);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) s += to_f32(p[e]) * to_f32(q[e]);
-    return s;
-  };
-  auto step = [&](const uint4 (&raw)[kGemvRows], int64_t i) {
+      for (int r = 0; r < N; ++r) {
+        if (r < n) {
+          const uint4 xv = *reinterpret_cast<const uint4*>(xs + r * in + i);
+          const T* xq = reinterpret_cast<const T*>(&xv);
+          float s = 0.0f;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      if (j < n) {
-        const uint4 xv = *reinterpret_cast<const uint4*>(xs + j * in + i);
-#pragma unroll
-        for (int r = 0; r < kGemvRows; ++r) acc[r][j] += dot8(raw[r], xv);
+          for (int e = 0; e < 8; ++e) s += wf[e] * to_f32(xq[e]);
+          acc[r] += s;
+        }
       }
     }
-  };
-  int64_t i = lane * 8;
-  for (; i + 256 < in; i += 512) {  // two steps of loads in flight
-    uint4 a[kGemvRows], b[kGemvRows];
-#pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) {
-      a[r] = __ldg(reinterpret_cast<const uint4*>(wr[r] + i));
-      b[r] = __ldg(reinterpret_cast<const uint4*>(wr[r] + i + 256));
-    }
-    step(a, i);
-    step(b, i + 256);
-  }
-  for (; i < in; i += 256) {
-    uint4 a[kGemvRows];
-#pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) a[r] = __ldg(reinterpret_cast<const uint4*>(wr[r] + i));
-    step(a, i);
-  }
-#pragma unroll
-  for (int r = 0; r < kGemvRows; ++r) {
-    const int64_t row = row0 + r;
+    if (j % nb != nb - 1) return;
+    // The row is done: reduce over the warp and write its outputs.
+    const int64_t row = first_row + (j / nb) * warps;
     int seg = 0;
     while (seg < 2 && row >= outs.end[seg]) ++seg;
     const int64_t begin = seg == 0 ? 0 : outs.end[seg - 1], rows = outs.end[seg] - begin, rr = row - begin;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      float v = acc[r][j];
+    for (int r = 0; r < N; ++r) {
+      float v = acc[r];
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-      if (lane == 0 && j < n && row < total_rows) {
-        float* dst = outs.y[seg] + j * rows + rr;
+      acc[r] = 0.0f;
+      if (lane == 0 && r < n) {
+        float* dst = outs.y[seg] + r * rows + rr;
         *dst = (outs.accumulate ? *dst : 0.0f) + v + (outs.bias[seg] ? outs.bias[seg][rr] : 0.0f);
       }
+    }
+  };
+  for (int64_t j = 0; j < n_batches; j += 2) {
+    consume(buf0, j);
+    if (j + 2 < n_batches) load(buf0, j + 2);
+    if (j + 1 < n_batches) {
+      consume(buf1, j + 1);
+      if (j + 3 < n_batches) load(buf1, j + 3);
     }
   }
 }
@@ -231,14 +297,20 @@ constexpr size_t kGemvMaxShared = 96 * 1024;  // x staged per block; larger goes
 
 template <typename T, int N, bool SWIGLU>
 void launch_gemv_n(const T* w, const float* x, const float* x2, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
-  static const bool configured = [] {
+  // Persistent blocks: as many as stay resident (computed once per kernel for the largest x).
+  static const int resident = [] {
     cudaFuncSetAttribute(gemv_kernel<T, N, SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          static_cast<int>(kGemvMaxShared));
-    return true;
+    int device = 0, sms = 0, per_sm = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, N, SWIGLU>, kGemvWarps * 32,
+                                                  static_cast<size_t>(N) * 2048 * sizeof(T));
+    cudaGetLastError();
+    return std::max(1, sms) * std::clamp(per_sm, 1, 2);
   }();
-  (void)configured;
-  const int64_t rows_per_block = kGemvWarps * kGemvRows;
-  const unsigned grid = static_cast<unsigned>((outs.end[outs.count - 1] + rows_per_block - 1) / rows_per_block);
+  const int64_t rows = outs.end[outs.count - 1];
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((rows + kGemvWarps - 1) / kGemvWarps, resident));
   gemv_kernel<T, N, SWIGLU><<<grid, kGemvWarps * 32, static_cast<size_t>(n * in) * sizeof(T), st>>>(w, x, x2, outs, n, in);
 }
 

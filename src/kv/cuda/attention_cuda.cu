@@ -80,18 +80,47 @@ __device__ inline float warp_sum(float v) {
   return v;
 }
 
-// grid (tokens, n_kv); block: head_dim threads (rounded up to a warp).
+// The rotation of an AttentionRope, as the kernels take it (inv_freq null: none).
+struct RopeDev {
+  const float* inv_freq;
+  int rope_dim;
+  bool adjacent;
+};
+
+// grid (tokens, n_kv); block: head_dim threads (rounded up to a warp). Writes token t's K/V head h
+// into its page; with a rope, first rotates that K head and, in place, the G query heads of its
+// GQA group, as cpu::rope does (the angle in f32, its cos/sin in f64): RoPE fused with the append.
 template <typename T>
-__global__ void write_kv_kernel(const Meta M, const float* __restrict__ k,
-                                const float* __restrict__ v, int n_kv, int hd) {
-  const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-  if (d >= hd) return;
+__global__ void write_kv_kernel(const Meta M, float* __restrict__ q, const float* __restrict__ k,
+                                const float* __restrict__ v, int n_kv, int n_q, int hd, RopeDev rope) {
+  const int t = blockIdx.x, h = blockIdx.y;
   const SeqDev s = M.seqs[M.tok_seq[t]];
   const int64_t p = s.pos + (t - s.row);
-  const int64_t off = kv_offset(s, M.tables, p, h, hd) + d;
-  const int64_t src = (static_cast<int64_t>(t) * n_kv + h) * hd + d;
-  static_cast<T*>(const_cast<void*>(s.k ? s.k : M.k))[off] = store_as<T>(k[src]);
-  static_cast<T*>(const_cast<void*>(s.v ? s.v : M.v))[off] = store_as<T>(v[src]);
+  const int64_t off = kv_offset(s, M.tables, p, h, hd);
+  const int64_t src = (static_cast<int64_t>(t) * n_kv + h) * hd;
+  T* K = static_cast<T*>(const_cast<void*>(s.k ? s.k : M.k)) + off;
+  T* V = static_cast<T*>(const_cast<void*>(s.v ? s.v : M.v)) + off;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) V[d] = store_as<T>(v[src + d]);
+  const int rotated = rope.inv_freq ? rope.rope_dim : 0;
+  for (int d = rotated + threadIdx.x; d < hd; d += blockDim.x) K[d] = store_as<T>(k[src + d]);
+  if (!rope.inv_freq) return;
+  const int half = rope.rope_dim / 2, G = n_q / n_kv;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float angle = static_cast<float>(p) * rope.inv_freq[i];
+    double sn, cs;
+    sincos(static_cast<double>(angle), &sn, &cs);
+    const float c = static_cast<float>(cs), sf = static_cast<float>(sn);
+    const int a = rope.adjacent ? 2 * i : i, b = rope.adjacent ? 2 * i + 1 : i + half;
+    const float k0 = k[src + a], k1 = k[src + b];
+    K[a] = store_as<T>(k0 * c - k1 * sf);
+    K[b] = store_as<T>(k0 * sf + k1 * c);
+    for (int g = 0; g < G; ++g) {
+      float* qh = q + (static_cast<int64_t>(t) * n_q + h * G + g) * hd;
+      const float q0 = qh[a], q1 = qh[b];
+      qh[a] = q0 * c - q1 * sf;
+      qh[b] = q0 * sf + q1 * c;
+    }
+  }
 }
 
 // 16 bytes of K or V as loaded (8 elements of a 16-bit type; f32 takes two).
@@ -481,7 +510,8 @@ class CudaAttentionPlan final : public DeviceAttentionPlan {
  public:
   explicit CudaAttentionPlan(CudaBackend& b) : b_(b) {}
 
-  Status prepare(std::span<const SeqWork> work, int n_kv, int n_q, bool attend, AttentionImpl impl) override;
+  Status prepare(std::span<const SeqWork> work, int n_kv, int n_q, bool attend, AttentionImpl impl,
+                 const AttentionRope* rope) override;
   Status launch(std::span<const SeqWork> layer_work, const Tensor& q, const Tensor& k, const Tensor& v,
                 const Tensor* out, float scale) override;
   bool replayable() const override { return shared_arena_ && impl_ == AttentionImpl::kFlash; }
@@ -502,6 +532,7 @@ class CudaAttentionPlan final : public DeviceAttentionPlan {
   int64_t tokens_ = 0, n_tiles_ = 0, n_decode_ = 0, max_ctx_ = 0;
   int n_kv_ = 0, n_q_ = 0, hd_ = 0, grid_splits_ = 1;
   DType dtype_ = DType::kF32;
+  RopeDev rope_{nullptr, 0, false};
   AttentionImpl impl_ = AttentionImpl::kFlash;
   bool attend_ = false, shared_arena_ = true;
 };
@@ -517,7 +548,9 @@ constexpr int kPrefillMin = 16;
 // would otherwise ask for gigabytes).
 constexpr int64_t kTargetBlocks = 1056, kMinKeysPerSplit = 64, kMaxSplits = 128, kMaxPartialBytes = 64 << 20;
 
-Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n_q, bool attend, AttentionImpl impl) {
+Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n_q, bool attend, AttentionImpl impl,
+                                  const AttentionRope* rope) {
+  rope_ = rope ? RopeDev{rope->inv_freq, rope->rope_dim, rope->adjacent_pairs} : RopeDev{nullptr, 0, false};
   dtype_ = work[0].kv.dtype;
   hd_ = work[0].kv.head_dim;
   n_kv_ = n_kv, n_q_ = n_q, attend_ = attend, impl_ = impl;
@@ -613,7 +646,8 @@ uint64_t CudaAttentionPlan::key() const {
                              static_cast<uint64_t>(grid_splits_), static_cast<uint64_t>(M_.prefill_min),
                              static_cast<uint64_t>(n_kv_) << 32 | static_cast<uint32_t>(n_q_),
                              static_cast<uint64_t>(hd_) << 8 | static_cast<uint64_t>(dtype_),
-                             static_cast<uint64_t>(attend_)};
+                             static_cast<uint64_t>(attend_), reinterpret_cast<uintptr_t>(rope_.inv_freq),
+                             static_cast<uint64_t>(rope_.rope_dim) << 1 | static_cast<uint64_t>(rope_.adjacent)};
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields
   for (uint64_t f : fields) {
     for (int i = 0; i < 8; ++i) h = (h ^ ((f >> (8 * i)) & 0xff)) * 1099511628211ull;
@@ -638,10 +672,11 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   const int hd = hd_, n_kv = n_kv_, n_q = n_q_;
   const dim3 wgrid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_kv));
   const unsigned wthreads = static_cast<unsigned>((hd + 31) / 32 * 32);
+  float* qr = rope_.inv_freq ? q.data_as<float>() : nullptr;  // rotated in place
   switch (dtype_) {
-    case DType::kF32: write_kv_kernel<float><<<wgrid, wthreads, 0, st>>>(M_, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
-    case DType::kF16: write_kv_kernel<__half><<<wgrid, wthreads, 0, st>>>(M_, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
-    default: write_kv_kernel<__nv_bfloat16><<<wgrid, wthreads, 0, st>>>(M_, k.data_as<float>(), v.data_as<float>(), n_kv, hd); break;
+    case DType::kF32: write_kv_kernel<float><<<wgrid, wthreads, 0, st>>>(M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
+    case DType::kF16: write_kv_kernel<__half><<<wgrid, wthreads, 0, st>>>(M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
+    default: write_kv_kernel<__nv_bfloat16><<<wgrid, wthreads, 0, st>>>(M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (!out || !attend_) return ok_status();

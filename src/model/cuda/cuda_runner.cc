@@ -180,7 +180,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     COMBS_ASSIGN_OR_RETURN(I.gate, b.alloc({cap, ff}, DType::kF32));
     COMBS_ASSIGN_OR_RETURN(I.up, b.alloc({cap, ff}, DType::kF32));
     COMBS_ASSIGN_OR_RETURN(I.last, b.alloc({cap, e}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({4 * cap}, DType::kF32));  // int32: tokens, positions, rows, ids
+    COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({3 * cap}, DType::kF32));  // int32: tokens, rows, ids
     I.capacity = cap;
     ++I.activations_generation;
   }
@@ -189,8 +189,9 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     I.logit_rows = n_out;
     ++I.activations_generation;
   }
-  // Tokens, positions and the rows whose logits are wanted: one upload.
-  I.host_ints.assign(static_cast<size_t>(2 * total + n_out), 0);
+  // Tokens and the rows whose logits are wanted: one upload (positions travel with the attention
+  // metadata).
+  I.host_ints.assign(static_cast<size_t>(total + n_out), 0);
   I.batch.clear();
   bool decode = !options.all_logits;  // one new token per sequence
   int64_t row = 0;
@@ -201,13 +202,14 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     decode &= in.tokens.size() == 1;
     for (size_t i = 0; i < in.tokens.size(); ++i, ++row) {
       I.host_ints[static_cast<size_t>(row)] = in.tokens[i];
-      I.host_ints[static_cast<size_t>(total + row)] = static_cast<int32_t>(pos + static_cast<int64_t>(i));
-      if (options.all_logits) I.host_ints[static_cast<size_t>(2 * total + row)] = static_cast<int32_t>(row);
+      if (options.all_logits) I.host_ints[static_cast<size_t>(total + row)] = static_cast<int32_t>(row);
     }
-    if (!options.all_logits) I.host_ints[static_cast<size_t>(2 * total + s)] = static_cast<int32_t>(row - 1);
+    if (!options.all_logits) I.host_ints[static_cast<size_t>(total + s)] = static_cast<int32_t>(row - 1);
   }
-  // Checks the caches, reserves their pages and uploads the attention metadata, for every layer.
-  COMBS_RETURN_IF_ERROR(I.step.begin(I.batch, static_cast<int>(nq)));
+  // Checks the caches, reserves their pages and uploads the attention metadata, for every layer;
+  // RoPE runs inside the step, fused with the K/V append.
+  const AttentionRope rope{I.inv_freq.data_as<float>(), c.rope_dim, c.rope_style == RopeStyle::kAdjacent};
+  COMBS_RETURN_IF_ERROR(I.step.begin(I.batch, static_cast<int>(nq), &rope));
   auto fail = [&](const Status& s) {
     b.synchronize().ignore();
     I.step.cancel();  // the caches keep their lengths; pages reserved for this step go back
@@ -221,14 +223,13 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       !s.ok()) {
     return fail(s);
   }
-  int32_t* d_ids = d_ints + 2 * total + n_out;  // argmax ids, after the rows (the buffer has room: 4 * capacity)
+  int32_t* d_ids = d_ints + total + n_out;  // argmax ids, after the rows (the buffer has room: 3 * capacity)
 
   // Every device operation of the forward, from the embedding to the logits (or their argmax): only
   // launches, so that a decode step's can be captured into a graph.
   auto launches = [&]() -> Status {
     const int32_t* d_tokens = d_ints;
-    const int32_t* d_pos = d_ints + total;
-    const int32_t* d_rows = d_ints + 2 * total;
+    const int32_t* d_rows = d_ints + total;
     float* x = I.x.data_as<float>();
     float* h = I.h.data_as<float>();
     float* delta = I.delta.data_as<float>();
@@ -241,9 +242,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     const Tensor v_t = Tensor::wrap(v, {total, nkv, hd}, DType::kF32, DeviceType::kCuda);
     const Tensor att_t = Tensor::wrap(att, {total, nq, hd}, DType::kF32, DeviceType::kCuda);
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    const bool adjacent = c.rope_style == RopeStyle::kAdjacent;
     auto bias = [](const Tensor& t) { return t.defined() ? t.data_as<float>() : nullptr; };
-    const float* inv_freq = I.inv_freq.data_as<float>();
     COMBS_RETURN_IF_ERROR(cuda::embedding(b, I.tok_embd, d_tokens, total, x));
     // Decode-sized steps with 16-bit weights fold the norms into the projections' input and the
     // residual adds into their output (x += W a): no separate norm or add kernels.
@@ -262,8 +261,6 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps));
         COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.wqkv, h, total, qkv));
       }
-      COMBS_RETURN_IF_ERROR(cuda::rope(b, q, k, d_pos, total, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, inv_freq,
-                                       adjacent));
       COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, scale, att_t));
       if (fused) {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));
