@@ -98,7 +98,10 @@ struct Engine::Impl {
 
   // Scratch of the scheduler thread.
   std::vector<float> logits;
-  std::vector<int32_t> argmax;
+  std::vector<int32_t> token_ids;
+  std::vector<RowSampling> row_sampling;
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> penalized;
+  std::vector<uint64_t> generator_before;
 
   explicit Impl(EngineOptions o) : options(o), backend(CpuBackendOptions{o.threads}) {}
 
@@ -534,13 +537,34 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     // The forward runs outside the lock: API calls go on meanwhile. The sessions in the step are
     // generating, so no call touches their history or cache (close() only marks them); calls on
     // other sessions meet the forward only in the page pool, whose bookkeeping has its own lock.
-    // All greedy (the common case of benchmarks and tools): the runner picks the tokens, and a
-    // device runner sends only their ids to the host.
+    // All greedy (the common case of benchmarks and tools): the runner picks the tokens. A runner
+    // that samples on its device takes every row's sampling (each draw taken from the sequence's
+    // generator here, as Sampler::sample would, and given back if the step does not happen). Either
+    // way a device runner sends only the token ids to the host.
     bool all_greedy = true;
     for (const Work& w : work) all_greedy &= is_plain_greedy(w.s->active->sampler->params());
-    if (argmax.size() < work.size()) argmax.resize(work.size());
+    const bool device_sampling = !all_greedy && runner->samples_on_device();
+    if (token_ids.size() < work.size()) token_ids.resize(work.size());
     ForwardOptions fo;
-    if (all_greedy) fo.argmax = argmax.data();
+    if (all_greedy || device_sampling) fo.token_ids = token_ids.data();
+    if (device_sampling) {
+      row_sampling.resize(work.size());
+      penalized.resize(work.size());
+      generator_before.resize(work.size());
+      for (size_t i = 0; i < work.size(); ++i) {
+        Session& s = *work[i].s;
+        Sampler& sampler = *s.active->sampler;
+        generator_before[i] = sampler.generator_state();
+        // Only a row whose forward ends its history yields a token this step.
+        const bool yields = work[i].from + work[i].n == static_cast<int64_t>(s.history.size()) &&
+                            s.active->request.max_tokens != 0;
+        penalized[i].clear();
+        if (yields) sampler.penalized(s.history, V, &penalized[i]);
+        row_sampling[i] = {&sampler.params(), yields && sampler.params().temperature > 0.0f ? sampler.uniform() : 0.0,
+                           penalized[i]};
+      }
+      fo.sampling = std::span<const RowSampling>(row_sampling.data(), work.size());
+    }
     in_forward = true;
     lock.unlock();
     Status st = runner->forward(inputs, logits.data(), fo);
@@ -553,6 +577,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       Session& s = *work[i].s;
       Active& a = *s.active;
       snapshot(s);
+      if (!st.ok() && device_sampling) a.sampler->set_generator_state(generator_before[i]);  // the draw goes back
       if (st.code() == StatusCode::kResourceExhausted) continue;  // pages went to a concurrent fork: next step
       if (!st.ok()) {
         finish(s, FinishKind::kError, st, events);
@@ -566,7 +591,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
         continue;
       }
       std::span<float> l(logits.data() + i * V, V);
-      const int32_t token = all_greedy ? argmax[i] : a.sampler->sample(l, s.history);
+      const int32_t token = fo.token_ids ? token_ids[i] : a.sampler->sample(l, s.history);
       a.generated.push_back(token);
       s.history.push_back(token);
       GenerateEvent e;

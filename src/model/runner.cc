@@ -57,6 +57,9 @@ Status check_forward_inputs(const ModelConfig& c, std::span<const SequenceInput>
 }
 
 Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options) {
+  if (!options.sampling.empty()) {
+    return invalid_argument_error("forward: this runner does not sample (samples_on_device() is false)");
+  }
   const ModelConfig& c = model_->config();
   const Model& m = *model_;
   if (seqs.empty()) return invalid_argument_error("forward: no sequences");
@@ -134,10 +137,10 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
     cpu::rms_norm(x, m.output_norm.data_as<float>(), h, total, e, c.rms_eps);
   }
   cpu::matmul(*backend_, m.output, h, n_out, logits, nullptr, policy);
-  if (options.argmax) {
+  if (options.token_ids) {
     for (int64_t r = 0; r < n_out; ++r) {
       const float* row = logits + r * c.n_vocab;
-      options.argmax[r] = static_cast<int32_t>(std::max_element(row, row + c.n_vocab) - row);
+      options.token_ids[r] = static_cast<int32_t>(std::max_element(row, row + c.n_vocab) - row);
     }
   }
   return ok_status();

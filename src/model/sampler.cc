@@ -41,25 +41,33 @@ double Sampler::uniform() {
   return static_cast<double>(z >> 11) * 0x1.0p-53;
 }
 
+void Sampler::penalized(std::span<const int32_t> history, int n, std::vector<std::pair<int32_t, int32_t>>* out) {
+  const SamplingParams& p = params_;
+  out->clear();
+  if (p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f) return;
+  size_t window = history.size();
+  if (p.penalty_last_n >= 0) window = std::min(window, static_cast<size_t>(p.penalty_last_n));
+  if (counts_.size() < static_cast<size_t>(n)) counts_.resize(n, 0);
+  const auto recent = history.subspan(history.size() - window);
+  for (int32_t t : recent) {
+    if (t >= 0 && t < n) ++counts_[t];
+  }
+  for (int32_t t : recent) {  // each distinct token once: its count is reset after use
+    if (t < 0 || t >= n || counts_[t] == 0) continue;
+    out->emplace_back(t, counts_[t]);
+    counts_[t] = 0;
+  }
+}
+
 int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
   const SamplingParams& p = params_;
   const int n = static_cast<int>(logits.size());
   for (const auto& [id, b] : p.logit_bias) logits[id] += b;
-  if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
-    size_t window = history.size();
-    if (p.penalty_last_n >= 0) window = std::min(window, static_cast<size_t>(p.penalty_last_n));
-    if (counts_.size() < static_cast<size_t>(n)) counts_.resize(n, 0);
-    const auto recent = history.subspan(history.size() - window);
-    for (int32_t t : recent) {
-      if (t >= 0 && t < n) ++counts_[t];
-    }
-    for (int32_t t : recent) {  // each distinct token once: its count is reset after use
-      if (t < 0 || t >= n || counts_[t] == 0) continue;
-      float& l = logits[t];
-      l = l > 0.0f ? l / p.repetition_penalty : l * p.repetition_penalty;
-      l -= p.presence_penalty + p.frequency_penalty * static_cast<float>(counts_[t]);
-      counts_[t] = 0;
-    }
+  penalized(history, n, &penalized_);
+  for (const auto& [t, count] : penalized_) {
+    float& l = logits[t];
+    l = l > 0.0f ? l / p.repetition_penalty : l * p.repetition_penalty;
+    l -= p.presence_penalty + p.frequency_penalty * static_cast<float>(count);
   }
   if (p.temperature == 0.0f) {
     return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());

@@ -174,7 +174,7 @@ TEST_CASE("decode steps replayed as cuda graphs give exactly the logits of launc
       const bool use_ids = step % 3 == 2;
       REQUIRE(eager->forward(be, le.data()).ok());
       ForwardOptions fo;
-      if (use_ids) fo.argmax = ids.data();
+      if (use_ids) fo.token_ids = ids.data();
       REQUIRE(graphs->forward(bg, use_ids ? nullptr : lg.data(), fo).ok());
       for (size_t j = 0; j < members.size(); ++j) {
         INFO("step " << step << ", sequence " << members[j]);

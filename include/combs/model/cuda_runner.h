@@ -36,6 +36,7 @@ class CudaRunner final : public ModelRunner {
   Status forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options = {}) override;
   Backend& backend() override;
   const Model& model() const override { return *model_; }
+  bool samples_on_device() const override { return true; }
   CudaBackend& cuda();
   CudaRunnerStats stats() const;
 

@@ -15,6 +15,7 @@
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/kv/kv_cache.h"
 #include "combs/model/model.h"
+#include "combs/model/sampler.h"
 
 namespace combs {
 
@@ -23,11 +24,23 @@ struct SequenceInput {
   std::span<const int32_t> tokens;    // appended at cache->seq_len(); at least one
 };
 
+// One output row's sampling by the runner (ModelRunner::samples_on_device()): what
+// Sampler::sample does with the same inputs — the parameters, the draw it would take
+// (Sampler::uniform(); unused when temperature is 0) and the penalty window's tokens.
+struct RowSampling {
+  const SamplingParams* params = nullptr;
+  double uniform = 0.0;
+  std::span<const std::pair<int32_t, int32_t>> penalized;  // (token, count), Sampler::penalized()
+};
+
 struct ForwardOptions {
   bool all_logits = false;  // logits of every token, not only of each sequence's last
-  // When set: each output row's argmax (lowest id on ties: greedy sampling) is written here. A
-  // device runner then copies only these ids to the host, not the logits (`logits` may be null).
-  int32_t* argmax = nullptr;
+  // When set: each output row's token is written here — its argmax (lowest id on ties: greedy
+  // sampling), or, with `sampling` (one entry per output row; only for a runner that
+  // samples_on_device()), the token sampled by those rules. A device runner then copies only
+  // these ids to the host, not the logits (`logits` may be null).
+  int32_t* token_ids = nullptr;
+  std::span<const RowSampling> sampling;
 };
 
 struct RunnerOptions {
@@ -49,6 +62,8 @@ class ModelRunner {
   virtual Status forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options = {}) = 0;
   virtual Backend& backend() = 0;
   virtual const Model& model() const = 0;
+  // Whether forward() takes ForwardOptions::sampling.
+  virtual bool samples_on_device() const { return false; }
 };
 
 // The checks every runner makes of a forward's input: each sequence has a cache of the model's

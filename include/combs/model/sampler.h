@@ -48,13 +48,22 @@ class Sampler {
   // sequence's tokens so far (prompt and generated) for the penalties.
   int32_t sample(std::span<float> logits, std::span<const int32_t> history);
 
- private:
+  // The pieces a device sampler needs to do what sample() does (cuda::sample_rows):
+  // the draw sample() would take next (advances the generator; only when temperature > 0 does
+  // sample() take one) ...
   double uniform();  // [0, 1), from the sequence's generator
+  uint64_t generator_state() const { return state_; }
+  void set_generator_state(uint64_t state) { state_ = state; }
+  // ... and the penalty window's distinct tokens with their counts (empty when no penalty is
+  // set; tokens outside [0, n_vocab) are skipped).
+  void penalized(std::span<const int32_t> history, int n_vocab, std::vector<std::pair<int32_t, int32_t>>* out);
 
+ private:
   SamplingParams params_;
   uint64_t state_;
   std::vector<std::pair<float, int32_t>> candidates_;
   std::vector<int> counts_;  // per token, zero between calls
+  std::vector<std::pair<int32_t, int32_t>> penalized_;
 };
 
 enum class FinishReason : uint8_t { kNone, kLength, kEos, kStopSequence };

@@ -3,7 +3,9 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
+#include <string>
 #include <initializer_list>
 #include <unordered_map>
 #include <vector>
@@ -62,6 +64,63 @@ struct DecodeGraph {
   }
 };
 
+// The sampling inputs as sample_rows() takes them: [SampleParamsDev x rows][SampleAdjustDev ...].
+void pack_sampling(std::span<const RowSampling> rows, std::vector<char>* out) {
+  std::vector<cuda::SampleParamsDev> params(rows.size());
+  std::vector<cuda::SampleAdjustDev> adjust;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const SamplingParams& p = *rows[r].params;
+    cuda::SampleParamsDev& d = params[r];
+    d = {};
+    d.temperature = p.temperature, d.top_p = p.top_p, d.min_p = p.min_p;
+    d.repetition = p.repetition_penalty, d.presence = p.presence_penalty, d.frequency = p.frequency_penalty;
+    d.top_k = p.top_k;
+    d.uniform = rows[r].uniform;
+    d.bias_at = static_cast<int32_t>(adjust.size());
+    d.n_bias = static_cast<int32_t>(p.logit_bias.size());
+    for (const auto& [id, v] : p.logit_bias) {
+      cuda::SampleAdjustDev a{};
+      a.token = id, a.value = v;
+      adjust.push_back(a);
+    }
+    d.penalized_at = static_cast<int32_t>(adjust.size());
+    d.n_penalized = static_cast<int32_t>(rows[r].penalized.size());
+    for (const auto& [id, count] : rows[r].penalized) {
+      cuda::SampleAdjustDev a{};
+      a.token = id, a.count = count;
+      adjust.push_back(a);
+    }
+  }
+  const size_t pb = params.size() * sizeof(cuda::SampleParamsDev), ab = adjust.size() * sizeof(cuda::SampleAdjustDev);
+  out->resize(pb + ab);
+  std::memcpy(out->data(), params.data(), pb);
+  if (ab) std::memcpy(out->data() + pb, adjust.data(), ab);
+}
+
+// ForwardOptions::sampling: one row each, with ids to write to, every token id in the vocabulary.
+Status check_sampling(const ForwardOptions& o, int64_t n_out, int n_vocab) {
+  if (o.token_ids == nullptr) return invalid_argument_error("forward: sampling needs token_ids to write to");
+  if (static_cast<int64_t>(o.sampling.size()) != n_out) {
+    return invalid_argument_error("forward: " + std::to_string(o.sampling.size()) + " sampling entries for " +
+                                  std::to_string(n_out) + " output rows");
+  }
+  for (size_t r = 0; r < o.sampling.size(); ++r) {
+    const RowSampling& s = o.sampling[r];
+    if (s.params == nullptr) return invalid_argument_error("forward: sampling row " + std::to_string(r) + " has no parameters");
+    COMBS_RETURN_IF_ERROR(validate(*s.params, n_vocab));
+    if (!(s.uniform >= 0.0 && s.uniform < 1.0)) {
+      return invalid_argument_error("forward: sampling row " + std::to_string(r) + ": draw outside [0, 1)");
+    }
+    for (const auto& [id, count] : s.penalized) {
+      if (id < 0 || id >= n_vocab || count < 1) {
+        return invalid_argument_error("forward: sampling row " + std::to_string(r) + ": penalized token " +
+                                      std::to_string(id) + " x " + std::to_string(count));
+      }
+    }
+  }
+  return ok_status();
+}
+
 }  // namespace
 
 struct CudaRunner::Impl {
@@ -75,7 +134,8 @@ struct CudaRunner::Impl {
   int64_t capacity = 0, logit_rows = 0;
   Tensor x, h, q, k, v, att, delta, gate, up, last, logits, ints;
   uint64_t activations_generation = 0;  // bumped when the activations move
-  std::vector<int32_t> host_ints;  // tokens, positions, output rows
+  std::vector<int32_t> host_ints;  // tokens, output rows
+  std::vector<char> sampling;      // SampleParamsDev rows, then SampleAdjustDev entries
   std::vector<SeqAttention> batch;
   AttentionStep step;
   // Decode steps as CUDA graphs, one per batch size and output (logits or argmax ids).
@@ -168,6 +228,8 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   COMBS_RETURN_IF_ERROR(check_forward_inputs(c, seqs, &b, &total));
   const int64_t e = c.n_embd, hd = c.head_dim, nq = c.n_heads, nkv = c.n_kv_heads, ff = c.n_ff;
   const int64_t n_out = options.all_logits ? total : static_cast<int64_t>(seqs.size());
+  const bool sampling = !options.sampling.empty();
+  if (sampling) COMBS_RETURN_IF_ERROR(check_sampling(options, n_out, c.n_vocab));
   if (total > I.capacity) {
     const int64_t cap = std::max<int64_t>(total, 2 * I.capacity);
     COMBS_ASSIGN_OR_RETURN(I.x, b.alloc({cap, e}, DType::kF32));
@@ -223,7 +285,18 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       !s.ok()) {
     return fail(s);
   }
-  int32_t* d_ids = d_ints + total + n_out;  // argmax ids, after the rows (the buffer has room: 3 * capacity)
+  int32_t* d_ids = d_ints + total + n_out;  // token ids, after the rows (the buffer has room: 3 * capacity)
+  // Sampling: every row's parameters, draw, bias and penalty entries, one upload.
+  const cuda::SampleParamsDev* d_sample_params = nullptr;
+  const cuda::SampleAdjustDev* d_sample_adjust = nullptr;
+  if (sampling) {
+    pack_sampling(options.sampling, &I.sampling);
+    auto dev = b.upload(3, I.sampling.data(), I.sampling.size());
+    if (!dev.ok()) return fail(dev.status());
+    d_sample_params = static_cast<const cuda::SampleParamsDev*>(*dev);
+    d_sample_adjust = reinterpret_cast<const cuda::SampleAdjustDev*>(d_sample_params + n_out);
+  }
+  const bool device_argmax = options.token_ids && !sampling;
 
   // Every device operation of the forward, from the embedding to the logits (or their argmax): only
   // launches, so that a decode step's can be captured into a graph.
@@ -278,7 +351,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, fused ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
     COMBS_RETURN_IF_ERROR(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
     COMBS_RETURN_IF_ERROR(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
-    if (options.argmax) COMBS_RETURN_IF_ERROR(cuda::argmax_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_ids));
+    if (device_argmax) COMBS_RETURN_IF_ERROR(cuda::argmax_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_ids));
     return ok_status();
   };
 
@@ -289,17 +362,20 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     // activation buffers, and what the step computes.
     uint64_t key = I.step.launch_key();
     for (uint64_t f : {b.scratch_generation(), I.activations_generation, static_cast<uint64_t>(n_seqs),
-                       static_cast<uint64_t>(options.argmax != nullptr)}) {
+                       static_cast<uint64_t>(device_argmax)}) {
       key = (key ^ f) * 0x100000001b3ull + 0x9e3779b97f4a7c15ull;
     }
-    ran = I.graphs[2 * n_seqs + (options.argmax ? 1 : 0)].run(st, key, launches, I.stats);
+    ran = I.graphs[2 * n_seqs + (device_argmax ? 1 : 0)].run(st, key, launches, I.stats);
   } else {
     ran = launches();
   }
+  if (ran.ok() && sampling) {
+    ran = cuda::sample_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_sample_params, d_sample_adjust, d_ids);
+  }
   if (!ran.ok()) return fail(ran);
   const Status copied =
-      options.argmax
-          ? cuda::cuda_status(cudaMemcpyAsync(options.argmax, d_ids, static_cast<size_t>(n_out) * 4, cudaMemcpyDeviceToHost, st),
+      options.token_ids
+          ? cuda::cuda_status(cudaMemcpyAsync(options.token_ids, d_ids, static_cast<size_t>(n_out) * 4, cudaMemcpyDeviceToHost, st),
                               "cudaMemcpyAsync(argmax)")  // only the token ids cross to the host
           : cuda::cuda_status(cudaMemcpyAsync(logits, I.logits.data(), static_cast<size_t>(n_out * c.n_vocab) * 4,
                                               cudaMemcpyDeviceToHost, st),

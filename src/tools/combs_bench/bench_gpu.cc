@@ -46,7 +46,9 @@ struct Run {
 // n_seqs sessions, each a prompt of `prompt` tokens (prefilled one session at a time), then
 // `gen` decode steps of all sessions together, greedy as the engine runs it (the argmax on the
 // device; only token ids reach the host). Median over reps.
-StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, int reps) {
+// With `sampling`, every decode step samples on the device by those rules instead of argmax.
+StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, int reps,
+                           const SamplingParams* sampling = nullptr) {
   const ModelConfig& c = runner.model().config();
   const int64_t ctx = prompt + gen + 1;
   PagePoolOptions po{c.kv_geometry(DType::kBF16), 16, pages_for_tokens(ctx, 16) * n_seqs + 16};
@@ -68,13 +70,20 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
     }
     std::vector<int32_t> next(n_seqs), ids(n_seqs);
     std::vector<SequenceInput> batch(n_seqs);
+    std::vector<RowSampling> rows;
+    ForwardOptions fo;
+    fo.token_ids = ids.data();
+    if (sampling) {
+      for (int s = 0; s < n_seqs; ++s) rows.push_back({sampling, (s + 0.5) / n_seqs, {}});
+      fo.sampling = rows;
+    }
     const double t0 = now_seconds();
     for (int i = 0; i < gen; ++i) {
       for (int s = 0; s < n_seqs; ++s) {
         next[s] = static_cast<int32_t>((i * 31 + s * 7 + 7) % c.n_vocab);
         batch[s] = {caches[s].get(), {&next[s], 1}};
       }
-      COMBS_RETURN_IF_ERROR(runner.forward(batch, logits.data(), ForwardOptions{.argmax = ids.data()}));
+      COMBS_RETURN_IF_ERROR(runner.forward(batch, logits.data(), fo));
     }
     const double dt = now_seconds() - t0;
     if (r > 0) {
@@ -159,8 +168,8 @@ int run_gpu(int argc, char** argv) {
   std::printf("# combs-bench gpu on %s: device copy bandwidth %.0f GB/s (read + write), median of %lld\n\n",
               (*backend)->description().c_str(), bw / 1e9, reps);
   std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | same without "
-              "CUDA graphs | prefill tok/s (2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |"
-              "\n|---|---|---|---|---|---|---|---|\n",
+              "CUDA graphs | same sampling (T 0.8, top-p 0.95) | prefill tok/s (2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |"
+              "\n|---|---|---|---|---|---|---|---|---|\n",
               sessions);
   std::error_code ec;
   std::filesystem::create_directories(flags.str("dir"), ec);
@@ -186,14 +195,18 @@ int run_gpu(int argc, char** argv) {
       if (!no_graphs.ok()) return std::fprintf(stderr, "%s\n", no_graphs.status().to_string().c_str()), 1;
       eager = run_sessions(**no_graphs, 1, 128, 256, int(reps));
     }
+    SamplingParams sp;
+    sp.temperature = 0.8f, sp.top_p = 0.95f;
+    auto sampled = run_sessions(**runner, 1, 128, 256, int(reps), &sp);
     auto prefill = run_sessions(**runner, 1, 2048, 1, int(reps));
     auto many = run_sessions(**runner, int(sessions), 1024, 128, int(reps));
-    for (const StatusOr<Run>* r : {&one, &eager, &prefill, &many}) {
+    for (const StatusOr<Run>* r : {&one, &eager, &sampled, &prefill, &many}) {
       if (!r->ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r->status().to_string().c_str()), 1;
     }
     const double bound = bw / bytes;
-    std::printf("| %s | %.2f GB | %.0f | %.0f | %.2f | %.0f | %.0f | %.0f |\n", shape.c_str(), bytes / 1e9, bound,
-                one->decode_tps, one->decode_tps / bound, eager->decode_tps, prefill->prompt_tps, many->decode_tps);
+    std::printf("| %s | %.2f GB | %.0f | %.0f | %.2f | %.0f | %.0f | %.0f | %.0f |\n", shape.c_str(), bytes / 1e9, bound,
+                one->decode_tps, one->decode_tps / bound, eager->decode_tps, sampled->decode_tps, prefill->prompt_tps,
+                many->decode_tps);
     std::fflush(stdout);
   }
   std::printf("\n| decode attention (32 q / 8 kv heads, hd 128, bf16) | sequences | paged GB/s | contiguous GB/s | "

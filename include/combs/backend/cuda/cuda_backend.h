@@ -38,9 +38,9 @@ class CudaBackend final : public Backend {
   void* cublas() const;         // cublasHandle_t
   // Device scratch of at least `bytes`, reused between calls on the stream (grows, never shrinks).
   // Slot 0: the ops' transient buffers; slot 1: attention metadata (see upload()); slot 2:
-  // attention partial results. Growing waits for the stream (the old buffer may be in use), so it
-  // fails while the stream is being captured into a CUDA graph.
-  static constexpr int kScratchSlots = 3;
+  // attention partial results; slot 3: sampling parameters. Growing waits for the stream (the old
+  // buffer may be in use), so it fails while the stream is being captured into a CUDA graph.
+  static constexpr int kScratchSlots = 4;
   StatusOr<void*> scratch(size_t bytes, int slot = 0);
   // Bumped whenever a scratch buffer moves: launches captured before hold stale pointers.
   uint64_t scratch_generation() const;

@@ -63,6 +63,29 @@ Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_
 // out[r] = the index of the largest of x[r, 0 .. cols) (the lowest on ties), for `rows` rows.
 Status argmax_rows(CudaBackend& b, const float* x, int64_t rows, int64_t cols, int32_t* out);
 
+// Sampling on the device, one row of logits each (the steps of Sampler::sample; see sampler.h):
+// the row's parameters, its draw, and where its logit-bias and penalty entries lie in `adjust`.
+struct SampleParamsDev {
+  float temperature, top_p, min_p, repetition, presence, frequency;
+  int32_t top_k;
+  int32_t n_bias, bias_at;            // entries (token, value) added in order
+  int32_t n_penalized, penalized_at;  // entries (token, count), distinct tokens of the penalty window
+  int32_t pad;
+  double uniform;  // the draw in [0, 1), from the sequence's generator
+};
+struct SampleAdjustDev {
+  int32_t token;
+  union {
+    float value;    // logit bias
+    int32_t count;  // occurrences in the penalty window
+  };
+};
+// out[r] = the token of row r of logits [rows, n_vocab] (modified in place by bias and penalties),
+// sampled as Sampler::sample would — in fixed-point arithmetic, so the same logits and draw give
+// the same token on every run; params and adjust on the device.
+Status sample_rows(CudaBackend& b, float* logits, int64_t rows, int64_t n_vocab, const SampleParamsDev* params,
+                   const SampleAdjustDev* adjust, int32_t* out);
+
 // gate[i] = silu(gate[i]) * up[i].
 Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n);
 
