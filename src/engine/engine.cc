@@ -132,6 +132,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
       o.max_tokens_per_request < 0) {
     return invalid_argument_error("engine: page_size, prefill_chunk, step_token_budget and max_sessions must be >= 1");
   }
+  if (!(o.kv_memory_fraction >= 0.0 && o.kv_memory_fraction <= 1.0)) {
+    return invalid_argument_error("engine: kv_memory_fraction must be in [0, 1]");
+  }
   auto impl = std::make_unique<Impl>(o);
   const ModelConfig& c = model->config();
   if (impl->options.max_context <= 0) impl->options.max_context = c.context_length;
@@ -145,8 +148,13 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
     COMBS_ASSIGN_OR_RETURN(impl->runner,
                            Runner::create(*impl->model, impl->backend, RunnerOptions{.batch_invariant = true}));
   }
-  PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size,
-                     pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, o.kv_memory_bytes)};
+  int64_t kv_bytes = o.kv_memory_bytes;
+  if (o.kv_memory_fraction > 0.0) {
+    if (auto free = impl->runner->backend().free_memory_bytes()) {
+      kv_bytes = static_cast<int64_t>(static_cast<double>(*free) * o.kv_memory_fraction);
+    }
+  }
+  PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size, pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, kv_bytes)};
   COMBS_ASSIGN_OR_RETURN(impl->pool, PagePool::create(impl->runner->backend(), po));
   impl->logits.resize(c.n_vocab);
   Impl* raw = impl.get();

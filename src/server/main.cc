@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   using namespace combs;
   tools::Flags flags("combs-server",
                      {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""},
-                      {"threads", "0"}, {"kv-memory-mib", "1024"}, {"max-sessions", "1024"}, {"max-context", "0"},
+                      {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
                       {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB},
                       {"api-keys", ""}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}});
@@ -45,7 +45,8 @@ int main(int argc, char** argv) {
       {"listen", "gRPC address HOST:PORT (port 0: any free port, printed at start)"},
       {"metrics-listen", "Prometheus endpoint HOST:PORT serving GET /metrics; none: no metrics endpoint"},
       {"threads", "CPU threads; 0: all cores"},
-      {"kv-memory-mib", "KV cache page pool budget (MiB)"},
+      {"kv-memory-mib", "KV cache page pool budget (MiB); 0: 1024 on the CPU, --kv-memory-fraction on a GPU"},
+      {"kv-memory-fraction", "on a GPU without --kv-memory-mib: this fraction of the memory free after the weights"},
       {"max-sessions", "open sessions at most"},
       {"max-context", "tokens per session at most; 0: the model's context length"},
       {"max-input-tokens", "input tokens per Generate request at most; 0: up to the session's context"},
@@ -69,7 +70,7 @@ int main(int argc, char** argv) {
   }
   if (flags.given("config") && !flags.load_config(flags.str("config"))) return 2;
   long long threads, kv_mib, max_sessions, ttl, grace, max_context, max_input, max_new, max_message;
-  if (!flags.integer("threads", &threads, 0, 1024) || !flags.integer("kv-memory-mib", &kv_mib, 1, 1 << 24) ||
+  if (!flags.integer("threads", &threads, 0, 1024) || !flags.integer("kv-memory-mib", &kv_mib, 0, 1 << 24) ||
       !flags.integer("max-sessions", &max_sessions, 1, 1 << 24) || !flags.integer("session-ttl-s", &ttl, 1, 1ll << 31) ||
       !flags.integer("grace-s", &grace, 0, 3600) || !flags.integer("max-context", &max_context, 0, 1ll << 31) ||
       !flags.integer("max-input-tokens", &max_input, 0, 1ll << 31) ||
@@ -138,7 +139,15 @@ int main(int argc, char** argv) {
   }
 #endif
   eo.threads = static_cast<int>(threads);
-  eo.kv_memory_bytes = kv_mib << 20;
+  eo.kv_memory_bytes = (kv_mib > 0 ? kv_mib : 1024) << 20;
+  if (kv_mib == 0) {
+    double fraction = 0;
+    if (!flags.number("kv-memory-fraction", &fraction)) return 2;
+    if (!(fraction > 0.0 && fraction <= 1.0)) {
+      return std::fprintf(stderr, "combs-server: --kv-memory-fraction %g: expected a fraction in (0, 1]\n", fraction), 2;
+    }
+    eo.kv_memory_fraction = fraction;  // used where the device reports free memory (a GPU)
+  }
   eo.max_sessions = static_cast<int>(max_sessions);
   eo.session_ttl = std::chrono::seconds(ttl);
   eo.max_context = max_context;

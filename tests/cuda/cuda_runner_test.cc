@@ -201,3 +201,21 @@ TEST_CASE("decode steps replayed as cuda graphs give exactly the logits of launc
     CHECK(cg[0]->seq_len() == len);
   }
 }
+
+TEST_CASE("the engine on the gpu sizes its page pool from the free device memory", "[cuda]") {
+  if (!have_gpu()) return;
+  testing::TinyModel m("tiny", DType::kBF16);
+  EngineOptions eo;
+  eo.kv_memory_bytes = 1 << 20;  // ignored: the fraction wins where the device reports free memory
+  eo.kv_memory_fraction = 0.02;
+  eo.make_runner = make_cuda_runner(0);
+  const int64_t free_before = CudaBackend::create().value()->free_memory_bytes().value();
+  auto engine = std::move(Engine::create(std::move(Model::load(m.path)).value(), eo)).value();
+  const KVGeometry g = m.model->config().kv_geometry(eo.kv_dtype);
+  const double pool_bytes = double(engine->stats().pages_total) * page_bytes(g, eo.page_size);
+  INFO("free " << free_before << ", pool " << pool_bytes);
+  CHECK(pool_bytes > 0.015 * free_before);
+  CHECK(pool_bytes < 0.021 * free_before);
+  eo.kv_memory_fraction = 1.5;
+  CHECK(Engine::create(std::move(Model::load(m.path)).value(), eo).status().code() == StatusCode::kInvalidArgument);
+}

@@ -283,6 +283,9 @@ TEST_CASE("flags come from the command line or a config file and bad ones are re
   CHECK(bad_code == 2);
   CHECK(bad.find("--log-format") != std::string::npos);
   CHECK(run_command(bin + " --max-new-tokens -5").first == 2);
+  auto [fraction_code, fraction] = run_command(bin + " --kv-memory-fraction 1.5");
+  CHECK(fraction_code == 2);
+  CHECK(fraction.find("--kv-memory-fraction") != std::string::npos);
   CHECK(run_command(bin + " --no-such-flag 1").first == 2);
 
   combs::testing::TempDir dir;

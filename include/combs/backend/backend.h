@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <string_view>
 
 #include "combs/backend/tensor.h"
@@ -31,6 +32,8 @@ class Backend {
   // Copies src into dst (same dtype and element count); either may be host memory.
   virtual Status copy(const Tensor& src, const Tensor& dst) = 0;
   virtual Status zero(const Tensor& t) = 0;
+  // Bytes of device memory free now; nullopt where there is no such limit to read (the CPU).
+  virtual std::optional<int64_t> free_memory_bytes() const { return std::nullopt; }
 
  protected:
   // nullptr when out of memory.

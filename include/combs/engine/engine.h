@@ -49,6 +49,9 @@ using SessionId = std::string;
 
 struct EngineOptions {
   int64_t kv_memory_bytes = int64_t{1} << 30;  // the page pool's budget
+  // When > 0 and the runner's device reports its free memory (a GPU): the budget is this
+  // fraction of the memory free once the weights are loaded, instead of kv_memory_bytes.
+  double kv_memory_fraction = 0.0;
   DType kv_dtype = DType::kF16;                // K/V storage
   int page_size = 16;
   int threads = 0;                             // CPU threads; 0: all

@@ -130,6 +130,15 @@ Status CudaBackend::zero(const Tensor& t) {
   return synchronize();
 }
 
+std::optional<int64_t> CudaBackend::free_memory_bytes() const {
+  size_t free = 0, total = 0;
+  if (cudaSetDevice(impl_->device) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return std::nullopt;
+  }
+  return static_cast<int64_t>(free);
+}
+
 void* CudaBackend::raw_alloc(size_t bytes) {
   void* p = nullptr;
   if (cudaMalloc(&p, bytes) == cudaSuccess) return p;

@@ -28,6 +28,7 @@ class CudaBackend final : public Backend {
   // Host<->device and device<->device; waits for the copy.
   Status copy(const Tensor& src, const Tensor& dst) override;
   Status zero(const Tensor& t) override;
+  std::optional<int64_t> free_memory_bytes() const override;
 
   // Waits for the stream; the first error of its queued work, if any.
   Status synchronize();
