@@ -5,6 +5,7 @@
 
 #include "combs/backend/cuda/cuda_ops.h"
 #include "cuda_check.h"
+#include "pdl.h"
 
 namespace combs::cuda {
 
@@ -155,6 +156,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   const int nb = static_cast<int>((in + kSpan - 1) / kSpan);
   const int64_t my_rows = first_row < total_rows ? (total_rows - first_row + warps - 1) / warps : 0;
   const int64_t n_batches = my_rows * nb;
+  pdl_launch_dependents();  // the next kernel may start loading its weights as this one's blocks end
   uint4 buf0[kGemvBatch], buf1[kGemvBatch];
   auto load = [&](uint4(&buf)[kGemvBatch], int64_t j) {
     const T* wr = w + (first_row + (j / nb) * warps) * in;
@@ -167,6 +169,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   };
   if (n_batches > 0) load(buf0, 0);
   if (n_batches > 1) load(buf1, 1);
+  pdl_wait();  // x (and y, for accumulate) come from the kernels before
 
   // Staging x: float4 loads, kStageUnroll per thread in flight (a block's staging is a few round
   // trips to L2, not one per element).
@@ -311,7 +314,8 @@ void launch_gemv_n(const T* w, const float* x, const float* x2, const GemvOut& o
   }();
   const int64_t rows = outs.end[outs.count - 1];
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>((rows + kGemvWarps - 1) / kGemvWarps, resident));
-  gemv_kernel<T, N, SWIGLU><<<grid, kGemvWarps * 32, static_cast<size_t>(n * in) * sizeof(T), st>>>(w, x, x2, outs, n, in);
+  launch_pdl(gemv_kernel<T, N, SWIGLU>, dim3(grid), dim3(kGemvWarps * 32), static_cast<size_t>(n * in) * sizeof(T), st, w, x,
+             x2, outs, n, in);
 }
 
 template <typename T, bool SWIGLU>

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/pdl.h"
 #include "combs/backend/cuda/cuda_backend.h"
 #include "combs/kv/cuda/cuda_attention.h"
 #include "kv/device_attention.h"
@@ -100,6 +101,8 @@ __global__ void write_kv_kernel(const Meta M, float* __restrict__ q, const float
   const int64_t src = (static_cast<int64_t>(t) * n_kv + h) * hd;
   T* K = static_cast<T*>(const_cast<void*>(s.k ? s.k : M.k)) + off;
   T* V = static_cast<T*>(const_cast<void*>(s.v ? s.v : M.v)) + off;
+  cuda::pdl_launch_dependents();
+  cuda::pdl_wait();  // q, k, v come from the projection before
   for (int d = threadIdx.x; d < hd; d += blockDim.x) V[d] = store_as<T>(v[src + d]);
   const int rotated = rope.inv_freq ? rope.rope_dim : 0;
   for (int d = rotated + threadIdx.x; d < hd; d += blockDim.x) K[d] = store_as<T>(k[src + d]);
@@ -175,6 +178,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, grid_splits = gridDim.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPK, sub = lane % LPK;
   const SeqDev s = M.seqs[M.tok_seq[t]];
+  cuda::pdl_wait();  // every block, before any exit: this grid completes only after the one before
   if (s.n_new >= M.prefill_min) return;  // prefill_kernel's
   const int splits = s.splits;
   if (split >= splits) return;  // a shorter sequence than the grid was sized for
@@ -411,6 +415,7 @@ __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ p
   const int64_t row = blockIdx.x;
   const int d = threadIdx.x;
   const SeqDev& s = meta.seqs[meta.tok_seq[row / n_q]];
+  cuda::pdl_wait();
   if (d >= hd || s.n_new >= meta.prefill_min || s.splits == 1) return;
   const int splits = s.splits;
   float mx = -INFINITY;
@@ -477,8 +482,8 @@ __global__ void manual_attention_kernel(const Meta M, const float* __restrict__ 
 template <typename T, int HD, int G>
 void launch_attention(dim3 grid, cudaStream_t st, const Meta& M,
                       const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2) {
-  attention_kernel<T, HD, G><<<grid, kWarps * 32, 0, st>>>(M, q, out, part_o, part_ml, n_kv,
-                                                           scale_log2);
+  cuda::launch_pdl(attention_kernel<T, HD, G>, grid, dim3(kWarps * 32), 0, st, M, q, out, part_o, part_ml, n_kv,
+                   scale_log2);
 }
 
 template <typename T, int HD>
@@ -674,9 +679,9 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   const unsigned wthreads = static_cast<unsigned>((hd + 31) / 32 * 32);
   float* qr = rope_.inv_freq ? q.data_as<float>() : nullptr;  // rotated in place
   switch (dtype_) {
-    case DType::kF32: write_kv_kernel<float><<<wgrid, wthreads, 0, st>>>(M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
-    case DType::kF16: write_kv_kernel<__half><<<wgrid, wthreads, 0, st>>>(M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
-    default: write_kv_kernel<__nv_bfloat16><<<wgrid, wthreads, 0, st>>>(M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
+    case DType::kF32: cuda::launch_pdl(write_kv_kernel<float>, wgrid, dim3(wthreads), 0, st, M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
+    case DType::kF16: cuda::launch_pdl(write_kv_kernel<__half>, wgrid, dim3(wthreads), 0, st, M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
+    default: cuda::launch_pdl(write_kv_kernel<__nv_bfloat16>, wgrid, dim3(wthreads), 0, st, M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (!out || !attend_) return ok_status();
@@ -720,8 +725,8 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (grid_splits_ > 1) {
-    merge_splits_kernel<<<static_cast<unsigned>(tokens_ * n_q), wthreads, 0, st>>>(M, part_o_, part_ml_, out->data_as<float>(),
-                                                                                    grid_splits_, hd, n_q);
+    cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(wthreads), 0, st, M, part_o_,
+                     part_ml_, out->data_as<float>(), grid_splits_, hd, n_q);
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   return ok_status();
