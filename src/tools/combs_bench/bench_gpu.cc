@@ -149,10 +149,11 @@ StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, i
 
 int run_gpu(int argc, char** argv) {
   tools::Flags flags("combs-bench gpu", {{"shapes", "llama-1b"}, {"dir", "/tmp/combs-bench-models"}, {"reps", "3"},
-                                         {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"}});
+                                         {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"},
+                                         {"only", ""}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
-    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N]");
+    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N] [--only prefill|sessions]");
     return 0;
   }
   long long reps, sessions;
@@ -188,6 +189,15 @@ int run_gpu(int argc, char** argv) {
     auto runner = CudaRunner::create(**model);
     if (!runner.ok()) return std::fprintf(stderr, "%s\n", runner.status().to_string().c_str()), 1;
     const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
+    const std::string only = flags.str("only");
+    if (!only.empty()) {  // one part alone (for a profiler): no table
+      const bool pre = only == "prefill";
+      if (!pre && only != "sessions") return std::fprintf(stderr, "combs-bench gpu: --only prefill|sessions\n"), 2;
+      auto r = pre ? run_sessions(**runner, 1, 2048, 1, int(reps)) : run_sessions(**runner, int(sessions), 1024, 128, int(reps));
+      if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
+      std::printf("%s %s: %.0f tok/s\n", shape.c_str(), only.c_str(), pre ? r->prompt_tps : r->decode_tps);
+      continue;
+    }
     auto one = run_sessions(**runner, 1, 128, 256, int(reps));
     StatusOr<Run> eager = Run{};
     {
@@ -209,6 +219,7 @@ int run_gpu(int argc, char** argv) {
                 many->decode_tps);
     std::fflush(stdout);
   }
+  if (!flags.str("only").empty()) return 0;
   std::printf("\n| decode attention (32 q / 8 kv heads, hd 128, bf16) | sequences | paged GB/s | contiguous GB/s | "
               "paged / contiguous time | paged / copy bandwidth |\n|---|---|---|---|---|---|\n");
   for (long long ctx : contexts) {
