@@ -364,6 +364,48 @@ __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t
 
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
+// x as a cuBLAS GEMM takes it with w: f32 weights read x itself; 16-bit weights a copy rounded to
+// their dtype (scratch slot 0, valid until the next op that uses the scratch).
+StatusOr<const void*> gemm_input(CudaBackend& b, const Tensor& w, const float* x, int64_t n) {
+  const int64_t in = w.dim(1);
+  switch (w.dtype()) {
+    case DType::kF32: return static_cast<const void*>(x);
+    case DType::kF16:
+    case DType::kBF16: {
+      COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(n * in) * 2));
+      if (w.dtype() == DType::kF16) {
+        convert_kernel<<<blocks(n * in, 256), 256, 0, stream_of(b)>>>(x, static_cast<__half*>(xs), n * in);
+      } else {
+        convert_kernel<<<blocks(n * in, 256), 256, 0, stream_of(b)>>>(x, static_cast<__nv_bfloat16*>(xs), n * in);
+      }
+      COMBS_RETURN_IF_ERROR(launched("convert_kernel"));
+      return static_cast<const void*>(xs);
+    }
+    default:
+      return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) +
+                                 " weights (convert Q8_0 to BF16 at load)");
+  }
+}
+
+// y (+)= xin @ w^T (+ bias) on cuBLAS, xin from gemm_input(w).
+Status gemm(CudaBackend& b, const Tensor& w, const void* xin, int64_t n, float* y, const float* bias, bool accumulate) {
+  const int64_t out = w.dim(0), in = w.dim(1);
+  auto handle = static_cast<cublasHandle_t>(b.cublas());
+  const float one = 1.0f, zero = 0.0f;
+  const float* beta = accumulate ? &one : &zero;
+  const cudaDataType_t wtype = w.dtype() == DType::kF32 ? CUDA_R_32F : w.dtype() == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
+  // Column-major view: y^T [out, n] = w [in, out]^T . x^T [in, n].
+  COMBS_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(n),
+                                            static_cast<int>(in), &one, w.data(), wtype, static_cast<int>(in), xin,
+                                            wtype, static_cast<int>(in), beta, y, CUDA_R_32F, static_cast<int>(out),
+                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  if (bias) {
+    add_bias_kernel<<<blocks(n * out, 256), 256, 0, stream_of(b)>>>(y, bias, n, out);
+    COMBS_RETURN_IF_ERROR(launched("add_bias_kernel"));
+  }
+  return ok_status();
+}
+
 }  // namespace
 
 bool decode_fused(const Tensor& w, int64_t n) { return gemv_fits(w, n); }
@@ -380,40 +422,8 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
     gemv<false>(w, x, nullptr, o, static_cast<int>(n), stream_of(b));
     return launched("gemv_kernel");
   }
-  auto handle = static_cast<cublasHandle_t>(b.cublas());
-  const float one = 1.0f, zero = 0.0f;
-  const float* beta = accumulate ? &one : &zero;
-  cudaDataType_t wtype;
-  const void* xin = x;
-  switch (w.dtype()) {
-    case DType::kF32: wtype = CUDA_R_32F; break;
-    case DType::kF16:
-    case DType::kBF16: {
-      wtype = w.dtype() == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
-      COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(n * in) * 2));
-      if (w.dtype() == DType::kF16) {
-        convert_kernel<<<blocks(n * in, 256), 256, 0, stream_of(b)>>>(x, static_cast<__half*>(xs), n * in);
-      } else {
-        convert_kernel<<<blocks(n * in, 256), 256, 0, stream_of(b)>>>(x, static_cast<__nv_bfloat16*>(xs), n * in);
-      }
-      COMBS_RETURN_IF_ERROR(launched("convert_kernel"));
-      xin = xs;
-      break;
-    }
-    default:
-      return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) +
-                                 " weights (convert Q8_0 to BF16 at load)");
-  }
-  // Column-major view: y^T [out, n] = w [in, out]^T . x^T [in, n].
-  COMBS_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(n),
-                                            static_cast<int>(in), &one, w.data(), wtype, static_cast<int>(in), xin,
-                                            wtype, static_cast<int>(in), beta, y, CUDA_R_32F, static_cast<int>(out),
-                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  if (bias) {
-    add_bias_kernel<<<blocks(n * out, 256), 256, 0, stream_of(b)>>>(y, bias, n, out);
-    COMBS_RETURN_IF_ERROR(launched("add_bias_kernel"));
-  }
-  return ok_status();
+  COMBS_ASSIGN_OR_RETURN(const void* xin, gemm_input(b, w, x, n));
+  return gemm(b, w, xin, n, y, bias, accumulate);
 }
 
 Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
@@ -439,9 +449,12 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
     return launched("gemv_kernel");
   }
   if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
+  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul_split: weight is not in device memory");
+  // x rounded once for every part.
+  COMBS_ASSIGN_OR_RETURN(const void* xin, gemm_input(b, w, x, n));
   int64_t begin = 0;
   for (const MatmulOut& o : outs) {
-    COMBS_RETURN_IF_ERROR(matmul(b, w.rows(begin, begin + o.rows), x, n, o.y, o.bias));
+    COMBS_RETURN_IF_ERROR(gemm(b, w.rows(begin, begin + o.rows), xin, n, o.y, o.bias, false));
     begin += o.rows;
   }
   return ok_status();

@@ -333,21 +333,33 @@ __global__ void __launch_bounds__(128)
   }
   if (tid < QT) ml[tid][0] = -INFINITY, ml[tid][1] = 0.0f;
   __syncthreads();
-  for (int64_t k0 = 0; k0 <= last_pos; k0 += KT) {
-    // K and V tiles from the pages (rows past the end are zero: masked below).
-    for (int i = tid; i < KT * (HD / 8); i += blockDim.x) {
-      const int kr = i / (HD / 8), c = (i % (HD / 8)) * 8;
+  // K and V tiles from the pages (rows past the end are zero: masked below), double-buffered
+  // through registers: the next tile's loads are in flight while this one is computed.
+  constexpr int kLoads = KT * (HD / 8) / 128;  // 16-byte loads per thread per tile (128 threads)
+  uint4 nk[kLoads], nv[kLoads];
+  auto fetch = [&](int64_t k0) {
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = tid + j * 128, kr = i / (HD / 8), c = (i % (HD / 8)) * 8;
       const int64_t key = k0 + kr;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      nk[j] = nv[j] = make_uint4(0, 0, 0, 0);
       if (key <= last_pos) {
         const int64_t off = kv_offset(s, M.tables, key, kvh, HD) + c;
-        kv = *reinterpret_cast<const uint4*>(K + off);
-        vv = *reinterpret_cast<const uint4*>(V + off);
+        nk[j] = *reinterpret_cast<const uint4*>(K + off);
+        nv[j] = *reinterpret_cast<const uint4*>(V + off);
       }
-      *reinterpret_cast<uint4*>(&ks[kr][c]) = kv;
-      *reinterpret_cast<uint4*>(&vs[kr][c]) = vv;
+    }
+  };
+  fetch(0);
+  for (int64_t k0 = 0; k0 <= last_pos; k0 += KT) {
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = tid + j * 128, kr = i / (HD / 8), c = (i % (HD / 8)) * 8;
+      *reinterpret_cast<uint4*>(&ks[kr][c]) = nk[j];
+      *reinterpret_cast<uint4*>(&vs[kr][c]) = nv[j];
     }
     __syncthreads();
+    if (k0 + KT <= last_pos) fetch(k0 + KT);
     // S = Q K^T: warps 0 and 1 each a 16x16 half (keys 0-15, 16-31).
     if (warp < 2) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
