@@ -297,7 +297,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // Prefill (chunks of new tokens) on tensor cores: one block of 4 warps per (16-token tile of a
-// sequence's new tokens, query head). The block walks the keys in tiles of 32 up to the tile's
+// sequence's new tokens, query head). The block walks the keys in tiles of 64 (head_dim 64; 32 for
+// 128, to stay in 48 KB of static shared memory) up to the tile's
 // last position: K and V tiles are read from the pages into shared memory, S = Q K^T and P V run
 // as 16x16x16 WMMA products in T (bf16 or f16) with f32 accumulation, the online softmax in f32
 // (P rounded to T for the product, as flash attention does), the output kept in f32.
@@ -308,7 +309,7 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(128)
     prefill_kernel(const Meta M, const int32_t* __restrict__ tiles, const float* __restrict__ q,
                    float* __restrict__ out, int n_kv, int n_q, float scale_log2) {
-  constexpr int QT = 16, KT = 32;
+  constexpr int QT = 16, KT = HD == 64 ? 64 : 32;  // keys per tile (static shared memory: 48 KB)
   const int tile = blockIdx.x, h = blockIdx.y, kvh = h / (n_q / n_kv);
   const SeqDev s = M.seqs[tiles[2 * tile]];
   const int r0 = tiles[2 * tile + 1];  // first new-token index of this tile within the sequence
@@ -360,8 +361,8 @@ __global__ void __launch_bounds__(128)
     }
     __syncthreads();
     if (k0 + KT <= last_pos) fetch(k0 + KT);
-    // S = Q K^T: warps 0 and 1 each a 16x16 half (keys 0-15, 16-31).
-    if (warp < 2) {
+    // S = Q K^T: warp w the 16x16 block of keys 16w .. 16w+15.
+    if (warp < KT / 16) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
       wmma::fill_fragment(acc, 0.0f);
 #pragma unroll
@@ -375,16 +376,27 @@ __global__ void __launch_bounds__(128)
       wmma::store_matrix_sync(&ss[0][warp * 16], acc, KT, wmma::mem_row_major);
     }
     __syncthreads();
-    // Online softmax: warp w takes rows 4w .. 4w+3, lane j key k0 + j.
+    // Online softmax: warp w takes rows 4w .. 4w+3, lane j keys k0 + j, k0 + j + 32, ...
     for (int r = warp * 4; r < warp * 4 + 4; ++r) {
-      const int64_t pos = s.pos + r0 + r, key = k0 + lane;
-      const bool valid = r < rows && key <= pos;
-      const float sc = valid ? ss[r][lane] * scale_log2 : -INFINITY;
+      const int64_t pos = s.pos + r0 + r;
+      constexpr int KL = KT / 32;  // keys per lane
+      float sc[KL], mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < KL; ++j) {
+        const bool valid = r < rows && k0 + lane + 32 * j <= pos;
+        sc[j] = valid ? ss[r][lane + 32 * j] * scale_log2 : -INFINITY;
+        mx = fmaxf(mx, sc[j]);
+      }
       const float m_old = ml[r][0];
-      const float m_new = fmaxf(m_old, warp_max(sc));
-      const float p = valid ? exp2f(sc - m_new) : 0.0f;
-      const float sum = warp_sum(p);
-      ps[r][lane] = store_as<T>(p);
+      const float m_new = fmaxf(m_old, warp_max(mx));
+      float part = 0.0f;
+#pragma unroll
+      for (int j = 0; j < KL; ++j) {
+        const float p = sc[j] == -INFINITY ? 0.0f : exp2f(sc[j] - m_new);
+        ps[r][lane + 32 * j] = store_as<T>(p);
+        part += p;
+      }
+      const float sum = warp_sum(part);
       if (lane == 0) {
         const float corr = m_new == -INFINITY ? 1.0f : exp2f(m_old - m_new);
         ml[r][0] = m_new;
