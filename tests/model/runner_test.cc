@@ -28,7 +28,9 @@ std::vector<float> run_chunks(TinyModel& m, KVCache& cache, const std::vector<in
   for (int n : chunks) {
     std::vector<float> out(size_t(n) * m.n_vocab());
     const SequenceInput in{&cache, {tokens.data() + at, size_t(n)}};
-    REQUIRE(m.runner->forward({&in, 1}, out.data(), {true}).ok());
+    ForwardOptions every_token;
+    every_token.all_logits = true;
+    REQUIRE(m.runner->forward({&in, 1}, out.data(), every_token).ok());
     all.insert(all.end(), out.begin(), out.end());
     at += n;
   }

@@ -128,7 +128,9 @@ int main(int argc, char** argv) {
     const size_t n = std::min<size_t>(512, prompt.size() - start);
     const SequenceInput in{cache->get(), {prompt.data() + start, n}};
     std::vector<float> out(save_logits ? n * c.n_vocab : c.n_vocab);
-    if (Status s = (*runner)->forward({&in, 1}, out.data(), {save_logits}); !s.ok()) {
+    ForwardOptions fo;
+    fo.all_logits = save_logits;
+    if (Status s = (*runner)->forward({&in, 1}, out.data(), fo); !s.ok()) {
       return fail(s.to_string());
     }
     if (save_logits) all_logits.insert(all_logits.end(), out.begin(), out.end());
