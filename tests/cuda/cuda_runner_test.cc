@@ -4,14 +4,13 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
-#include <condition_variable>
-#include <mutex>
 #include <cstdio>
 
 #include "combs/backend/cuda/cuda_backend.h"
 #include "combs/engine/engine.h"
 #include "combs/model/cuda_runner.h"
 #include "support/cuda_helpers.h"
+#include "support/engine_helpers.h"
 #include "support/model_helpers.h"
 
 using namespace combs;
@@ -117,20 +116,7 @@ TEST_CASE("the engine on the gpu rolls back and forks as on the cpu", "[cuda]") 
     r.sampling = SamplingParams{};
     r.sampling->temperature = 0.0f;
     r.ignore_eos = true;
-    std::vector<int32_t> out;
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    auto h = e.generate(id, std::move(r), [&](const GenerateEvent& ev) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (ev.type == GenerateEvent::Type::kToken) out.push_back(ev.token);
-      else done = true;
-      cv.notify_all();
-    });
-    REQUIRE(h.ok());
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
-    return out;
+    return testing::run(e, id, std::move(r));
   };
   const SessionId s = e.create_session().value();
   const auto first = run(s, {1, 2, 3, 4, 5}, 24);

@@ -8,6 +8,7 @@
 
 #include "combs/engine/engine.h"
 #include "combs/model/random_model.h"
+#include "support/engine_helpers.h"
 #include "support/random.h"
 #include "support/temp_dir.h"
 
@@ -15,36 +16,6 @@ using namespace combs;
 using namespace combs::testing;
 
 namespace {
-
-// Collects one generate's events; wait() returns when it has finished.
-struct Collector {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<int32_t> tokens;
-  bool done = false;
-  FinishKind finish = FinishKind::kError;
-  Status status;
-  Usage usage;
-
-  EventSink sink() {
-    return [this](const GenerateEvent& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (e.type == GenerateEvent::Type::kToken) {
-        if (e.token >= 0) tokens.push_back(e.token);
-        return;
-      }
-      finish = e.finish;
-      status = e.status;
-      usage = e.usage;
-      done = true;
-      cv.notify_all();
-    };
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
-  }
-};
 
 struct ModelFile {
   TempDir dir;
@@ -72,17 +43,6 @@ std::vector<int32_t> prompt_of(Rng& rng, int n, int vocab) {
   std::vector<int32_t> p(n);
   for (auto& t : p) t = static_cast<int32_t>(rng.integer(3, vocab - 1));
   return p;
-}
-
-// Generates synchronously; returns the tokens (REQUIREs success).
-std::vector<int32_t> run(Engine& e, const SessionId& id, GenerateRequest r) {
-  Collector c;
-  auto h = e.generate(id, std::move(r), c.sink());
-  REQUIRE(h.ok());
-  c.wait();
-  INFO(c.status.to_string());
-  REQUIRE(c.finish != FinishKind::kError);
-  return c.tokens;
 }
 
 GenerateRequest request(std::vector<int32_t> input, int max_tokens, float temperature, uint64_t seed) {

@@ -1,0 +1,55 @@
+// Driving an Engine from a test: a Collector of one generate's events, and a synchronous generate.
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <condition_variable>
+#include <mutex>
+#include <vector>
+
+#include "combs/engine/engine.h"
+
+namespace combs::testing {
+
+// Collects one generate's events; wait() returns when it has finished.
+struct Collector {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int32_t> tokens;
+  bool done = false;
+  FinishKind finish = FinishKind::kError;
+  Status status;
+  Usage usage;
+
+  EventSink sink() {
+    return [this](const GenerateEvent& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (e.type == GenerateEvent::Type::kToken) {
+        if (e.token >= 0) tokens.push_back(e.token);
+        return;
+      }
+      finish = e.finish;
+      status = e.status;
+      usage = e.usage;
+      done = true;
+      cv.notify_all();
+    };
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+  }
+};
+
+// Generates synchronously; returns the tokens (REQUIREs success).
+inline std::vector<int32_t> run(Engine& e, const SessionId& id, GenerateRequest r) {
+  Collector c;
+  auto h = e.generate(id, std::move(r), c.sink());
+  REQUIRE(h.ok());
+  c.wait();
+  INFO(c.status.to_string());
+  REQUIRE(c.finish != FinishKind::kError);
+  return c.tokens;
+}
+
+}  // namespace combs::testing
