@@ -156,19 +156,34 @@ TEST_CASE("a cuda attention step rotates q and k in its append as the cpu step d
   CudaBackend& gpu = *gpu_ptr;
   testing::Rng rng(testing::test_seed());
   INFO("seed " << rng.seed());
-  const int hd = 64, n_kv = 2, n_q = 8, layers = 2, rope_dim = 64;
-  for (bool adjacent : {false, true}) {
+  // Both pair layouts, whole and partial rotation, frequency factors; the third sequence starts
+  // after a 30,000-position prefix (large angles).
+  const int hd = 64, n_kv = 2, n_q = 8, layers = 2;
+  const int64_t prefix = 30000;
+  for (auto [adjacent, rope_dim] : {std::pair{false, 64}, std::pair{true, 64}, std::pair{false, 32}, std::pair{true, 32}}) {
     CpuBackend cpu;
     const KVGeometry g{layers, n_kv, hd, DType::kF32};
-    auto cpu_pool = PagePool::create(cpu, {g, 16, 64}).value();
-    auto gpu_pool = PagePool::create(gpu, {g, 16, 64}).value();
+    const int64_t pages = 64 + prefix / 16 + 1;
+    auto cpu_pool = PagePool::create(cpu, {g, 16, pages}).value();
+    auto gpu_pool = PagePool::create(gpu, {g, 16, pages}).value();
     std::vector<std::unique_ptr<KVCache>> cc, gc;
     for (int i = 0; i < 3; ++i) {
-      cc.push_back(PagedKVCache::create(*cpu_pool, 256).value());
-      gc.push_back(PagedKVCache::create(*gpu_pool, 256).value());
+      cc.push_back(PagedKVCache::create(*cpu_pool, prefix + 256).value());
+      gc.push_back(PagedKVCache::create(*gpu_pool, prefix + 256).value());
     }
+    const auto pk = rng.floats(prefix * n_kv * hd), pv = rng.floats(prefix * n_kv * hd);
+    const Shape ps{prefix, n_kv, hd};
+    const Tensor pkd = upload(gpu, pk, ps), pvd = upload(gpu, pv, ps);
+    for (int l = 0; l < layers; ++l) {
+      REQUIRE(cc[2]->append(l, Tensor::wrap(const_cast<float*>(pk.data()), ps, DType::kF32),
+                            Tensor::wrap(const_cast<float*>(pv.data()), ps, DType::kF32), 0)
+                  .ok());
+      REQUIRE(gc[2]->append(l, pkd, pvd, 0).ok());
+    }
+    auto factors = rng.floats(rope_dim / 2);
+    for (float& f : factors) f = 1.0f + std::abs(f);
     std::vector<float> inv_freq(rope_dim / 2);
-    cpu::rope_inv_freq(rope_dim, 500000.0f, nullptr, inv_freq.data());
+    cpu::rope_inv_freq(rope_dim, 500000.0f, factors.data(), inv_freq.data());
     const Tensor inv_gpu = upload(gpu, inv_freq, {rope_dim / 2});
     const AttentionRope cpu_rope{inv_freq.data(), rope_dim, adjacent}, gpu_rope{inv_gpu.data_as<float>(), rope_dim, adjacent};
     AttentionStep cpu_step, gpu_step;
@@ -195,7 +210,7 @@ TEST_CASE("a cuda attention step rotates q and k in its append as the cpu step d
         const Status s = gpu_step.run(l, qd, kd, vd, 0.125f, od);
         INFO(s.to_string());
         REQUIRE(s.ok());
-        INFO("adjacent " << adjacent << ", iteration " << it << ", layer " << l);
+        INFO("adjacent " << adjacent << ", rope_dim " << rope_dim << ", iteration " << it << ", layer " << l);
         CHECK(rel_err(download(gpu, qd), q) < 1e-6);  // q rotated in place, as the cpu's
         CHECK(rel_err(download(gpu, od), out) < 2e-4);
       }

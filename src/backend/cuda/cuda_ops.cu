@@ -71,34 +71,6 @@ __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* _
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = r[i] * scale * weight[i];
 }
 
-// One thread per (token, head, pair), over the q heads then the k heads.
-__global__ void rope_kernel(float* __restrict__ q, float* __restrict__ k, const int32_t* __restrict__ pos,
-                            int64_t n_tokens, int n_heads, int n_kv_heads, int head_dim, int rope_dim,
-                            const float* __restrict__ inv_freq, bool adjacent) {
-  const int half = rope_dim / 2;
-  int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t n_q = n_tokens * n_heads * half;
-  float* x = q;
-  int heads = n_heads;
-  if (idx >= n_q) {
-    idx -= n_q;
-    x = k, heads = n_kv_heads;
-    if (k == nullptr || idx >= n_tokens * n_kv_heads * half) return;
-  }
-  const int i = static_cast<int>(idx % half);
-  const int64_t th = idx / half;  // token * heads + head
-  const int64_t t = th / heads;
-  // As the CPU: the angle in f32, its cos/sin in f64.
-  const float angle = static_cast<float>(pos[t]) * inv_freq[i];
-  double s, c;
-  sincos(static_cast<double>(angle), &s, &c);
-  float* v = x + th * head_dim;
-  const int a = adjacent ? 2 * i : i, bb = adjacent ? 2 * i + 1 : i + half;
-  const float x0 = v[a], x1 = v[bb];
-  v[a] = x0 * static_cast<float>(c) - x1 * static_cast<float>(s);
-  v[bb] = x0 * static_cast<float>(s) + x1 * static_cast<float>(c);
-}
-
 __global__ void silu_mul_kernel(float* __restrict__ gate, const float* __restrict__ up, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) {
@@ -499,15 +471,6 @@ Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const f
   if (n == 0) return ok_status();
   add_rms_norm_kernel<<<static_cast<unsigned>(n), 256, 0, stream_of(b)>>>(residual, delta, weight, y, dim, eps);
   return launched("add_rms_norm_kernel");
-}
-
-Status rope(CudaBackend& b, float* q, float* k, const int32_t* pos, int64_t n_tokens, int n_heads, int n_kv_heads,
-            int head_dim, int rope_dim, const float* inv_freq, bool adjacent_pairs) {
-  const int64_t total = n_tokens * (n_heads + (k ? n_kv_heads : 0)) * (rope_dim / 2);
-  if (total == 0) return ok_status();
-  rope_kernel<<<blocks(total, 256), 256, 0, stream_of(b)>>>(q, k, pos, n_tokens, n_heads, n_kv_heads, head_dim,
-                                                            rope_dim, inv_freq, adjacent_pairs);
-  return launched("rope_kernel");
 }
 
 Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_t n, int64_t dim, float* dst) {

@@ -36,7 +36,8 @@ void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_
 void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
           const float* inv_freq, bool adjacent_pairs);
 // The rotation frequencies rope uses: inv_freq[i] = 1 / base^(2i / rope_dim) / freq_factors[i],
-// i < rope_dim / 2 (the CUDA rope takes them from here, so both rotate by the same angles).
+// i < rope_dim / 2 (the CUDA K/V append's RoPE takes them from here, so both rotate by the same
+// f32 angles: at position 30k a 1-ulp difference in a frequency moves the angle by 2e-3).
 void rope_inv_freq(int rope_dim, float freq_base, const float* freq_factors, float* inv_freq);
 
 // gate[i] = silu(gate[i]) * up[i].

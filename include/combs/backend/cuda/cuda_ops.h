@@ -49,14 +49,6 @@ Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, float* y, int64_t n,
                     int64_t dim, float eps);
 
-// Rotary embedding in place, as cpu::rope, of q [n_tokens, n_heads, head_dim] and, when k is set,
-// k [n_tokens, n_kv_heads, head_dim] in the same launch, at positions pos[t];
-// inv_freq: the rope_dim / 2 frequencies of cpu::rope_inv_freq, on the device (computed once per
-// model on the host, so CPU and GPU rotate by the same f32 angles: at position 30k a 1-ulp
-// difference in a frequency moves the angle by 2e-3).
-Status rope(CudaBackend& b, float* q, float* k, const int32_t* pos, int64_t n_tokens, int n_heads, int n_kv_heads,
-            int head_dim, int rope_dim, const float* inv_freq, bool adjacent_pairs);
-
 // dst[i, :] = src[rows[i], :] for n rows of dim f32 (rows on the device).
 Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_t n, int64_t dim, float* dst);
 
