@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "combs/backend/cpu/cpu_ops.h"
+#include "combs/base/hash.h"
 #include "combs/kv/kv_cache.h"
 #include "combs/kv/page_pool.h"
 #include "kv/cpu/attention_cpu.h"
@@ -228,9 +229,7 @@ Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, c
     launch_key_ = plan_->key();
     for (int l = 0; l < g.num_layers && plan_->replayable(); ++l) {
       const KVLayout kv = seqs_[0].cache->layout(l);
-      for (const void* p : {kv.k, kv.v}) {
-        launch_key_ = (launch_key_ ^ reinterpret_cast<uintptr_t>(p)) * 0x100000001b3ull + 0x9e3779b97f4a7c15ull;
-      }
+      for (const void* p : {kv.k, kv.v}) launch_key_ = hash_mix(launch_key_, reinterpret_cast<uintptr_t>(p));
     }
   }
   return ok_status();

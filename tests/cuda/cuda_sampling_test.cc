@@ -4,9 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
 
 #include "combs/backend/cuda/cuda_backend.h"
 #include "combs/backend/cuda/cuda_ops.h"
@@ -14,6 +12,7 @@
 #include "combs/model/cuda_runner.h"
 #include "combs/model/sampler.h"
 #include "support/cuda_helpers.h"
+#include "support/engine_helpers.h"
 #include "support/model_helpers.h"
 #include "support/random.h"
 
@@ -29,50 +28,30 @@ struct Draws {
   std::vector<int32_t> cpu, gpu;
 };
 
-// `rows` draws from one logits row: the CPU Sampler with its own generator; the device with the
-// draw the CPU took (read from the generator before sample() takes it) and the same penalties.
+// `rows` draws from one logits row: the CPU Sampler with its own generator; the device (packed as
+// the runner packs it) with the draw the CPU took (read from the generator before sample() takes
+// it) and the same penalties.
 Draws sample_both(CudaBackend& gpu, const std::vector<float>& logits, const SamplingParams& params,
                   const std::vector<int32_t>& history, int rows) {
   const int V = static_cast<int>(logits.size());
   Sampler cpu(params);
   Draws d;
-  std::vector<cuda::SampleParamsDev> dev(rows);
-  std::vector<cuda::SampleAdjustDev> adjust;
-  std::vector<std::pair<int32_t, int32_t>> pen;
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> pen(rows);
+  std::vector<RowSampling> sampling;
   for (int r = 0; r < rows; ++r) {
     const uint64_t state = cpu.generator_state();
     const double u = params.temperature > 0 ? cpu.uniform() : 0.0;
     cpu.set_generator_state(state);
     std::vector<float> l = logits;
     d.cpu.push_back(cpu.sample(l, history));
-    cuda::SampleParamsDev& p = dev[r];
-    p = {};
-    p.temperature = params.temperature, p.top_p = params.top_p, p.min_p = params.min_p;
-    p.repetition = params.repetition_penalty, p.presence = params.presence_penalty, p.frequency = params.frequency_penalty;
-    p.top_k = params.top_k;
-    p.uniform = u;
-    p.bias_at = static_cast<int32_t>(adjust.size());
-    p.n_bias = static_cast<int32_t>(params.logit_bias.size());
-    for (auto [id, v] : params.logit_bias) {
-      cuda::SampleAdjustDev a{};
-      a.token = id, a.value = v;
-      adjust.push_back(a);
-    }
-    cpu.penalized(history, V, &pen);
-    p.penalized_at = static_cast<int32_t>(adjust.size());
-    p.n_penalized = static_cast<int32_t>(pen.size());
-    for (auto [id, c] : pen) {
-      cuda::SampleAdjustDev a{};
-      a.token = id, a.count = c;
-      adjust.push_back(a);
-    }
+    cpu.penalized(history, V, &pen[r]);
+    sampling.push_back({&params, u, pen[r]});
   }
   std::vector<float> all;
   for (int r = 0; r < rows; ++r) all.insert(all.end(), logits.begin(), logits.end());
   Tensor l = upload(gpu, all, {rows, V});
-  std::vector<char> blob(dev.size() * sizeof(dev[0]) + adjust.size() * sizeof(cuda::SampleAdjustDev));
-  std::memcpy(blob.data(), dev.data(), dev.size() * sizeof(dev[0]));
-  if (!adjust.empty()) std::memcpy(blob.data() + dev.size() * sizeof(dev[0]), adjust.data(), adjust.size() * sizeof(adjust[0]));
+  std::vector<char> blob;
+  pack_sampling(sampling, &blob);
   void* d_blob = gpu.upload(3, blob.data(), blob.size()).value();
   Tensor ids = gpu.alloc({rows}, DType::kF32).value();
   REQUIRE(cuda::sample_rows(gpu, l.data_as<float>(), rows, V, static_cast<cuda::SampleParamsDev*>(d_blob),
@@ -159,21 +138,8 @@ TEST_CASE("the engine samples on the gpu as the cpu engine does for a seeded req
       if (variant == 1) s.top_k = 20, s.top_p = 0.9f, s.min_p = 0.02f;
       if (variant == 2) s.repetition_penalty = 1.2f, s.frequency_penalty = 0.3f, s.logit_bias = {{3, 1.5f}};
       r.sampling = s;
-      std::vector<int32_t> out;
-      std::mutex mu;
-      std::condition_variable cv;
-      bool done = false;
       const SessionId id = engine->create_session().value();
-      auto h = engine->generate(id, std::move(r), [&](const GenerateEvent& ev) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (ev.type == GenerateEvent::Type::kToken) out.push_back(ev.token);
-        else done = true;
-        cv.notify_all();
-      });
-      REQUIRE(h.ok());
-      std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] { return done; });
-      outs.push_back(out);
+      outs.push_back(testing::run(*engine, id, std::move(r)));
     }
     return outs;
   };

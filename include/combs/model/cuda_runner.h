@@ -8,6 +8,8 @@
 #pragma once
 
 #include <memory>
+#include <span>
+#include <vector>
 
 #include "combs/backend/cuda/cuda_backend.h"
 #include "combs/model/runner.h"
@@ -50,6 +52,10 @@ class CudaRunner final : public ModelRunner {
 }  // namespace combs
 
 namespace combs {
+// ForwardOptions::sampling as cuda::sample_rows reads it: [SampleParamsDev x rows] then the rows'
+// SampleAdjustDev entries (logit bias, then penalties, each row's at its *_at offsets).
+void pack_sampling(std::span<const RowSampling> rows, std::vector<char>* out);
+
 // For EngineOptions::make_runner: a CudaRunner on `device`.
 inline auto make_cuda_runner(int device = 0) {
   return [device](const Model& m) -> StatusOr<std::unique_ptr<ModelRunner>> {

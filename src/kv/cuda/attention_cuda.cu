@@ -19,6 +19,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/pdl.h"
+#include "combs/base/hash.h"
 #include "combs/backend/cuda/cuda_backend.h"
 #include "combs/kv/cuda/cuda_attention.h"
 #include "kv/device_attention.h"
@@ -677,10 +678,8 @@ uint64_t CudaAttentionPlan::key() const {
                              static_cast<uint64_t>(hd_) << 8 | static_cast<uint64_t>(dtype_),
                              static_cast<uint64_t>(attend_), reinterpret_cast<uintptr_t>(rope_.inv_freq),
                              static_cast<uint64_t>(rope_.rope_dim) << 1 | static_cast<uint64_t>(rope_.adjacent)};
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields
-  for (uint64_t f : fields) {
-    for (int i = 0; i < 8; ++i) h = (h ^ ((f >> (8 * i)) & 0xff)) * 1099511628211ull;
-  }
+  uint64_t h = 0;
+  for (uint64_t f : fields) h = hash_mix(h, f);
   return h;
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "combs/base/hash.h"
 #include "combs/backend/cpu/cpu_ops.h"
 #include "combs/backend/cuda/cuda_ops.h"
 #include "combs/kv/cuda/cuda_attention.h"
@@ -64,39 +65,6 @@ struct DecodeGraph {
   }
 };
 
-// The sampling inputs as sample_rows() takes them: [SampleParamsDev x rows][SampleAdjustDev ...].
-void pack_sampling(std::span<const RowSampling> rows, std::vector<char>* out) {
-  std::vector<cuda::SampleParamsDev> params(rows.size());
-  std::vector<cuda::SampleAdjustDev> adjust;
-  for (size_t r = 0; r < rows.size(); ++r) {
-    const SamplingParams& p = *rows[r].params;
-    cuda::SampleParamsDev& d = params[r];
-    d = {};
-    d.temperature = p.temperature, d.top_p = p.top_p, d.min_p = p.min_p;
-    d.repetition = p.repetition_penalty, d.presence = p.presence_penalty, d.frequency = p.frequency_penalty;
-    d.top_k = p.top_k;
-    d.uniform = rows[r].uniform;
-    d.bias_at = static_cast<int32_t>(adjust.size());
-    d.n_bias = static_cast<int32_t>(p.logit_bias.size());
-    for (const auto& [id, v] : p.logit_bias) {
-      cuda::SampleAdjustDev a{};
-      a.token = id, a.value = v;
-      adjust.push_back(a);
-    }
-    d.penalized_at = static_cast<int32_t>(adjust.size());
-    d.n_penalized = static_cast<int32_t>(rows[r].penalized.size());
-    for (const auto& [id, count] : rows[r].penalized) {
-      cuda::SampleAdjustDev a{};
-      a.token = id, a.count = count;
-      adjust.push_back(a);
-    }
-  }
-  const size_t pb = params.size() * sizeof(cuda::SampleParamsDev), ab = adjust.size() * sizeof(cuda::SampleAdjustDev);
-  out->resize(pb + ab);
-  std::memcpy(out->data(), params.data(), pb);
-  if (ab) std::memcpy(out->data() + pb, adjust.data(), ab);
-}
-
 // ForwardOptions::sampling: one row each, with ids to write to, every token id in the vocabulary.
 Status check_sampling(const ForwardOptions& o, int64_t n_out, int n_vocab) {
   if (o.token_ids == nullptr) return invalid_argument_error("forward: sampling needs token_ids to write to");
@@ -122,6 +90,42 @@ Status check_sampling(const ForwardOptions& o, int64_t n_out, int n_vocab) {
 }
 
 }  // namespace
+
+void pack_sampling(std::span<const RowSampling> rows, std::vector<char>* out) {
+  size_t n_adjust = 0;
+  for (const RowSampling& r : rows) n_adjust += r.params->logit_bias.size() + r.penalized.size();
+  out->resize(rows.size() * sizeof(cuda::SampleParamsDev) + n_adjust * sizeof(cuda::SampleAdjustDev));
+  char* params = out->data();
+  char* adjust = params + rows.size() * sizeof(cuda::SampleParamsDev);
+  int32_t at = 0;  // entries written so far
+  auto put = [&](int32_t token, cuda::SampleAdjustDev a) {
+    a.token = token;
+    std::memcpy(adjust + static_cast<size_t>(at++) * sizeof(a), &a, sizeof(a));
+  };
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const SamplingParams& p = *rows[r].params;
+    cuda::SampleParamsDev d{};
+    d.temperature = p.temperature, d.top_p = p.top_p, d.min_p = p.min_p;
+    d.repetition = p.repetition_penalty, d.presence = p.presence_penalty, d.frequency = p.frequency_penalty;
+    d.top_k = p.top_k;
+    d.uniform = rows[r].uniform;
+    d.bias_at = at;
+    d.n_bias = static_cast<int32_t>(p.logit_bias.size());
+    for (const auto& [id, v] : p.logit_bias) {
+      cuda::SampleAdjustDev a{};
+      a.value = v;
+      put(id, a);
+    }
+    d.penalized_at = at;
+    d.n_penalized = static_cast<int32_t>(rows[r].penalized.size());
+    for (const auto& [id, count] : rows[r].penalized) {
+      cuda::SampleAdjustDev a{};
+      a.count = count;
+      put(id, a);
+    }
+    std::memcpy(params + r * sizeof(d), &d, sizeof(d));
+  }
+}
 
 struct CudaRunner::Impl {
   std::unique_ptr<CudaBackend> backend;
@@ -363,7 +367,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     uint64_t key = I.step.launch_key();
     for (uint64_t f : {b.scratch_generation(), I.activations_generation, static_cast<uint64_t>(n_seqs),
                        static_cast<uint64_t>(device_argmax)}) {
-      key = (key ^ f) * 0x100000001b3ull + 0x9e3779b97f4a7c15ull;
+      key = hash_mix(key, f);
     }
     ran = I.graphs[2 * n_seqs + (device_argmax ? 1 : 0)].run(st, key, launches, I.stats);
   } else {
