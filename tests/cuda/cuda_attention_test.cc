@@ -134,6 +134,13 @@ TEST_CASE("cuda paged attention matches the cpu and a contiguous cache over ragg
     INFO(dtype_name(dt));
     run_case(*gpu, {16, 4, 4, 64, dt, ragged}, seed++);
   }
+  // Groups the tensor-core kernel packs unevenly (3, 7 heads per KV head: a prefill tile holds
+  // 21 or 9 tokens), fills (16: one warp's 16 rows) or spreads over a 4-warp decode block (32).
+  for (int group : {3, 7, 16, 32}) {
+    INFO("group " << group);
+    run_case(*gpu, {16, 2, group, 128, DType::kBF16, ragged}, seed++);
+    run_case(*gpu, {32, 1, group, 64, DType::kF16, ragged}, seed++);
+  }
 }
 
 TEST_CASE("cuda paged decode over a 32k context splits and merges correctly", "[cuda]") {

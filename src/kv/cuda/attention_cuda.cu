@@ -1,20 +1,21 @@
 // CUDA kernels of attention_batch(): K/V append into the pages, and paged attention that reads
 // K/V where they lie (no gather) for ragged batches.
 //
-// Attention ("flash decoding" shape, used for decode and prefill alike): one thread block per
-// (token, KV head, split), serving the G = n_q / n_kv query heads of its GQA group, so each K/V
-// row is read once per group; online softmax in f32 (exp2, log2e folded into the scale).
-// Long contexts split across blocks (split-KV) and merge by log-sum-exp in a second kernel.
-// COMBS_ATTN=manual runs a simple reference instead (scores in global memory, softmax, P@V).
+// Attention for f16/bf16 caches runs on tensor cores (flash_kernel, FlashAttention-2 style) for
+// prefill tiles and decode tokens alike; f32 caches use a CUDA-core kernel (attention_kernel).
+// Both serve a whole GQA group per block, so each K/V row is read once per group, with the online
+// softmax in f32 (exp2, log2e folded into the scale). Decode splits long contexts across blocks
+// (split-KV) and merges them by log-sum-exp in a second kernel. COMBS_ATTN=manual runs a simple
+// reference instead (scores in global memory, softmax, P@V).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <string>
 #include <mutex>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
@@ -71,15 +72,6 @@ __device__ inline int64_t kv_offset(const SeqDev& s, const int32_t* tables, int6
   const int slot = s.pad >= 0 ? pi & (s.page_size - 1) : pi % s.page_size;
   return static_cast<int64_t>(tables[s.table_off + page]) * s.page_stride + head * s.head_stride +
          static_cast<int64_t>(slot) * hd;
-}
-
-__device__ inline float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-  return v;
-}
-__device__ inline float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-  return v;
 }
 
 // The rotation of an AttentionRope, as the kernels take it (inv_freq null: none).
@@ -145,19 +137,6 @@ __device__ inline void load_raw<float>(const float* p, Raw<float>& r) {
   r.a = *reinterpret_cast<const uint4*>(p);
   r.b = *reinterpret_cast<const uint4*>(p + 4);
 }
-__device__ inline void to_f32x8(const Raw<__nv_bfloat16>& r, float* f) {
-  const uint32_t w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) f[2 * i] = __uint_as_float(w[i] << 16), f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-}
-__device__ inline void to_f32x8(const Raw<__half>& r, float* f) {
-  const __half2* h = reinterpret_cast<const __half2*>(&r.a);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __half22float2(h[i]);
-    f[2 * i] = x.x, f[2 * i + 1] = x.y;
-  }
-}
 __device__ inline void to_f32x8(const Raw<float>& r, float* f) {
   const float* a = reinterpret_cast<const float*>(&r.a);
   const float* b = reinterpret_cast<const float*>(&r.b);
@@ -165,8 +144,8 @@ __device__ inline void to_f32x8(const Raw<float>& r, float* f) {
   for (int i = 0; i < 4; ++i) f[i] = a[i], f[4 + i] = b[i];
 }
 
-// grid (tokens, n_kv, splits); block kWarps warps. HD: head_dim (64 or 128); G: query heads per
-// KV head. Each key is read by a group of LPK = HD / 8 lanes, each lane 8 dimensions (one 16-byte
+// The f32 cache's decode kernel. grid (tokens, n_kv, splits); block kWarps warps. HD: head_dim
+// (64 or 128); G: query heads per KV head. Each key is read by a group of LPK = HD / 8 lanes, each lane 8 dimensions (one 16-byte
 // load of K and one of V); a warp reads 32 / LPK keys at once. Every lane keeps the G heads' query
 // dims and output accumulators for its 8 dimensions in registers, with its group's running
 // softmax state; the groups and warps merge at the end. With splits == 1 writes out; else the
@@ -297,139 +276,252 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// Prefill (chunks of new tokens) on tensor cores: one block of 4 warps per (16-token tile of a
-// sequence's new tokens, query head). The block walks the keys in tiles of 64 (head_dim 64; 32 for
-// 128, to stay in 48 KB of static shared memory) up to the tile's
-// last position: K and V tiles are read from the pages into shared memory, S = Q K^T and P V run
-// as 16x16x16 WMMA products in T (bf16 or f16) with f32 accumulation, the online softmax in f32
-// (P rounded to T for the product, as flash attention does), the output kept in f32.
-// tiles: per block, (sequence, first new-token row of the tile).
-namespace wmma = nvcuda::wmma;
+// Tensor-core attention (mma.sync m16n8k16: f16/bf16 operands, f32 accumulation), FlashAttention-2
+// style, for prefill and decode alike. A block of R warps serves 16 R query rows that share one KV
+// head: the rows pack (token, query head of the GQA group) pairs — a prefill tile is 16 R / G
+// consecutive new tokens of a sequence, a decode block one token's G heads (R = 1 while G <= 16) —
+// so each K/V tile is read once for the whole group. K/V tiles of KT keys stream from the pages
+// into shared memory with cp.async (STAGES deep, 16-byte chunks XOR-swizzled against bank
+// conflicts), S = Q K^T and O += P V run on tensor cores with S, the online softmax (f32, exp2)
+// and O in registers; P is rounded to T for the product, as flash attention does. Decode blocks
+// take a split of the keys (split-KV) and, when the sequence uses several, write unnormalized
+// partials for merge_splits_kernel.
+template <typename T>
+__device__ inline uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
 
-template <typename T, int HD>
-__global__ void __launch_bounds__(128)
-    prefill_kernel(const Meta M, const int32_t* __restrict__ tiles, const float* __restrict__ q,
-                   float* __restrict__ out, int n_kv, int n_q, float scale_log2) {
-  constexpr int QT = 16, KT = HD == 64 ? 64 : 32;  // keys per tile (static shared memory: 48 KB)
-  const int tile = blockIdx.x, h = blockIdx.y, kvh = h / (n_q / n_kv);
-  const SeqDev s = M.seqs[tiles[2 * tile]];
-  const int r0 = tiles[2 * tile + 1];  // first new-token index of this tile within the sequence
-  const int rows = min(QT, s.n_new - r0);
-  const int64_t last_pos = s.pos + r0 + rows - 1;
+template <typename T>
+__device__ inline void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// 16 bytes global -> shared without passing through registers; zero-filled when !valid.
+__device__ inline void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The tensor-core kernels' shapes: prefill blocks of 4 warps (64 query rows) with 64-key tiles;
+// decode blocks of one warp with 16 KB K/V tiles, or 4 warps when the group has more than 16 heads.
+template <int HD, int R>
+struct FlashShape {
+  static constexpr int kKeys = R == 1 ? 4096 / HD : 64;
+  static constexpr int kStages = R == 1 ? 2 : HD == 64 ? 3 : 2;
+  static constexpr int kSmemBytes = kStages * 2 * kKeys * HD * 2;
+};
+
+// tiles: null for decode (grid (tokens, n_kv, splits): one token per block); for prefill
+// (grid (tiles, n_kv)), per block (sequence, first new-token index of the tile).
+template <typename T, int HD, int R>
+__global__ void __launch_bounds__(R * 32)
+    flash_kernel(const Meta M, const int32_t* __restrict__ tiles, const float* __restrict__ q, float* __restrict__ out,
+                 float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, int G, float scale_log2) {
+  constexpr int KT = FlashShape<HD, R>::kKeys, STAGES = FlashShape<HD, R>::kStages;
+  constexpr int NT = R * 32, CH = HD / 8, LOADS = KT * CH / NT;  // 16-byte chunks per row; per thread per tile
+  static_assert(KT * CH % NT == 0 && KT % 16 == 0, "tile shape");
+  extern __shared__ __align__(128) unsigned char flash_smem[];
+  T* const smem = reinterpret_cast<T*>(flash_smem);
+  const int kvh = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, quad = lane % 4;
+  const bool decode = tiles == nullptr;
+  const int seq = decode ? M.tok_seq[blockIdx.x] : tiles[2 * blockIdx.x];
+  const SeqDev s = M.seqs[seq];
+  cuda::pdl_wait();  // every block, before any exit: this grid completes only after the one before
+  int tl0, ntok, split = 0, splits = 1;
+  int64_t kb = 0, ke;
+  if (decode) {
+    if (s.n_new >= M.prefill_min) return;  // a prefill tile's
+    splits = s.splits, split = blockIdx.z;
+    if (split >= splits) return;
+    tl0 = blockIdx.x - s.row, ntok = 1;
+    const int64_t ctx = s.pos + tl0 + 1;
+    kb = ctx * split / splits, ke = ctx * (split + 1) / splits;  // splits <= ctx / 64: never empty
+  } else {
+    tl0 = tiles[2 * blockIdx.x + 1];
+    ntok = min(R * 16 / G, s.n_new - tl0);
+    ke = s.pos + tl0 + ntok;
+  }
+  const int n_q = n_kv * G, valid_rows = ntok * G;
   const T* K = static_cast<const T*>(s.k ? s.k : M.k);
   const T* V = static_cast<const T*>(s.v ? s.v : M.v);
-  __shared__ __align__(32) T qs[QT][HD];
-  __shared__ __align__(32) T ks[KT][HD];
-  __shared__ __align__(32) T vs[KT][HD];
-  __shared__ __align__(32) float ss[QT][KT];
-  __shared__ __align__(32) T ps[QT][KT];
-  __shared__ __align__(32) float os[QT][HD];
-  __shared__ __align__(32) float tmp[QT][HD];
-  __shared__ float ml[QT][3];  // running max, running sum, this tile's correction
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  for (int i = tid; i < QT * HD; i += blockDim.x) {
-    const int r = i / HD, d = i % HD;
-    const float v = r < rows ? q[(static_cast<int64_t>(s.row + r0 + r) * n_q + h) * HD + d] : 0.0f;
-    qs[r][d] = store_as<T>(v);
-    os[r][d] = 0.0f;
-  }
-  if (tid < QT) ml[tid][0] = -INFINITY, ml[tid][1] = 0.0f;
-  __syncthreads();
-  // K and V tiles from the pages (rows past the end are zero: masked below), double-buffered
-  // through registers: the next tile's loads are in flight while this one is computed.
-  constexpr int kLoads = KT * (HD / 8) / 128;  // 16-byte loads per thread per tile (128 threads)
-  uint4 nk[kLoads], nv[kLoads];
-  auto fetch = [&](int64_t k0) {
+
+  // This lane's two rows (lane / 4 and lane / 4 + 8 of its warp's 16): the last key each may see,
+  // its output row, and Q as A fragments (rows past the tile are zero and see every key).
+  int lim[2];
+  int64_t orow[2];
+  uint32_t qf[HD / 16][4];
 #pragma unroll
-    for (int j = 0; j < kLoads; ++j) {
-      const int i = tid + j * 128, kr = i / (HD / 8), c = (i % (HD / 8)) * 8;
-      const int64_t key = k0 + kr;
-      nk[j] = nv[j] = make_uint4(0, 0, 0, 0);
-      if (key <= last_pos) {
-        const int64_t off = kv_offset(s, M.tables, key, kvh, HD) + c;
-        nk[j] = *reinterpret_cast<const uint4*>(K + off);
-        nv[j] = *reinterpret_cast<const uint4*>(V + off);
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp * 16 + lane / 4 + 8 * h;
+    const bool valid = r < valid_rows;
+    const int tl = tl0 + (valid ? r / G : 0);
+    const int64_t last = s.pos + tl;
+    lim[h] = static_cast<int>(valid && last < ke - 1 ? last : ke - 1);
+    orow[h] = valid ? static_cast<int64_t>(s.row + tl) * n_q + kvh * G + r % G : -1;
+    const float* qp = q + (valid ? orow[h] : 0) * HD;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      float2 x0 = make_float2(0.0f, 0.0f), x1 = x0;
+      if (valid) {
+        x0 = *reinterpret_cast<const float2*>(qp + ks * 16 + 2 * quad);
+        x1 = *reinterpret_cast<const float2*>(qp + ks * 16 + 8 + 2 * quad);
       }
+      qf[ks][h] = pack2<T>(x0.x, x0.y);      // a0 (row lane/4), a1 (row + 8)
+      qf[ks][2 + h] = pack2<T>(x1.x, x1.y);  // a2, a3: columns + 8
+    }
+  }
+  const int min_lim = min(lim[0], lim[1]);  // this warp needs no mask for a tile wholly below
+
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  auto load_tile = [&](int stage, int64_t k0) {
+    const uint32_t kbase = smem_base + stage * (2 * KT * HD * 2), vbase = kbase + KT * HD * 2;
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+      const int i = tid + j * NT, row = i / CH, c = i % CH;
+      const int64_t key = k0 + row;
+      const bool valid = key < ke;
+      const int64_t off = valid ? kv_offset(s, M.tables, key, kvh, HD) + c * 8 : 0;
+      const uint32_t dst = (row * HD + ((c ^ (row & 7)) * 8)) * 2;
+      cp_async16(kbase + dst, K + off, valid);
+      cp_async16(vbase + dst, V + off, valid);
     }
   };
-  fetch(0);
-  for (int64_t k0 = 0; k0 <= last_pos; k0 += KT) {
+  auto sync = [] {
+    if constexpr (R == 1) __syncwarp();
+    else __syncthreads();
+  };
+
+  float o[HD / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int j = 0; j < kLoads; ++j) {
-      const int i = tid + j * 128, kr = i / (HD / 8), c = (i % (HD / 8)) * 8;
-      *reinterpret_cast<uint4*>(&ks[kr][c]) = nk[j];
-      *reinterpret_cast<uint4*>(&vs[kr][c]) = nv[j];
-    }
-    __syncthreads();
-    if (k0 + KT <= last_pos) fetch(k0 + KT);
-    // S = Q K^T: warp w the 16x16 block of keys 16w .. 16w+15.
-    if (warp < KT / 16) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.0f);
+  for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  const int n_tiles = static_cast<int>((ke - kb + KT - 1) / KT);
 #pragma unroll
-      for (int kk = 0; kk < HD; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-        wmma::load_matrix_sync(a, &qs[0][kk], HD);
-        wmma::load_matrix_sync(b, &ks[warp * 16][kk], HD);
-        wmma::mma_sync(acc, a, b, acc);
-      }
-      wmma::store_matrix_sync(&ss[0][warp * 16], acc, KT, wmma::mem_row_major);
-    }
-    __syncthreads();
-    // Online softmax: warp w takes rows 4w .. 4w+3, lane j keys k0 + j, k0 + j + 32, ...
-    for (int r = warp * 4; r < warp * 4 + 4; ++r) {
-      const int64_t pos = s.pos + r0 + r;
-      constexpr int KL = KT / 32;  // keys per lane
-      float sc[KL], mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < KL; ++j) {
-        const bool valid = r < rows && k0 + lane + 32 * j <= pos;
-        sc[j] = valid ? ss[r][lane + 32 * j] * scale_log2 : -INFINITY;
-        mx = fmaxf(mx, sc[j]);
-      }
-      const float m_old = ml[r][0];
-      const float m_new = fmaxf(m_old, warp_max(mx));
-      float part = 0.0f;
-#pragma unroll
-      for (int j = 0; j < KL; ++j) {
-        const float p = sc[j] == -INFINITY ? 0.0f : exp2f(sc[j] - m_new);
-        ps[r][lane + 32 * j] = store_as<T>(p);
-        part += p;
-      }
-      const float sum = warp_sum(part);
-      if (lane == 0) {
-        const float corr = m_new == -INFINITY ? 1.0f : exp2f(m_old - m_new);
-        ml[r][0] = m_new;
-        ml[r][1] = ml[r][1] * corr + sum;
-        ml[r][2] = corr;
-      }
-    }
-    __syncthreads();
-    // O = O * corr + P V: each warp HD / 4 output columns.
-    for (int c0 = warp * (HD / 4); c0 < (warp + 1) * (HD / 4); c0 += 16) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-      for (int kk = 0; kk < KT; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(a, &ps[0][kk], KT);
-        wmma::load_matrix_sync(b, &vs[kk][c0], HD);
-        wmma::mma_sync(acc, a, b, acc);
-      }
-      wmma::store_matrix_sync(&tmp[0][c0], acc, HD, wmma::mem_row_major);
-    }
-    __syncthreads();
-    for (int i = tid; i < QT * HD; i += blockDim.x) {
-      const int r = i / HD, d = i % HD;
-      os[r][d] = os[r][d] * ml[r][2] + tmp[r][d];
-    }
-    __syncthreads();
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_tiles) load_tile(st, kb + st * KT);
+    cp_async_commit();
   }
-  for (int i = tid; i < rows * HD; i += blockDim.x) {
-    const int r = i / HD, d = i % HD;
-    out[(static_cast<int64_t>(s.row + r0 + r) * n_q + h) * HD + d] = os[r][d] / ml[r][1];
+  for (int i = 0; i < n_tiles; ++i) {
+    cp_async_wait<STAGES - 2>();
+    sync();  // tile i is in; every warp is done with the stage reloaded next
+    if (i + STAGES - 1 < n_tiles) load_tile((i + STAGES - 1) % STAGES, kb + static_cast<int64_t>(i + STAGES - 1) * KT);
+    cp_async_commit();
+    const uint32_t kbase = smem_base + (i % STAGES) * (2 * KT * HD * 2), vbase = kbase + KT * HD * 2;
+    const int64_t k0 = kb + static_cast<int64_t>(i) * KT;
+
+    // S = Q K^T: ldmatrix.x4 gives the B fragments of two 8-key n-tiles for 16 dims.
+    float sc[KT / 8][4];
+#pragma unroll
+    for (int n = 0; n < KT / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+#pragma unroll
+      for (int np = 0; np < KT / 16; ++np) {
+        const int key = np * 16 + (lane & 7) + (lane >> 4) * 8, c = 2 * ks + ((lane >> 3) & 1);
+        uint32_t b[4];
+        ldmatrix_x4(b, kbase + (key * HD + ((c ^ (lane & 7)) * 8)) * 2);
+        mma16816<T>(sc[2 * np], qf[ks], b[0], b[1]);
+        mma16816<T>(sc[2 * np + 1], qf[ks], b[2], b[3]);
+      }
+    }
+    // Scale, mask (causal and the split's end) and the online softmax of the lane's two rows.
+    const bool masked = k0 + KT - 1 > min_lim;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < KT / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = sc[n][e] * scale_log2;
+        if (masked && k0 + n * 8 + 2 * quad + (e & 1) > lim[e / 2]) x = -INFINITY;
+        sc[n][e] = x;
+        mx[e / 2] = fmaxf(mx[e / 2], x);
+      }
+    }
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+      const float m_new = fmaxf(m[h], mx[h]);
+      const float base = m_new == -INFINITY ? 0.0f : m_new;
+      corr[h] = exp2f(m[h] - base);  // 0 while m is -inf
+      m[h] = m_new;
+      mx[h] = base;
+      l[h] *= corr[h];
+    }
+#pragma unroll
+    for (int n = 0; n < KT / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp2f(sc[n][e] - mx[e / 2]);
+        sc[n][e] = p;
+        l[e / 2] += p;
+      }
+    }
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) o[d][0] *= corr[0], o[d][1] *= corr[0], o[d][2] *= corr[1], o[d][3] *= corr[1];
+    // O += P V: the S accumulators of two n-tiles are the A fragment of 16 keys; ldmatrix.trans
+    // gives V's B fragments for two 8-dim n-tiles.
+#pragma unroll
+    for (int kk = 0; kk < KT / 16; ++kk) {
+      const uint32_t a[4] = {pack2<T>(sc[2 * kk][0], sc[2 * kk][1]), pack2<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                             pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+      const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int dp = 0; dp < HD / 16; ++dp) {
+        const int c = 2 * dp + (lane >> 4);
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vbase + (key * HD + ((c ^ (lane & 7)) * 8)) * 2);
+        mma16816<T>(o[2 * dp], a, b[0], b[1]);
+        mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Each row's sum is spread over its quad's four lanes.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
+    if (orow[h] < 0) continue;
+    if (splits == 1) {
+      const float inv = 1.0f / l[h];
+      float* op = out + orow[h] * HD + 2 * quad;
+#pragma unroll
+      for (int d = 0; d < HD / 8; ++d) *reinterpret_cast<float2*>(op + d * 8) = make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
+    } else {
+      const int64_t prow = orow[h] * gridDim.z + split;
+      float* op = part_o + prow * HD + 2 * quad;
+#pragma unroll
+      for (int d = 0; d < HD / 8; ++d) *reinterpret_cast<float2*>(op + d * 8) = make_float2(o[d][2 * h], o[d][2 * h + 1]);
+      if (quad == 0) part_ml[prow * 2] = m[h], part_ml[prow * 2 + 1] = l[h];
+    }
   }
 }
 
@@ -504,6 +596,29 @@ __global__ void manual_attention_kernel(const Meta M, const float* __restrict__ 
   }
 }
 
+template <typename T, int HD, int R>
+cudaError_t launch_flash(dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles, const float* q, float* out,
+                         float* part_o, float* part_ml, int n_kv, int G, float scale_log2) {
+  constexpr int smem = FlashShape<HD, R>::kSmemBytes;
+  static const cudaError_t attr =  // once per kernel (prefill with head_dim 128 takes 64 KB)
+      cudaFuncSetAttribute(flash_kernel<T, HD, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  return cuda::launch_pdl(flash_kernel<T, HD, R>, grid, dim3(R * 32), smem, st, M, tiles, q, out, part_o, part_ml,
+                          n_kv, G, scale_log2);
+}
+
+// The tensor-core kernel for a cache of T: head_dim 64 or 128, R warps per block (1 or 4).
+template <typename T>
+cudaError_t launch_flash(int hd, int R, dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles,
+                         const float* q, float* out, float* part_o, float* part_ml, int n_kv, int G, float scale_log2) {
+  if (hd == 64) {
+    return R == 1 ? launch_flash<T, 64, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2)
+                  : launch_flash<T, 64, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2);
+  }
+  return R == 1 ? launch_flash<T, 128, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2)
+                : launch_flash<T, 128, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2);
+}
+
 template <typename T, int HD, int G>
 void launch_attention(dim3 grid, cudaStream_t st, const Meta& M,
                       const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2) {
@@ -564,13 +679,14 @@ class CudaAttentionPlan final : public DeviceAttentionPlan {
   DType dtype_ = DType::kF32;
   RopeDev rope_{nullptr, 0, false};
   AttentionImpl impl_ = AttentionImpl::kFlash;
-  bool attend_ = false, shared_arena_ = true;
+  bool attend_ = false, shared_arena_ = true, tensor_cores_ = false;
 };
 
-// Sequences with kPrefillMin or more new tokens run on tensor cores (prefill_kernel), in tiles of
-// 16 tokens, where the cache holds f16 or bf16 and the head_dim has a kernel; the rest (decode)
-// in attention_kernel.
-constexpr int kPrefillMin = 16;
+// Where the cache holds f16 or bf16, the head_dim is 64 or 128 and a GQA group has at most 64
+// query heads, attention runs on tensor cores (flash_kernel): sequences with kPrefillMin or more
+// new tokens in prefill tiles of 64 / G tokens, the other tokens (decode) one per block with
+// split-KV. Otherwise (an f32 cache) attention_kernel runs the decode path for every token.
+constexpr int kPrefillMin = 16, kPrefillRows = 64, kMaxTensorCoreGroup = 64;
 // Decode splits: the grid has ~8 blocks per SM of an H200 (132 SMs) whatever the contexts (so a
 // batch's launches depend on its token count only); each sequence uses up to that many, one per
 // 64 keys of its own context.
@@ -597,15 +713,17 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
     shared_arena_ &= w.kv.k == work[0].kv.k && w.kv.v == work[0].kv.v;
   }
   if (max_ctx_ > INT32_MAX) return invalid_argument_error("attention (cuda): positions beyond 2^31");
+  const int G = n_q / n_kv, tile_tokens = std::max(kPrefillRows / G, 1);
   const bool tensor_cores = attend && impl == AttentionImpl::kFlash && (hd_ == 64 || hd_ == 128) &&
-                            (dtype_ == DType::kF16 || dtype_ == DType::kBF16);
+                            (dtype_ == DType::kF16 || dtype_ == DType::kBF16) && G <= kMaxTensorCoreGroup;
+  tensor_cores_ = tensor_cores;
   n_tiles_ = 0;
   n_decode_ = tokens_;
   if (tensor_cores) {
     for (const SeqWork& w : work) {
       if (w.n_new < kPrefillMin) continue;
       n_decode_ -= w.n_new;
-      n_tiles_ += (w.n_new + 15) / 16;
+      n_tiles_ += (w.n_new + tile_tokens - 1) / tile_tokens;
     }
   }
   grid_splits_ = 1;
@@ -631,7 +749,7 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
     sd_.push_back(d);
     for (int64_t r = w.row; r < w.row + w.n_new; ++r) ints_[static_cast<size_t>(r)] = static_cast<int32_t>(i);
     if (tensor_cores && w.n_new >= kPrefillMin) {
-      for (int64_t r0 = 0; r0 < w.n_new; r0 += 16, tile += 2) {
+      for (int64_t r0 = 0; r0 < w.n_new; r0 += tile_tokens, tile += 2) {
         ints_[static_cast<size_t>(tile)] = static_cast<int32_t>(i);
         ints_[static_cast<size_t>(tile + 1)] = static_cast<int32_t>(r0);
       }
@@ -676,7 +794,7 @@ uint64_t CudaAttentionPlan::key() const {
                              static_cast<uint64_t>(grid_splits_), static_cast<uint64_t>(M_.prefill_min),
                              static_cast<uint64_t>(n_kv_) << 32 | static_cast<uint32_t>(n_q_),
                              static_cast<uint64_t>(hd_) << 8 | static_cast<uint64_t>(dtype_),
-                             static_cast<uint64_t>(attend_), reinterpret_cast<uintptr_t>(rope_.inv_freq),
+                             static_cast<uint64_t>(attend_) << 1 | static_cast<uint64_t>(tensor_cores_), reinterpret_cast<uintptr_t>(rope_.inv_freq),
                              static_cast<uint64_t>(rope_.rope_dim) << 1 | static_cast<uint64_t>(rope_.adjacent)};
   uint64_t h = 0;
   for (uint64_t f : fields) h = hash_mix(h, f);
@@ -721,30 +839,35 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
     return ok_status();
   }
   const float scale_log2 = scale * kLog2e;
+  const int G = n_q / n_kv;
+  const bool f16 = dtype_ == DType::kF16;
   if (n_tiles_ > 0) {
-    const dim3 pgrid(static_cast<unsigned>(n_tiles_), static_cast<unsigned>(n_q));
-    if (dtype_ == DType::kF16) {
-      if (hd == 64) prefill_kernel<__half, 64><<<pgrid, 128, 0, st>>>(M, d_tiles_, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
-      else prefill_kernel<__half, 128><<<pgrid, 128, 0, st>>>(M, d_tiles_, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
-    } else {
-      if (hd == 64) prefill_kernel<__nv_bfloat16, 64><<<pgrid, 128, 0, st>>>(M, d_tiles_, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
-      else prefill_kernel<__nv_bfloat16, 128><<<pgrid, 128, 0, st>>>(M, d_tiles_, q.data_as<float>(), out->data_as<float>(), n_kv, n_q, scale_log2);
-    }
-    COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    const dim3 pgrid(static_cast<unsigned>(n_tiles_), static_cast<unsigned>(n_kv));
+    COMBS_CUDA_RETURN_IF_ERROR(
+        f16 ? launch_flash<__half>(hd, 4, pgrid, st, M, d_tiles_, q.data_as<float>(), out->data_as<float>(), nullptr,
+                                   nullptr, n_kv, G, scale_log2)
+            : launch_flash<__nv_bfloat16>(hd, 4, pgrid, st, M, d_tiles_, q.data_as<float>(), out->data_as<float>(),
+                                          nullptr, nullptr, n_kv, G, scale_log2));
   }
   if (n_decode_ == 0) return ok_status();
-  const int G = n_q / n_kv;
   const dim3 grid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_kv), static_cast<unsigned>(grid_splits_));
-  bool ok;
-  switch (dtype_) {
-    case DType::kF32: ok = dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2); break;
-    case DType::kF16: ok = dispatch_hd<__half>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2); break;
-    default: ok = dispatch_hd<__nv_bfloat16>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2); break;
+  bool ok = true;
+  if (tensor_cores_) {
+    const int R = G <= 16 ? 1 : 4;
+    COMBS_CUDA_RETURN_IF_ERROR(
+        f16 ? launch_flash<__half>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(), part_o_,
+                                   part_ml_, n_kv, G, scale_log2)
+            : launch_flash<__nv_bfloat16>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(),
+                                          part_o_, part_ml_, n_kv, G, scale_log2));
+  } else {
+    ok = dtype_ == DType::kF32 &&
+         dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2);
   }
   if (!ok) {
     return unimplemented_error("attention (cuda): head_dim " + std::to_string(hd) + " with " + std::to_string(G) +
-                               " query heads per KV head (kernels: head_dim 64 or 128, 1/2/4/8 heads per KV head; "
-                               "COMBS_ATTN=manual runs any)");
+                               " query heads per KV head in a " + std::string(dtype_name(dtype_)) +
+                               " cache (kernels: head_dim 64 or 128; f16/bf16 caches up to 64 heads per KV head, "
+                               "f32 caches 1/2/4/8; COMBS_ATTN=manual runs any)");
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (grid_splits_ > 1) {
