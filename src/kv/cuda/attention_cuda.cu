@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -329,11 +330,13 @@ __device__ inline void cp_async_wait() {
 }
 
 // The tensor-core kernels' shapes: prefill blocks of 4 warps (64 query rows) with 64-key tiles;
-// decode blocks of one warp with 16 KB K/V tiles, or 4 warps when the group has more than 16 heads.
+// decode blocks of one warp with 8 KB K/V tiles four deep (measured on the H200 against 16 KB
+// two or three deep: 16 x 8k contexts 0.91 of copy bandwidth vs 0.89 / 0.62), or of 4 warps when
+// the group has more than 16 heads.
 template <int HD, int R>
 struct FlashShape {
-  static constexpr int kKeys = R == 1 ? 4096 / HD : 64;
-  static constexpr int kStages = R == 1 ? 2 : HD == 64 ? 3 : 2;
+  static constexpr int kKeys = R == 1 ? 2048 / HD : 64;
+  static constexpr int kStages = R == 1 ? 4 : HD == 64 ? 3 : 2;
   static constexpr int kSmemBytes = kStages * 2 * kKeys * HD * 2;
 };
 
@@ -597,14 +600,45 @@ __global__ void manual_attention_kernel(const Meta M, const float* __restrict__ 
 }
 
 template <typename T, int HD, int R>
+cudaError_t flash_attr() {
+  static const cudaError_t attr =  // once per kernel (prefill with head_dim 128 takes 64 KB)
+      cudaFuncSetAttribute(flash_kernel<T, HD, R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           FlashShape<HD, R>::kSmemBytes);
+  return attr;
+}
+
+// Blocks of the decode kernel resident on the whole device at once.
+template <typename T, int HD, int R>
+int flash_capacity_of() {
+  static const int cap = [] {
+    int per_sm = 0, sms = 0, dev = 0;
+    if (flash_attr<T, HD, R>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, flash_kernel<T, HD, R>, R * 32,
+                                                      FlashShape<HD, R>::kSmemBytes) != cudaSuccess) {
+      return 1056;
+    }
+    return std::max(per_sm * sms, 1);
+  }();
+  return cap;
+}
+
+int flash_capacity(DType dt, int hd, int R) {
+  const bool h = dt == DType::kF16;
+  if (hd == 64) {
+    if (R == 1) return h ? flash_capacity_of<__half, 64, 1>() : flash_capacity_of<__nv_bfloat16, 64, 1>();
+    return h ? flash_capacity_of<__half, 64, 4>() : flash_capacity_of<__nv_bfloat16, 64, 4>();
+  }
+  if (R == 1) return h ? flash_capacity_of<__half, 128, 1>() : flash_capacity_of<__nv_bfloat16, 128, 1>();
+  return h ? flash_capacity_of<__half, 128, 4>() : flash_capacity_of<__nv_bfloat16, 128, 4>();
+}
+
+template <typename T, int HD, int R>
 cudaError_t launch_flash(dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles, const float* q, float* out,
                          float* part_o, float* part_ml, int n_kv, int G, float scale_log2) {
-  constexpr int smem = FlashShape<HD, R>::kSmemBytes;
-  static const cudaError_t attr =  // once per kernel (prefill with head_dim 128 takes 64 KB)
-      cudaFuncSetAttribute(flash_kernel<T, HD, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (attr != cudaSuccess) return attr;
-  return cuda::launch_pdl(flash_kernel<T, HD, R>, grid, dim3(R * 32), smem, st, M, tiles, q, out, part_o, part_ml,
-                          n_kv, G, scale_log2);
+  if (const cudaError_t e = flash_attr<T, HD, R>(); e != cudaSuccess) return e;
+  return cuda::launch_pdl(flash_kernel<T, HD, R>, grid, dim3(R * 32), FlashShape<HD, R>::kSmemBytes, st, M,
+                          tiles, q, out, part_o, part_ml, n_kv, G, scale_log2);
 }
 
 // The tensor-core kernel for a cache of T: head_dim 64 or 128, R warps per block (1 or 4).
@@ -687,9 +721,10 @@ class CudaAttentionPlan final : public DeviceAttentionPlan {
 // new tokens in prefill tiles of 64 / G tokens, the other tokens (decode) one per block with
 // split-KV. Otherwise (an f32 cache) attention_kernel runs the decode path for every token.
 constexpr int kPrefillMin = 16, kPrefillRows = 64, kMaxTensorCoreGroup = 64;
-// Decode splits: the grid has ~8 blocks per SM of an H200 (132 SMs) whatever the contexts (so a
-// batch's launches depend on its token count only); each sequence uses up to that many, one per
-// 64 keys of its own context.
+// Decode splits: the grid's split count depends on the batch's decode token count only (so a
+// batch's launches depend on its shape, not its contexts): for the tensor-core kernel from its
+// resident-block capacity (prepare()), for the f32 one ~8 blocks per SM of an H200 (132 SMs).
+// Each sequence uses up to that many, one per tile (tensor cores) or 64 keys of its own context.
 // The partial results are capped at kMaxPartialBytes (a long prefill chunk batched with a decode
 // would otherwise ask for gigabytes).
 constexpr int64_t kTargetBlocks = 1056, kMinKeysPerSplit = 64, kMaxSplits = 128, kMaxPartialBytes = 64 << 20;
@@ -727,11 +762,23 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
     }
   }
   grid_splits_ = 1;
+  int64_t min_keys = kMinKeysPerSplit;
   if (attend && impl == AttentionImpl::kFlash) {
     const int64_t base_blocks = std::max<int64_t>(n_decode_, 1) * n_kv;
     const int64_t per_split = std::max<int64_t>(tokens_ * n_q * (hd_ + 2) * 4, 1);
-    grid_splits_ = static_cast<int>(std::clamp<int64_t>((kTargetBlocks + base_blocks - 1) / base_blocks, 1,
-                                                        std::clamp<int64_t>(kMaxPartialBytes / per_split, 1, kMaxSplits)));
+    const int64_t max_splits = std::clamp<int64_t>(kMaxPartialBytes / per_split, 1, kMaxSplits);
+    if (tensor_cores) {
+      // As many splits as fill the device's resident blocks once (a second, partial wave measured
+      // slower: 1 x 32k 0.44 vs 0.57 of copy bandwidth); where a single split fills more than half
+      // of them (64 sessions), two waves' worth (measured faster than one split: 7.3k vs 6.9k
+      // tok/s for llama-8b).
+      const int64_t capacity = flash_capacity(dtype_, hd_, G <= 16 ? 1 : 4);
+      const int64_t target = base_blocks > capacity / 2 ? 2 * capacity : capacity;
+      grid_splits_ = static_cast<int>(std::clamp<int64_t>(target / base_blocks, 1, max_splits));
+      min_keys = hd_ == 64 ? FlashShape<64, 1>::kKeys : FlashShape<128, 1>::kKeys;  // one decode tile
+    } else {
+      grid_splits_ = static_cast<int>(std::clamp<int64_t>((kTargetBlocks + base_blocks - 1) / base_blocks, 1, max_splits));
+    }
   }
   sd_.clear();
   ints_.assign(static_cast<size_t>(tokens_ + 2 * n_tiles_), 0);
@@ -745,7 +792,7 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
     d.pad = (w.kv.page_size & (w.kv.page_size - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(w.kv.page_size)) : -1;
     d.table_off = static_cast<int32_t>(ints_.size() - static_cast<size_t>(tokens_ + 2 * n_tiles_));
     d.row = static_cast<int32_t>(w.row), d.pos = static_cast<int32_t>(w.pos), d.n_new = static_cast<int32_t>(w.n_new);
-    d.splits = static_cast<int32_t>(std::clamp<int64_t>(end / kMinKeysPerSplit, 1, grid_splits_));
+    d.splits = static_cast<int32_t>(std::clamp<int64_t>(end / min_keys, 1, grid_splits_));
     sd_.push_back(d);
     for (int64_t r = w.row; r < w.row + w.n_new; ++r) ints_[static_cast<size_t>(r)] = static_cast<int32_t>(i);
     if (tensor_cores && w.n_new >= kPrefillMin) {

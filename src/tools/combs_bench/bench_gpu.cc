@@ -95,7 +95,9 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
 }
 
 // Decode attention alone: one token over `ctx` keys for n_seqs sequences, 32 query / 8 KV heads,
-// head_dim 128, BF16 K/V; GB/s of K/V read, paged (page 16) and contiguous.
+// head_dim 128, BF16 K/V; GB/s of K/V read, paged (page 16) and contiguous. Timed as a forward
+// runs it: an AttentionStep begun once (the host work, once per forward), then the device work of
+// one layer (K/V append, attention, split merge) 20 times back to back; median of 5 such rounds.
 StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, int n_seqs) {
   const KVGeometry g{1, 8, 128, DType::kBF16};
   const int nq = 32;
@@ -126,17 +128,20 @@ StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, i
   COMBS_RETURN_IF_ERROR(b.zero(q));
   COMBS_RETURN_IF_ERROR(b.zero(k1));
   auto time = [&](std::vector<std::unique_ptr<KVCache>>& set) -> StatusOr<double> {
+    std::vector<SeqAttention> batch;
+    for (auto& c : set) batch.push_back({c.get(), ctx, 1});
+    AttentionStep step;
+    COMBS_RETURN_IF_ERROR(step.begin(batch, nq));
     std::vector<double> v;
-    for (int r = 0; r < 12; ++r) {
-      std::vector<SeqAttention> batch;
-      for (auto& c : set) batch.push_back({c.get(), ctx, 1});
+    constexpr int kRuns = 20;
+    for (int r = 0; r < 6; ++r) {  // the first round warms up
       COMBS_RETURN_IF_ERROR(b.synchronize());
       const double t0 = now_seconds();
-      COMBS_RETURN_IF_ERROR(attention_batch(batch, 0, q, k1, k1, 0.088f, &out));
+      for (int i = 0; i < kRuns; ++i) COMBS_RETURN_IF_ERROR(step.run(0, q, k1, k1, 0.088f, out));
       COMBS_RETURN_IF_ERROR(b.synchronize());
-      if (r > 1) v.push_back(now_seconds() - t0);
-      for (auto& c : set) c->popn(1);
+      if (r > 0) v.push_back((now_seconds() - t0) / kRuns);
     }
+    step.cancel();
     const double bytes = 2.0 * (ctx + 1) * 8 * 128 * 2 * n_seqs;  // K and V, bf16
     return bytes / median(v) / 1e9;
   };
@@ -153,7 +158,7 @@ int run_gpu(int argc, char** argv) {
                                          {"only", ""}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
-    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N] [--only prefill|sessions]");
+    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N] [--only prefill|sessions|attention]");
     return 0;
   }
   long long reps, sessions;
@@ -168,13 +173,19 @@ int run_gpu(int argc, char** argv) {
   const double bw = copy_bandwidth(**backend);
   std::printf("# combs-bench gpu on %s: device copy bandwidth %.0f GB/s (read + write), median of %lld\n\n",
               (*backend)->description().c_str(), bw / 1e9, reps);
-  std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | same without "
-              "CUDA graphs | same sampling (T 0.8, top-p 0.95) | prefill tok/s (2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |"
-              "\n|---|---|---|---|---|---|---|---|---|\n",
-              sessions);
   std::error_code ec;
   std::filesystem::create_directories(flags.str("dir"), ec);
-  for (const std::string& shape : split_list(flags.str("shapes"))) {
+  const std::string only = flags.str("only");
+  if (!only.empty() && only != "prefill" && only != "sessions" && only != "attention") {
+    return std::fprintf(stderr, "combs-bench gpu: --only prefill|sessions|attention\n"), 2;
+  }
+  if (only.empty()) {
+    std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | same without "
+                "CUDA graphs | same sampling (T 0.8, top-p 0.95) | prefill tok/s (2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |"
+                "\n|---|---|---|---|---|---|---|---|---|\n",
+                sessions);
+  }
+  for (const std::string& shape : only == "attention" ? std::vector<std::string>() : split_list(flags.str("shapes"))) {
     const std::string path = flags.str("dir") + "/" + shape + "-bf16.gguf";
     if (!std::filesystem::exists(path)) {
       RandomModelOptions o;
@@ -189,10 +200,8 @@ int run_gpu(int argc, char** argv) {
     auto runner = CudaRunner::create(**model);
     if (!runner.ok()) return std::fprintf(stderr, "%s\n", runner.status().to_string().c_str()), 1;
     const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
-    const std::string only = flags.str("only");
     if (!only.empty()) {  // one part alone (for a profiler): no table
       const bool pre = only == "prefill";
-      if (!pre && only != "sessions") return std::fprintf(stderr, "combs-bench gpu: --only prefill|sessions\n"), 2;
       auto r = pre ? run_sessions(**runner, 1, 2048, 1, int(reps)) : run_sessions(**runner, int(sessions), 1024, 128, int(reps));
       if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
       std::printf("%s %s: %.0f tok/s\n", shape.c_str(), only.c_str(), pre ? r->prompt_tps : r->decode_tps);
@@ -219,7 +228,7 @@ int run_gpu(int argc, char** argv) {
                 many->decode_tps);
     std::fflush(stdout);
   }
-  if (!flags.str("only").empty()) return 0;
+  if (!only.empty() && only != "attention") return 0;
   std::printf("\n| decode attention (32 q / 8 kv heads, hd 128, bf16) | sequences | paged GB/s | contiguous GB/s | "
               "paged / contiguous time | paged / copy bandwidth |\n|---|---|---|---|---|---|\n");
   for (long long ctx : contexts) {
