@@ -22,6 +22,8 @@ __device__ inline float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <typename T>
 __device__ inline T from_f32(float v);
 template <>
+__device__ inline float from_f32<float>(float v) { return v; }
+template <>
 __device__ inline __half from_f32<__half>(float v) { return __float2half_rn(v); }
 template <>
 __device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
@@ -29,6 +31,7 @@ __device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __floa
 template <typename T>
 __global__ void convert_kernel(const float* __restrict__ x, T* __restrict__ y, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  pdl_wait();
   if (i < n) y[i] = from_f32<T>(x[i]);
 }
 
@@ -46,15 +49,46 @@ __global__ void embedding_kernel(const T* __restrict__ table, const int32_t* __r
 }
 
 // One block per row: residual += delta, then y = residual * rsqrt(mean(residual^2) + eps) * w.
+// Rows of a multiple of 4 go by float4 (the row stays in L1 between the two passes). Launched
+// with programmatic dependent launch: the block waits for the kernel before, then starts.
+template <typename T>
+__device__ inline void store4(T* p, float4 v) {
+  p[0] = from_f32<T>(v.x), p[1] = from_f32<T>(v.y), p[2] = from_f32<T>(v.z), p[3] = from_f32<T>(v.w);
+}
+template <>
+__device__ inline void store4<float>(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+template <>
+__device__ inline void store4<__nv_bfloat16>(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+}
+
+template <typename T>
 __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* __restrict__ delta,
-                                    const float* __restrict__ weight, float* __restrict__ y, int64_t dim, float eps) {
+                                    const float* __restrict__ weight, T* __restrict__ y, int64_t dim, float eps) {
   float* r = residual + blockIdx.x * dim;
   const float* d = delta ? delta + blockIdx.x * dim : nullptr;
+  T* yr = y + blockIdx.x * dim;
+  pdl_wait();
   float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float v = d ? r[i] + d[i] : r[i];
-    if (d) r[i] = v;
-    ss += v * v;
+  const bool vec = dim % 4 == 0;
+  if (vec) {
+#pragma unroll 4
+    for (int64_t i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
+      float4 v = *reinterpret_cast<const float4*>(r + i);
+      if (d) {
+        const float4 e = *reinterpret_cast<const float4*>(d + i);
+        v.x += e.x, v.y += e.y, v.z += e.z, v.w += e.w;
+        *reinterpret_cast<float4*>(r + i) = v;
+      }
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+      const float v = d ? r[i] + d[i] : r[i];
+      if (d) r[i] = v;
+      ss += v * v;
+    }
   }
   __shared__ float warp_sums[32];
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
@@ -67,15 +101,25 @@ __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* _
   }
   __syncthreads();
   const float scale = rsqrtf(warp_sums[0] / static_cast<float>(dim) + eps);
-  float* yr = y + blockIdx.x * dim;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = r[i] * scale * weight[i];
+  if (vec) {
+#pragma unroll 4
+    for (int64_t i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
+      const float4 v = *reinterpret_cast<const float4*>(r + i), w = *reinterpret_cast<const float4*>(weight + i);
+      store4(yr + i, make_float4(v.x * scale * w.x, v.y * scale * w.y, v.z * scale * w.z, v.w * scale * w.w));
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = from_f32<T>(r[i] * scale * weight[i]);
+  }
 }
 
-__global__ void silu_mul_kernel(float* __restrict__ gate, const float* __restrict__ up, int64_t n) {
+// out[i] = silu(gate[i]) * up[i] (out may be gate; T: the dtype of the GEMM that takes it).
+template <typename T>
+__global__ void silu_mul_kernel(const float* gate, const float* __restrict__ up, T* out, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  pdl_wait();
   if (i < n) {
     const float g = gate[i];
-    gate[i] = g / (1.0f + expf(-g)) * up[i];
+    out[i] = from_f32<T>(g / (1.0f + expf(-g)) * up[i]);
   }
 }
 
@@ -346,9 +390,9 @@ StatusOr<const void*> gemm_input(CudaBackend& b, const Tensor& w, const float* x
     case DType::kBF16: {
       COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(n * in) * 2));
       if (w.dtype() == DType::kF16) {
-        convert_kernel<<<blocks(n * in, 256), 256, 0, stream_of(b)>>>(x, static_cast<__half*>(xs), n * in);
+        launch_pdl(convert_kernel<__half>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x, static_cast<__half*>(xs), n * in);
       } else {
-        convert_kernel<<<blocks(n * in, 256), 256, 0, stream_of(b)>>>(x, static_cast<__nv_bfloat16*>(xs), n * in);
+        launch_pdl(convert_kernel<__nv_bfloat16>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x, static_cast<__nv_bfloat16*>(xs), n * in);
       }
       COMBS_RETURN_IF_ERROR(launched("convert_kernel"));
       return static_cast<const void*>(xs);
@@ -432,6 +476,25 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   return ok_status();
 }
 
+Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs) {
+  if (outs.empty() || outs.size() > 3) return invalid_argument_error("cuda matmul_split: 1 to 3 outputs");
+  int64_t rows = 0;
+  for (const MatmulOut& o : outs) rows += o.rows;
+  if (w.rank() != 2 || rows != w.dim(0)) {
+    return invalid_argument_error("cuda matmul_split: the outputs' rows do not add up to the weight's " + w.shape().to_string());
+  }
+  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul_split: weight is not in device memory");
+  if (w.dtype() != DType::kF32 && w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
+    return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " weights (convert Q8_0 to BF16 at load)");
+  }
+  int64_t begin = 0;
+  for (const MatmulOut& o : outs) {
+    if (n > 0) COMBS_RETURN_IF_ERROR(gemm(b, w.rows(begin, begin + o.rows), x, n, o.y, o.bias, false));
+    begin += o.rows;
+  }
+  return ok_status();
+}
+
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
                      bool accumulate) {
   if (n == 0) return ok_status();
@@ -440,8 +503,20 @@ Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* 
     gemv<true>(w, gate, up, g, static_cast<int>(n), stream_of(b));
     return launched("gemv_kernel");
   }
-  COMBS_RETURN_IF_ERROR(silu_mul(b, gate, up, n * w.dim(1)));
-  return matmul(b, w, gate, n, y, nullptr, accumulate);
+  if (w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
+    COMBS_RETURN_IF_ERROR(silu_mul(b, gate, up, n * w.dim(1)));
+    return matmul(b, w, gate, n, y, nullptr, accumulate);
+  }
+  // The product rounded to the weights' dtype as it is formed: the GEMM's input, no rounding pass.
+  const int64_t count = n * w.dim(1);
+  COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(count) * 2));
+  if (w.dtype() == DType::kF16) {
+    launch_pdl(silu_mul_kernel<__half>, dim3(blocks(count, 256)), dim3(256), 0, stream_of(b), gate, up, static_cast<__half*>(xs), count);
+  } else {
+    launch_pdl(silu_mul_kernel<__nv_bfloat16>, dim3(blocks(count, 256)), dim3(256), 0, stream_of(b), gate, up, static_cast<__nv_bfloat16*>(xs), count);
+  }
+  COMBS_RETURN_IF_ERROR(launched("silu_mul_kernel"));
+  return gemm(b, w, xs, n, y, nullptr, accumulate);
 }
 
 Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_t n, float* out) {
@@ -466,11 +541,22 @@ Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_
   return launched("embedding_kernel");
 }
 
+Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, void* y, DType y_dtype,
+                    int64_t n, int64_t dim, float eps) {
+  if (n == 0) return ok_status();
+  const unsigned grid = static_cast<unsigned>(n);
+  switch (y_dtype) {
+    case DType::kF32: launch_pdl(add_rms_norm_kernel<float>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<float*>(y), dim, eps); break;
+    case DType::kF16: launch_pdl(add_rms_norm_kernel<__half>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<__half*>(y), dim, eps); break;
+    case DType::kBF16: launch_pdl(add_rms_norm_kernel<__nv_bfloat16>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<__nv_bfloat16*>(y), dim, eps); break;
+    default: return invalid_argument_error("cuda add_rms_norm: output dtype must be f32, f16 or bf16");
+  }
+  return launched("add_rms_norm_kernel");
+}
+
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, float* y, int64_t n,
                     int64_t dim, float eps) {
-  if (n == 0) return ok_status();
-  add_rms_norm_kernel<<<static_cast<unsigned>(n), 256, 0, stream_of(b)>>>(residual, delta, weight, y, dim, eps);
-  return launched("add_rms_norm_kernel");
+  return add_rms_norm(b, residual, delta, weight, y, DType::kF32, n, dim, eps);
 }
 
 Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_t n, int64_t dim, float* dst) {
@@ -487,7 +573,7 @@ Status argmax_rows(CudaBackend& b, const float* x, int64_t rows, int64_t cols, i
 
 Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n) {
   if (n == 0) return ok_status();
-  silu_mul_kernel<<<blocks(n, 256), 256, 0, stream_of(b)>>>(gate, up, n);
+  silu_mul_kernel<<<blocks(n, 256), 256, 0, stream_of(b)>>>(gate, up, gate, n);
   return launched("silu_mul_kernel");
 }
 

@@ -334,9 +334,11 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       if (fused) {
         COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.wqkv, x, total, qkv, w.attn_norm.data_as<float>(), c.rms_eps));
       } else {
-        // The previous layer's MLP output joins the residual here, fused with this layer's norm.
-        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h, total, e, c.rms_eps));
-        COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.wqkv, h, total, qkv));
+        // The previous layer's MLP output joins the residual here, fused with this layer's norm,
+        // whose output is rounded for the projection's GEMM (in h, which has room for it).
+        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h,
+                                                 w.wqkv.dtype(), total, e, c.rms_eps));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_split_rounded(b, w.wqkv, h, total, qkv));
       }
       COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, scale, att_t));
       if (fused) {
@@ -346,8 +348,9 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
                                                   /*accumulate=*/true));
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta));
-        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
-        COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.w_gate_up, h, total, gate_up));
+        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, w.w_gate_up.dtype(), total,
+                                                 e, c.rms_eps));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_split_rounded(b, w.w_gate_up, h, total, gate_up));
         COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
       }
     }

@@ -35,6 +35,10 @@ struct MatmulOut {
 Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
                     const float* norm_weight = nullptr, float eps = 0.0f);
 
+// matmul_split of x [n, in] already in w's dtype (add_rms_norm's y_dtype output), on cuBLAS for
+// any n.
+Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs);
+
 // y = (silu(gate) * up) @ w^T, the MLP's down projection; for decode-sized n the product is formed
 // as x is read (no separate kernel); otherwise gate is overwritten with it first.
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
@@ -48,6 +52,10 @@ Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_
 // y = residual / rms(residual) * weight.
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, float* y, int64_t n,
                     int64_t dim, float eps);
+// As above, y written in y_dtype (F32, F16 or BF16): rounded as the input of a GEMM with weights of
+// that dtype (matmul_split_rounded), so the GEMM needs no rounding pass of its own.
+Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, void* y, DType y_dtype,
+                    int64_t n, int64_t dim, float eps);
 
 // dst[i, :] = src[rows[i], :] for n rows of dim f32 (rows on the device).
 Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_t n, int64_t dim, float* dst);
