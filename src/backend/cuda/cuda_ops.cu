@@ -31,6 +31,7 @@ __device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __floa
 template <typename T>
 __global__ void convert_kernel(const float* __restrict__ x, T* __restrict__ y, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  pdl_launch_dependents();
   pdl_wait();
   if (i < n) y[i] = from_f32<T>(x[i]);
 }
@@ -69,6 +70,7 @@ __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* _
   float* r = residual + blockIdx.x * dim;
   const float* d = delta ? delta + blockIdx.x * dim : nullptr;
   T* yr = y + blockIdx.x * dim;
+  pdl_launch_dependents();
   pdl_wait();
   float ss = 0.0f;
   const bool vec = dim % 4 == 0;
@@ -116,6 +118,7 @@ __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* _
 template <typename T>
 __global__ void silu_mul_kernel(const float* gate, const float* __restrict__ up, T* out, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  pdl_launch_dependents();
   pdl_wait();
   if (i < n) {
     const float g = gate[i];
@@ -422,6 +425,34 @@ Status gemm(CudaBackend& b, const Tensor& w, const void* xin, int64_t n, float* 
   return ok_status();
 }
 
+// The outputs of one projection on cuBLAS: w's rows split among outs, x from gemm_input(w). Two
+// consecutive parts of equal rows without bias whose outputs lie in that order (K and V, gate and
+// up: the runner allocates each pair together) run as one strided-batched GEMM.
+Status gemm_parts(CudaBackend& b, const Tensor& w, const void* xin, int64_t n, std::span<const MatmulOut> outs) {
+  int64_t begin = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const MatmulOut& o = outs[i];
+    if (i + 1 < outs.size() && outs[i + 1].rows == o.rows && !o.bias && !outs[i + 1].bias && outs[i + 1].y > o.y) {
+      const int64_t in = w.dim(1);
+      auto handle = static_cast<cublasHandle_t>(b.cublas());
+      const float one = 1.0f, zero = 0.0f;
+      const cudaDataType_t wtype = w.dtype() == DType::kF32 ? CUDA_R_32F : w.dtype() == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
+      const Tensor part = w.rows(begin, begin + 2 * o.rows);
+      COMBS_CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
+          handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(o.rows), static_cast<int>(n), static_cast<int>(in), &one,
+          part.data(), wtype, static_cast<int>(in), static_cast<long long>(o.rows * in), xin, wtype,
+          static_cast<int>(in), 0, &zero, o.y, CUDA_R_32F, static_cast<int>(o.rows),
+          static_cast<long long>(outs[i + 1].y - o.y), 2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      begin += 2 * o.rows;
+      ++i;
+      continue;
+    }
+    COMBS_RETURN_IF_ERROR(gemm(b, w.rows(begin, begin + o.rows), xin, n, o.y, o.bias, false));
+    begin += o.rows;
+  }
+  return ok_status();
+}
+
 }  // namespace
 
 bool decode_fused(const Tensor& w, int64_t n) { return gemv_fits(w, n); }
@@ -468,12 +499,7 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul_split: weight is not in device memory");
   // x rounded once for every part.
   COMBS_ASSIGN_OR_RETURN(const void* xin, gemm_input(b, w, x, n));
-  int64_t begin = 0;
-  for (const MatmulOut& o : outs) {
-    COMBS_RETURN_IF_ERROR(gemm(b, w.rows(begin, begin + o.rows), xin, n, o.y, o.bias, false));
-    begin += o.rows;
-  }
-  return ok_status();
+  return gemm_parts(b, w, xin, n, outs);
 }
 
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs) {
@@ -487,12 +513,7 @@ Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int6
   if (w.dtype() != DType::kF32 && w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
     return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " weights (convert Q8_0 to BF16 at load)");
   }
-  int64_t begin = 0;
-  for (const MatmulOut& o : outs) {
-    if (n > 0) COMBS_RETURN_IF_ERROR(gemm(b, w.rows(begin, begin + o.rows), x, n, o.y, o.bias, false));
-    begin += o.rows;
-  }
-  return ok_status();
+  return n == 0 ? ok_status() : gemm_parts(b, w, x, n, outs);
 }
 
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,

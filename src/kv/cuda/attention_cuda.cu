@@ -355,6 +355,11 @@ __global__ void __launch_bounds__(R * 32)
   const bool decode = tiles == nullptr;
   const int seq = decode ? M.tok_seq[blockIdx.x] : tiles[2 * blockIdx.x];
   const SeqDev s = M.seqs[seq];
+  // The split merge after a decode grid, or the decode grid after a prefill one, may launch once
+  // every block of this one has started (it waits for this grid's completion before reading
+  // anything). Not a projection: its persistent blocks, launched early, would wait for SMs still
+  // busy here (measured: single-session decode 904 -> 867 tok/s).
+  if (!decode || gridDim.z > 1) cuda::pdl_launch_dependents();
   cuda::pdl_wait();  // every block, before any exit: this grid completes only after the one before
   int tl0, ntok, split = 0, splits = 1;
   int64_t kb = 0, ke;

@@ -241,10 +241,11 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     COMBS_ASSIGN_OR_RETURN(I.delta, b.alloc({cap, e}, DType::kF32));
     COMBS_ASSIGN_OR_RETURN(I.q, b.alloc({cap, nq * hd}, DType::kF32));
     COMBS_ASSIGN_OR_RETURN(I.att, b.alloc({cap, nq * hd}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.k, b.alloc({cap, nkv * hd}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.v, b.alloc({cap, nkv * hd}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.gate, b.alloc({cap, ff}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.up, b.alloc({cap, ff}, DType::kF32));
+    // K then V, gate then up, in one allocation each: their projections run as one batched GEMM.
+    COMBS_ASSIGN_OR_RETURN(Tensor kv, b.alloc({2 * cap, nkv * hd}, DType::kF32));
+    I.k = kv.rows(0, cap), I.v = kv.rows(cap, 2 * cap);
+    COMBS_ASSIGN_OR_RETURN(Tensor gate_up, b.alloc({2 * cap, ff}, DType::kF32));
+    I.gate = gate_up.rows(0, cap), I.up = gate_up.rows(cap, 2 * cap);
     COMBS_ASSIGN_OR_RETURN(I.last, b.alloc({cap, e}, DType::kF32));
     COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({3 * cap}, DType::kF32));  // int32: tokens, rows, ids
     I.capacity = cap;
