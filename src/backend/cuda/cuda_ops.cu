@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   constexpr int kStep = 32 * 8;  // elements of one warp-wide 16-byte load
   constexpr int kSpan = kGemvBatch * kStep;
   const int lane = threadIdx.x % 32;
-  const int64_t total_rows = outs.end[outs.count - 1];
+  const int64_t total_rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kGemvWarps;
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   // This warp's rows: first_row, first_row + warps, ...; each in nb batches: a flat stream of
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
 
   // Staging x: float4 loads, kStageUnroll per thread in flight (a block's staging is a few round
   // trips to L2, not one per element).
-  constexpr int kStageUnroll = 4;
+  constexpr int kStageUnroll = 2;
   const int64_t in4 = in / 4, total4 = n * in4;
   const float4* x4 = reinterpret_cast<const float4*>(x);
   const float4* xg4 = reinterpret_cast<const float4*>(x2);
@@ -291,17 +291,20 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
     if (j % nb != nb - 1) return;
     // The row is done: reduce over the warp and write its outputs.
     const int64_t row = first_row + (j / nb) * warps;
-    int seg = 0;
-    while (seg < 2 && row >= outs.end[seg]) ++seg;
-    const int64_t begin = seg == 0 ? 0 : outs.end[seg - 1], rows = outs.end[seg] - begin, rr = row - begin;
+    // Which output: selects, not an index (a runtime index would copy outs to local memory).
+    const int seg = row < outs.end[0] ? 0 : row < outs.end[1] ? 1 : 2;
+    const int64_t begin = seg == 0 ? 0 : seg == 1 ? outs.end[0] : outs.end[1];
+    const int64_t rows = (seg == 0 ? outs.end[0] : seg == 1 ? outs.end[1] : outs.end[2]) - begin, rr = row - begin;
+    float* const y = seg == 0 ? outs.y[0] : seg == 1 ? outs.y[1] : outs.y[2];
+    const float* const bias = seg == 0 ? outs.bias[0] : seg == 1 ? outs.bias[1] : outs.bias[2];
 #pragma unroll
     for (int r = 0; r < N; ++r) {
       float v = acc[r];
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
       acc[r] = 0.0f;
       if (lane == 0 && r < n) {
-        float* dst = outs.y[seg] + r * rows + rr;
-        *dst = (outs.accumulate ? *dst : 0.0f) + v + (outs.bias[seg] ? outs.bias[seg][rr] : 0.0f);
+        float* dst = y + r * rows + rr;
+        *dst = (outs.accumulate ? *dst : 0.0f) + v + (bias ? bias[rr] : 0.0f);
       }
     }
   };
