@@ -219,3 +219,48 @@ TEST_CASE("cuda decode projections fold the rms norm into their input and the re
   const cuda::MatmulOut o[] = {{y.data_as<float>(), out}};
   CHECK(cuda::matmul_split(*gpu, wd, x.data_as<float>(), 1, o, g.data_as<float>(), 1e-5f).code() == StatusCode::kInvalidArgument);
 }
+
+TEST_CASE("cuda projections take a norm already rounded for them and batch equal parts", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(21);
+  const int64_t n = 20, in = 256, a = 96, kv = 32;  // a Q-like part, then K- and V-like parts
+  auto x = random_floats(rng, n * in, 2.0f), g = random_floats(rng, in), w = random_floats(rng, (a + 2 * kv) * in, 0.05f);
+  std::vector<float> want_norm(x.size());
+  cpu::rms_norm(x.data(), g.data(), want_norm.data(), n, in, 1e-5f);
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    INFO(dtype_name(dt));
+    // The norm written in the weights' dtype: the f32 norm rounded once.
+    Tensor xd = upload(*gpu, x, Shape{n * in}), gd = upload(*gpu, g, Shape{in});
+    Tensor h = gpu->alloc(Shape{n, in}, dt).value();
+    REQUIRE(cuda::add_rms_norm(*gpu, xd.data_as<float>(), nullptr, gd.data_as<float>(), h.data(), dt, n, in, 1e-5f).ok());
+    std::vector<uint16_t> raw(static_cast<size_t>(n * in));
+    REQUIRE(gpu->copy(h, Tensor::wrap(raw.data(), Shape{n, in}, dt)).ok());
+    std::vector<float> got_norm(raw.size());
+    cpu::dequantize_row(raw.data(), dt, got_norm.data(), n * in);
+    CHECK(max_rel_err(got_norm, want_norm) < (dt == DType::kBF16 ? 8e-3 : 1e-3));
+    // Parts from the rounded input, K and V in one buffer (one batched GEMM), against the whole
+    // product of the f32 norm (rounded inside matmul).
+    Tensor wd = upload(*gpu, w, Shape{a + 2 * kv, in}, dt), ref_in = upload(*gpu, want_norm, Shape{n * in});
+    Tensor whole = poisoned(*gpu, n * (a + 2 * kv)), qa = poisoned(*gpu, n * a), kvd = poisoned(*gpu, 2 * n * kv);
+    REQUIRE(cuda::matmul(*gpu, wd, ref_in.data_as<float>(), n, whole.data_as<float>()).ok());
+    const cuda::MatmulOut outs[] = {{qa.data_as<float>(), a}, {kvd.data_as<float>(), kv}, {kvd.data_as<float>() + n * kv, kv}};
+    REQUIRE(cuda::matmul_split_rounded(*gpu, wd, h.data(), n, outs).ok());
+    const auto all = download(*gpu, whole), gq = download(*gpu, qa), gkv = download(*gpu, kvd);
+    std::vector<float> want_q, want_kv(static_cast<size_t>(2 * n * kv));
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = all.data() + t * (a + 2 * kv);
+      want_q.insert(want_q.end(), row, row + a);
+      std::copy(row + a, row + a + kv, want_kv.begin() + t * kv);
+      std::copy(row + a + kv, row + a + 2 * kv, want_kv.begin() + n * kv + t * kv);
+    }
+    // The two sides round the same norm independently (f32 norm then rounding, or rounded in the
+    // norm kernel), so they agree to the weights' dtype.
+    CHECK(max_rel_err(gq, want_q) < 2e-2);
+    CHECK(max_rel_err(gkv, want_kv) < 2e-2);
+  }
+  // A dtype the norm cannot write is refused.
+  Tensor xd = upload(*gpu, x, Shape{n * in}), gd = upload(*gpu, g, Shape{in}), y = poisoned(*gpu, n * in);
+  CHECK(cuda::add_rms_norm(*gpu, xd.data_as<float>(), nullptr, gd.data_as<float>(), y.data(), DType::kQ8_0, n, in, 1e-5f)
+            .code() == StatusCode::kInvalidArgument);
+}
