@@ -136,7 +136,7 @@ TEST_CASE("cuda paged attention matches the cpu and a contiguous cache over ragg
   }
   // Groups the tensor-core kernel packs unevenly (3, 7 heads per KV head: a prefill tile holds
   // 21 or 9 tokens), fills (16: one warp's 16 rows) or spreads over a 4-warp decode block (32).
-  for (int group : {3, 7, 16, 32}) {
+  for (int group : {3, 7, 16, 20, 32}) {
     INFO("group " << group);
     run_case(*gpu, {16, 2, group, 128, DType::kBF16, ragged}, seed++);
     run_case(*gpu, {32, 1, group, 64, DType::kF16, ragged}, seed++);
@@ -148,6 +148,9 @@ TEST_CASE("cuda paged decode over a 32k context splits and merges correctly", "[
   if (!gpu) return;
   run_case(*gpu, {16, 2, 4, 128, DType::kF16, {{32767, 1}}}, 99);
   run_case(*gpu, {32, 8, 4, 64, DType::kBF16, {{16000, 1}, {9000, 1}, {20, 1}}}, 100);
+  // Several new tokens (fewer than a prefill tile's minimum) after a long prefix: the splits are
+  // sized from the sequence's end, each token's keys end at its own position.
+  run_case(*gpu, {16, 2, 4, 128, DType::kBF16, {{5000, 8}, {3, 1}}}, 101);
 }
 
 TEST_CASE("cuda tensor-core prefill over long chunks after long prefixes matches the cpu", "[cuda]") {

@@ -103,24 +103,27 @@ TEST_CASE("cuda embedding rms norm and silu agree with the cpu", "[cuda]") {
       CHECK(max_rel_err(download(*gpu, od), want, 1e-6) == 0.0);
     }
   }
-  SECTION("residual add fused with rms norm") {
-    auto r = random_floats(rng, n * dim), d = random_floats(rng, n * dim), w = random_floats(rng, dim);
-    std::vector<float> sum(r.size()), want(r.size());
-    for (size_t i = 0; i < r.size(); ++i) sum[i] = r[i] + d[i];
-    cpu::rms_norm(sum.data(), w.data(), want.data(), n, dim, 1e-5f);
-    Tensor rd = upload(*gpu, r, Shape{n * dim}), dd = upload(*gpu, d, Shape{n * dim}), wd = upload(*gpu, w, Shape{dim}),
-           yd = poisoned(*gpu, n * dim);
-    REQUIRE(cuda::add_rms_norm(*gpu, rd.data_as<float>(), dd.data_as<float>(), wd.data_as<float>(), yd.data_as<float>(),
-                               n, dim, 1e-5f)
-                .ok());
-    CHECK(max_rel_err(download(*gpu, yd), want) < 1e-5);
-    CHECK(max_rel_err(download(*gpu, rd), sum) < 1e-6);
-    // Without a delta: the plain norm.
-    Tensor y2 = poisoned(*gpu, n * dim);
-    REQUIRE(cuda::add_rms_norm(*gpu, rd.data_as<float>(), nullptr, wd.data_as<float>(), y2.data_as<float>(), n, dim,
-                               1e-5f)
-                .ok());
-    CHECK(max_rel_err(download(*gpu, y2), want) < 1e-5);
+  SECTION("residual add fused with rms norm, rows by float4 and (dim 318) by element") {
+    for (const int64_t dim : {int64_t{320}, int64_t{318}}) {
+      INFO("dim " << dim);
+      auto r = random_floats(rng, n * dim), d = random_floats(rng, n * dim), w = random_floats(rng, dim);
+      std::vector<float> sum(r.size()), want(r.size());
+      for (size_t i = 0; i < r.size(); ++i) sum[i] = r[i] + d[i];
+      cpu::rms_norm(sum.data(), w.data(), want.data(), n, dim, 1e-5f);
+      Tensor rd = upload(*gpu, r, Shape{n * dim}), dd = upload(*gpu, d, Shape{n * dim}), wd = upload(*gpu, w, Shape{dim}),
+             yd = poisoned(*gpu, n * dim);
+      REQUIRE(cuda::add_rms_norm(*gpu, rd.data_as<float>(), dd.data_as<float>(), wd.data_as<float>(), yd.data_as<float>(),
+                                 n, dim, 1e-5f)
+                  .ok());
+      CHECK(max_rel_err(download(*gpu, yd), want) < 1e-5);
+      CHECK(max_rel_err(download(*gpu, rd), sum) < 1e-6);
+      // Without a delta: the plain norm.
+      Tensor y2 = poisoned(*gpu, n * dim);
+      REQUIRE(cuda::add_rms_norm(*gpu, rd.data_as<float>(), nullptr, wd.data_as<float>(), y2.data_as<float>(), n, dim,
+                                 1e-5f)
+                  .ok());
+      CHECK(max_rel_err(download(*gpu, y2), want) < 1e-5);
+    }
   }
   SECTION("silu times up") {
     auto g = random_floats(rng, n * dim, 3.0f), u = random_floats(rng, n * dim);

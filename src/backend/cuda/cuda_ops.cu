@@ -66,14 +66,14 @@ __device__ inline void store4<__nv_bfloat16>(__nv_bfloat16* p, float4 v) {
 
 template <typename T>
 __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* __restrict__ delta,
-                                    const float* __restrict__ weight, T* __restrict__ y, int64_t dim, float eps) {
+                                    const float* __restrict__ weight, T* __restrict__ y, int64_t dim, float eps,
+                                    bool vec) {
   float* r = residual + blockIdx.x * dim;
   const float* d = delta ? delta + blockIdx.x * dim : nullptr;
   T* yr = y + blockIdx.x * dim;
   pdl_launch_dependents();
   pdl_wait();
   float ss = 0.0f;
-  const bool vec = dim % 4 == 0;
   if (vec) {
 #pragma unroll 4
     for (int64_t i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
@@ -435,7 +435,8 @@ Status gemm_parts(CudaBackend& b, const Tensor& w, const void* xin, int64_t n, s
   int64_t begin = 0;
   for (size_t i = 0; i < outs.size(); ++i) {
     const MatmulOut& o = outs[i];
-    if (i + 1 < outs.size() && outs[i + 1].rows == o.rows && !o.bias && !outs[i + 1].bias && outs[i + 1].y > o.y) {
+    if (i + 1 < outs.size() && outs[i + 1].rows == o.rows && !o.bias && !outs[i + 1].bias &&
+        outs[i + 1].y - o.y >= o.rows * n) {  // the second output starts past the first
       const int64_t in = w.dim(1);
       auto handle = static_cast<cublasHandle_t>(b.cublas());
       const float one = 1.0f, zero = 0.0f;
@@ -531,6 +532,8 @@ Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* 
     COMBS_RETURN_IF_ERROR(silu_mul(b, gate, up, n * w.dim(1)));
     return matmul(b, w, gate, n, y, nullptr, accumulate);
   }
+  if (w.rank() != 2) return invalid_argument_error("cuda matmul: weight must be 2-D, not " + w.shape().to_string());
+  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul: weight is not in device memory");
   // The product rounded to the weights' dtype as it is formed: the GEMM's input, no rounding pass.
   const int64_t count = n * w.dim(1);
   COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(count) * 2));
@@ -569,10 +572,14 @@ Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const f
                     int64_t n, int64_t dim, float eps) {
   if (n == 0) return ok_status();
   const unsigned grid = static_cast<unsigned>(n);
+  // float4 rows: dim a multiple of 4, every row 16-byte aligned (y's 4 elements: 16 or 8 bytes).
+  auto aligned = [](const void* p, uintptr_t a) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % a == 0; };
+  const bool vec = dim % 4 == 0 && aligned(residual, 16) && aligned(delta, 16) && aligned(weight, 16) &&
+                   aligned(y, y_dtype == DType::kF32 ? 16 : 8);
   switch (y_dtype) {
-    case DType::kF32: launch_pdl(add_rms_norm_kernel<float>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<float*>(y), dim, eps); break;
-    case DType::kF16: launch_pdl(add_rms_norm_kernel<__half>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<__half*>(y), dim, eps); break;
-    case DType::kBF16: launch_pdl(add_rms_norm_kernel<__nv_bfloat16>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<__nv_bfloat16*>(y), dim, eps); break;
+    case DType::kF32: launch_pdl(add_rms_norm_kernel<float>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<float*>(y), dim, eps, vec); break;
+    case DType::kF16: launch_pdl(add_rms_norm_kernel<__half>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<__half*>(y), dim, eps, vec); break;
+    case DType::kBF16: launch_pdl(add_rms_norm_kernel<__nv_bfloat16>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<__nv_bfloat16*>(y), dim, eps, vec); break;
     default: return invalid_argument_error("cuda add_rms_norm: output dtype must be f32, f16 or bf16");
   }
   return launched("add_rms_norm_kernel");

@@ -51,7 +51,7 @@ struct Meta {
   const int32_t* tables;
   const void* k;
   const void* v;
-  int prefill_min;  // tokens of sequences with at least this many new tokens go to prefill_kernel
+  int prefill_min;  // tokens of sequences with at least this many new tokens go to prefill tiles
 };
 
 __device__ inline float load_f32(const float* p) { return *p; }
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPK, sub = lane % LPK;
   const SeqDev s = M.seqs[M.tok_seq[t]];
   cuda::pdl_wait();  // every block, before any exit: this grid completes only after the one before
-  if (s.n_new >= M.prefill_min) return;  // prefill_kernel's
+  if (s.n_new >= M.prefill_min) return;  // a prefill tile's
   const int splits = s.splits;
   if (split >= splits) return;  // a shorter sequence than the grid was sized for
   const int64_t ctx = s.pos + (t - s.row) + 1;  // causal: keys [0, ctx)
@@ -283,7 +283,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 // so each K/V tile is read once for the whole group. K/V tiles of KT keys stream from the pages
 // into shared memory with cp.async (STAGES deep, 16-byte chunks XOR-swizzled against bank
 // conflicts), S = Q K^T and O += P V run on tensor cores with S, the online softmax (f32, exp2)
-// and O in registers; P is rounded to T for the product, as flash attention does. Decode blocks
+// and O in registers; q and P are rounded to T for the products, as flash attention does (the
+// f32 CUDA-core kernel this replaced for decode kept q in f32). Decode blocks
 // take a split of the keys (split-KV) and, when the sequence uses several, write unnormalized
 // partials for merge_splits_kernel.
 template <typename T>
@@ -368,7 +369,7 @@ __global__ void __launch_bounds__(R * 32)
     if (split >= splits) return;
     tl0 = blockIdx.x - s.row, ntok = 1;
     const int64_t ctx = s.pos + tl0 + 1;
-    kb = ctx * split / splits, ke = ctx * (split + 1) / splits;  // splits <= ctx / 64: never empty
+    kb = ctx * split / splits, ke = ctx * (split + 1) / splits;  // splits <= ctx / 16: never empty
   } else {
     tl0 = tiles[2 * blockIdx.x + 1];
     ntok = min(R * 16 / G, s.n_new - tl0);
@@ -779,7 +780,8 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
       const int64_t capacity = flash_capacity(dtype_, hd_, G <= 16 ? 1 : 4);
       const int64_t target = base_blocks > capacity / 2 ? 2 * capacity : capacity;
       grid_splits_ = static_cast<int>(std::clamp<int64_t>(target / base_blocks, 1, max_splits));
-      min_keys = hd_ == 64 ? FlashShape<64, 1>::kKeys : FlashShape<128, 1>::kKeys;  // one decode tile
+      // One tile of the decode kernel in use (4-warp blocks, for groups above 16 heads, take 64 keys).
+      min_keys = G > 16 ? FlashShape<64, 4>::kKeys : hd_ == 64 ? FlashShape<64, 1>::kKeys : FlashShape<128, 1>::kKeys;
     } else {
       grid_splits_ = static_cast<int>(std::clamp<int64_t>((kTargetBlocks + base_blocks - 1) / base_blocks, 1, max_splits));
     }

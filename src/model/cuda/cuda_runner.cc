@@ -336,10 +336,13 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.wqkv, x, total, qkv, w.attn_norm.data_as<float>(), c.rms_eps));
       } else {
         // The previous layer's MLP output joins the residual here, fused with this layer's norm,
-        // whose output is rounded for the projection's GEMM (in h, which has room for it).
+        // whose output is rounded for the projection's GEMM (in h, which has room for it) or, where
+        // this projection alone takes the decode kernel (another does not), stays f32 for it.
+        const bool gemv = cuda::decode_fused(w.wqkv, total);
         COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h,
-                                                 w.wqkv.dtype(), total, e, c.rms_eps));
-        COMBS_RETURN_IF_ERROR(cuda::matmul_split_rounded(b, w.wqkv, h, total, qkv));
+                                                 gemv ? DType::kF32 : w.wqkv.dtype(), total, e, c.rms_eps));
+        COMBS_RETURN_IF_ERROR(gemv ? cuda::matmul_split(b, w.wqkv, h, total, qkv)
+                                   : cuda::matmul_split_rounded(b, w.wqkv, h, total, qkv));
       }
       COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, scale, att_t));
       if (fused) {
@@ -349,9 +352,11 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
                                                   /*accumulate=*/true));
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta));
-        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, w.w_gate_up.dtype(), total,
-                                                 e, c.rms_eps));
-        COMBS_RETURN_IF_ERROR(cuda::matmul_split_rounded(b, w.w_gate_up, h, total, gate_up));
+        const bool gemv = cuda::decode_fused(w.w_gate_up, total);
+        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h,
+                                                 gemv ? DType::kF32 : w.w_gate_up.dtype(), total, e, c.rms_eps));
+        COMBS_RETURN_IF_ERROR(gemv ? cuda::matmul_split(b, w.w_gate_up, h, total, gate_up)
+                                   : cuda::matmul_split_rounded(b, w.w_gate_up, h, total, gate_up));
         COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
       }
     }

@@ -40,7 +40,8 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs);
 
 // y = (silu(gate) * up) @ w^T, the MLP's down projection; for decode-sized n the product is formed
-// as x is read (no separate kernel); otherwise gate is overwritten with it first.
+// as x is read (no separate kernel); otherwise it is formed first, rounded to w's dtype in scratch
+// (16-bit weights) or over gate (f32 weights).
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
                      bool accumulate = false);
 
@@ -53,7 +54,8 @@ Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, float* y, int64_t n,
                     int64_t dim, float eps);
 // As above, y written in y_dtype (F32, F16 or BF16): rounded as the input of a GEMM with weights of
-// that dtype (matmul_split_rounded), so the GEMM needs no rounding pass of its own.
+// that dtype (matmul_split_rounded), so the GEMM needs no rounding pass of its own. (Rows go by
+// float4 where dim and every pointer allow it.)
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, void* y, DType y_dtype,
                     int64_t n, int64_t dim, float eps);
 
