@@ -271,11 +271,7 @@ TEST_CASE("an attention step over every layer equals attention_batch layer by la
   INFO("seed " << rng.seed());
   const int hd = 32, n_q = 4, n_kv = 2, layers = 3, n_seqs = 3;
   CpuBackend backend({2});
-  PagePoolOptions o;
-  o.geometry = {layers, n_kv, hd, DType::kF32};
-  o.page_size = 8;
-  o.num_pages = 64;
-  auto pool = std::move(PagePool::create(backend, o)).value();
+  auto pool = PagePool::create(backend, {{layers, n_kv, hd, DType::kF32}, 8, 64}).value();
   std::vector<std::unique_ptr<PagedKVCache>> stepped, layered;
   for (int i = 0; i < n_seqs; ++i) {
     stepped.push_back(std::move(PagedKVCache::create(*pool, 256)).value());
@@ -321,11 +317,7 @@ TEST_CASE("an attention step that is cancelled or refused changes no cache", "[k
   INFO("seed " << rng.seed());
   const int hd = 8, n_q = 4, n_kv = 2, layers = 2;
   CpuBackend backend({1});
-  PagePoolOptions o;
-  o.geometry = {layers, n_kv, hd, DType::kF32};
-  o.page_size = 4;
-  o.num_pages = 4;
-  auto pool = std::move(PagePool::create(backend, o)).value();
+  auto pool = PagePool::create(backend, {{layers, n_kv, hd, DType::kF32}, 4, 4}).value();
   auto cache = std::move(PagedKVCache::create(*pool, 64)).value();
   AttentionStep step;
   const SeqAttention first{cache.get(), 0, 6};

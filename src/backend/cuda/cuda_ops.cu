@@ -388,25 +388,35 @@ unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + thre
 
 // x as a cuBLAS GEMM takes it with w: f32 weights read x itself; 16-bit weights a copy rounded to
 // their dtype (scratch slot 0, valid until the next op that uses the scratch).
-StatusOr<const void*> gemm_input(CudaBackend& b, const Tensor& w, const float* x, int64_t n) {
-  const int64_t in = w.dim(1);
-  switch (w.dtype()) {
-    case DType::kF32: return static_cast<const void*>(x);
-    case DType::kF16:
-    case DType::kBF16: {
-      COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(n * in) * 2));
-      if (w.dtype() == DType::kF16) {
-        launch_pdl(convert_kernel<__half>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x, static_cast<__half*>(xs), n * in);
-      } else {
-        launch_pdl(convert_kernel<__nv_bfloat16>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x, static_cast<__nv_bfloat16*>(xs), n * in);
-      }
-      COMBS_RETURN_IF_ERROR(launched("convert_kernel"));
-      return static_cast<const void*>(xs);
-    }
-    default:
-      return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) +
-                                 " weights (convert Q8_0 to BF16 at load)");
+// Weights a GEMM takes: F32, F16 or BF16 (Q8_0 is converted at load).
+Status check_gemm_dtype(const Tensor& w) {
+  if (w.dtype() == DType::kF32 || w.dtype() == DType::kF16 || w.dtype() == DType::kBF16) return ok_status();
+  return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " weights (convert Q8_0 to BF16 at load)");
+}
+
+// A split projection's outputs: 1 to 3, their rows adding up to the weight's.
+Status check_split(const Tensor& w, std::span<const MatmulOut> outs) {
+  if (outs.empty() || outs.size() > 3) return invalid_argument_error("cuda matmul_split: 1 to 3 outputs");
+  int64_t rows = 0;
+  for (const MatmulOut& o : outs) rows += o.rows;
+  if (w.rank() != 2 || rows != w.dim(0)) {
+    return invalid_argument_error("cuda matmul_split: the outputs' rows do not add up to the weight's " + w.shape().to_string());
   }
+  return ok_status();
+}
+
+StatusOr<const void*> gemm_input(CudaBackend& b, const Tensor& w, const float* x, int64_t n) {
+  COMBS_RETURN_IF_ERROR(check_gemm_dtype(w));
+  if (w.dtype() == DType::kF32) return static_cast<const void*>(x);
+  const int64_t in = w.dim(1);
+  COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(n * in) * 2));
+  if (w.dtype() == DType::kF16) {
+    launch_pdl(convert_kernel<__half>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x, static_cast<__half*>(xs), n * in);
+  } else {
+    launch_pdl(convert_kernel<__nv_bfloat16>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x, static_cast<__nv_bfloat16*>(xs), n * in);
+  }
+  COMBS_RETURN_IF_ERROR(launched("convert_kernel"));
+  return static_cast<const void*>(xs);
 }
 
 // y (+)= xin @ w^T (+ bias) on cuBLAS, xin from gemm_input(w).
@@ -479,12 +489,7 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
 
 Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
                     const float* norm_weight, float eps) {
-  if (outs.empty() || outs.size() > 3) return invalid_argument_error("cuda matmul_split: 1 to 3 outputs");
-  int64_t rows = 0;
-  for (const MatmulOut& o : outs) rows += o.rows;
-  if (w.rank() != 2 || rows != w.dim(0)) {
-    return invalid_argument_error("cuda matmul_split: the outputs' rows do not add up to the weight's " + w.shape().to_string());
-  }
+  COMBS_RETURN_IF_ERROR(check_split(w, outs));
   if (n == 0) return ok_status();
   if (gemv_fits(w, n)) {
     GemvOut g{};
@@ -507,16 +512,9 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
 }
 
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs) {
-  if (outs.empty() || outs.size() > 3) return invalid_argument_error("cuda matmul_split: 1 to 3 outputs");
-  int64_t rows = 0;
-  for (const MatmulOut& o : outs) rows += o.rows;
-  if (w.rank() != 2 || rows != w.dim(0)) {
-    return invalid_argument_error("cuda matmul_split: the outputs' rows do not add up to the weight's " + w.shape().to_string());
-  }
+  COMBS_RETURN_IF_ERROR(check_split(w, outs));
   if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul_split: weight is not in device memory");
-  if (w.dtype() != DType::kF32 && w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
-    return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " weights (convert Q8_0 to BF16 at load)");
-  }
+  COMBS_RETURN_IF_ERROR(check_gemm_dtype(w));
   return n == 0 ? ok_status() : gemm_parts(b, w, x, n, outs);
 }
 

@@ -326,6 +326,16 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     // residual adds into their output (x += W a): no separate norm or add kernels.
     const bool fused = cuda::decode_fused(I.layers[0].wqkv, total) && cuda::decode_fused(I.layers[0].w_gate_up, total) &&
                        cuda::decode_fused(I.layers[0].wo, total) && cuda::decode_fused(I.layers[0].w_down, total);
+    // Otherwise: add delta (if any) to the residual and normalize it with norm_w, then project the
+    // norm by wt into outs. The norm's output is rounded for the projection's GEMM (in h, which
+    // has room for it) or, where this projection alone takes the decode kernel, stays f32 for it.
+    auto norm_then_split = [&](const float* add, const Tensor& norm_w, const Tensor& wt,
+                               std::span<const cuda::MatmulOut> outs) -> Status {
+      const bool gemv = cuda::decode_fused(wt, total);
+      COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, add, norm_w.data_as<float>(), h, gemv ? DType::kF32 : wt.dtype(),
+                                               total, e, c.rms_eps));
+      return gemv ? cuda::matmul_split(b, wt, h, total, outs) : cuda::matmul_split_rounded(b, wt, h, total, outs);
+    };
     for (int l = 0; l < c.n_layers; ++l) {
       const Impl::Layer& w = I.layers[static_cast<size_t>(l)];
       const float* bqkv = bias(w.bqkv);
@@ -335,14 +345,8 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       if (fused) {
         COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.wqkv, x, total, qkv, w.attn_norm.data_as<float>(), c.rms_eps));
       } else {
-        // The previous layer's MLP output joins the residual here, fused with this layer's norm,
-        // whose output is rounded for the projection's GEMM (in h, which has room for it) or, where
-        // this projection alone takes the decode kernel (another does not), stays f32 for it.
-        const bool gemv = cuda::decode_fused(w.wqkv, total);
-        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, l == 0 ? nullptr : delta, w.attn_norm.data_as<float>(), h,
-                                                 gemv ? DType::kF32 : w.wqkv.dtype(), total, e, c.rms_eps));
-        COMBS_RETURN_IF_ERROR(gemv ? cuda::matmul_split(b, w.wqkv, h, total, qkv)
-                                   : cuda::matmul_split_rounded(b, w.wqkv, h, total, qkv));
+        // The previous layer's MLP output joins the residual here, fused with this layer's norm.
+        COMBS_RETURN_IF_ERROR(norm_then_split(l == 0 ? nullptr : delta, w.attn_norm, w.wqkv, qkv));
       }
       COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, scale, att_t));
       if (fused) {
@@ -352,11 +356,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
                                                   /*accumulate=*/true));
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta));
-        const bool gemv = cuda::decode_fused(w.w_gate_up, total);
-        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h,
-                                                 gemv ? DType::kF32 : w.w_gate_up.dtype(), total, e, c.rms_eps));
-        COMBS_RETURN_IF_ERROR(gemv ? cuda::matmul_split(b, w.w_gate_up, h, total, gate_up)
-                                   : cuda::matmul_split_rounded(b, w.w_gate_up, h, total, gate_up));
+        COMBS_RETURN_IF_ERROR(norm_then_split(delta, w.ffn_norm, w.w_gate_up, gate_up));
         COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
       }
     }
