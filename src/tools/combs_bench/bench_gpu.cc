@@ -158,7 +158,7 @@ int run_gpu(int argc, char** argv) {
                                          {"only", ""}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
-    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N] [--only prefill|sessions|attention]");
+    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N] [--only decode|prefill|sessions|attention]");
     return 0;
   }
   long long reps, sessions;
@@ -176,8 +176,8 @@ int run_gpu(int argc, char** argv) {
   std::error_code ec;
   std::filesystem::create_directories(flags.str("dir"), ec);
   const std::string only = flags.str("only");
-  if (!only.empty() && only != "prefill" && only != "sessions" && only != "attention") {
-    return std::fprintf(stderr, "combs-bench gpu: --only prefill|sessions|attention\n"), 2;
+  if (!only.empty() && only != "decode" && only != "prefill" && only != "sessions" && only != "attention") {
+    return std::fprintf(stderr, "combs-bench gpu: --only decode|prefill|sessions|attention\n"), 2;
   }
   if (only.empty()) {
     std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | same without "
@@ -202,7 +202,9 @@ int run_gpu(int argc, char** argv) {
     const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
     if (!only.empty()) {  // one part alone (for a profiler): no table
       const bool pre = only == "prefill";
-      auto r = pre ? run_sessions(**runner, 1, 2048, 1, int(reps)) : run_sessions(**runner, int(sessions), 1024, 128, int(reps));
+      auto r = pre                ? run_sessions(**runner, 1, 2048, 1, int(reps))
+               : only == "decode" ? run_sessions(**runner, 1, 128, 256, int(reps))
+                                  : run_sessions(**runner, int(sessions), 1024, 128, int(reps));
       if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
       std::printf("%s %s: %.0f tok/s\n", shape.c_str(), only.c_str(), pre ? r->prompt_tps : r->decode_tps);
       continue;
