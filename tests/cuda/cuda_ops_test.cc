@@ -188,6 +188,66 @@ TEST_CASE("cuda fused projections split outputs and fold swiglu into the down pr
   }
 }
 
+TEST_CASE("cuda decode mlp pairs gate and up rows and projects their rounded product", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(33);
+  // ff above the decode kernel's warp count (some warps take two gate/up pairs); in and ff not
+  // whole multiples of a warp's 2,048-element batch.
+  const int64_t in = 2304, ff = 2600, out = 192;
+  auto dequantized = [&](const Tensor& t, DType dt, int64_t count) {
+    std::vector<uint16_t> raw(static_cast<size_t>(count));
+    REQUIRE(gpu->copy(t, Tensor::wrap(raw.data(), t.shape(), dt)).ok());
+    std::vector<float> f(raw.size());
+    cpu::dequantize_row(raw.data(), dt, f.data(), count);
+    return f;
+  };
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    auto wgu = random_floats(rng, 2 * ff * in, 0.05f), wdn = random_floats(rng, out * ff, 0.05f), g = random_floats(rng, in);
+    Tensor wgu_d = upload(*gpu, wgu, Shape{2 * ff, in}, dt), wdn_d = upload(*gpu, wdn, Shape{out, ff}, dt),
+           g_d = upload(*gpu, g, Shape{in});
+    for (int64_t n : {1, 3, 8}) {
+      INFO(dtype_name(dt) << " n " << n);
+      auto x = random_floats(rng, n * in, 2.0f);
+      Tensor x_d = upload(*gpu, x, Shape{n * in});
+      // Reference: the split gate/up projection (f32 outputs), then silu(gate) * up on the host.
+      Tensor gate = poisoned(*gpu, n * ff), up = poisoned(*gpu, n * ff);
+      const cuda::MatmulOut parts[] = {{gate.data_as<float>(), ff}, {up.data_as<float>(), ff}};
+      REQUIRE(cuda::matmul_split(*gpu, wgu_d, x_d.data_as<float>(), n, parts, g_d.data_as<float>(), 1e-5f).ok());
+      const auto gf = download(*gpu, gate), uf = download(*gpu, up);
+      std::vector<float> want(gf.size());
+      for (size_t i = 0; i < want.size(); ++i) want[i] = gf[i] / (1.0f + std::exp(-gf[i])) * uf[i];
+      Tensor h = gpu->alloc(Shape{n, ff}, dt).value();
+      REQUIRE(cuda::matmul_gate_up_silu(*gpu, wgu_d, x_d.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, h.data()).ok());
+      const auto got = dequantized(h, dt, n * ff);
+      CHECK(max_rel_err(got, want) < (dt == DType::kBF16 ? 8e-3 : 1e-3));  // one rounding to dt
+      // The down projection of the rounded product against the f32 path on the same values, then
+      // with the residual add.
+      Tensor got_f32 = upload(*gpu, got, Shape{n * ff}), y1 = poisoned(*gpu, n * out), y2 = poisoned(*gpu, n * out);
+      REQUIRE(cuda::matmul_rounded(*gpu, wdn_d, h.data(), n, y1.data_as<float>()).ok());
+      REQUIRE(cuda::matmul(*gpu, wdn_d, got_f32.data_as<float>(), n, y2.data_as<float>()).ok());
+      const auto plain = download(*gpu, y2);
+      CHECK(max_rel_err(download(*gpu, y1), plain) < 1e-5);
+      auto resid = random_floats(rng, n * out);
+      Tensor y3 = upload(*gpu, resid, Shape{n * out});
+      REQUIRE(cuda::matmul_rounded(*gpu, wdn_d, h.data(), n, y3.data_as<float>(), /*accumulate=*/true).ok());
+      auto sum = plain;
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += resid[i];
+      CHECK(max_rel_err(download(*gpu, y3), sum) < 1e-5);
+    }
+    // A batch past the decode kernel: the pairing is refused; the rounded input goes to cuBLAS.
+    const int64_t n = 20;
+    auto x = random_floats(rng, n * ff);
+    Tensor x_dt = upload(*gpu, x, Shape{n, ff}, dt), y1 = poisoned(*gpu, n * out), y2 = poisoned(*gpu, n * out);
+    Tensor x_f32 = upload(*gpu, dequantized(x_dt, dt, n * ff), Shape{n * ff}), h = poisoned(*gpu, n * ff);
+    CHECK(cuda::matmul_gate_up_silu(*gpu, wgu_d, x_f32.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, h.data()).code() ==
+          StatusCode::kInvalidArgument);
+    REQUIRE(cuda::matmul_rounded(*gpu, wdn_d, x_dt.data(), n, y1.data_as<float>()).ok());
+    REQUIRE(cuda::matmul(*gpu, wdn_d, x_f32.data_as<float>(), n, y2.data_as<float>()).ok());
+    CHECK(max_rel_err(download(*gpu, y1), download(*gpu, y2)) < 1e-4);
+  }
+}
+
 TEST_CASE("cuda decode projections fold the rms norm into their input and the residual add into their output", "[cuda]") {
   auto gpu = gpu_or_skip();
   if (!gpu) return;

@@ -134,7 +134,8 @@ __global__ void gather_rows_kernel(const float* __restrict__ src, const int32_t*
 }
 
 // Up to three outputs of one small-batch matmul: rows [0, end[0]) go to y[0], [end[0], end[1])
-// to y[1], ... (a fused Q/K/V or gate/up projection).
+// to y[1], ... (a fused Q/K/V or gate/up projection). Gate/up pairs (PAIRS): one output of end[0]
+// rows, silu(gate) * up in the weights' dtype at y[0].
 struct GemvOut {
   float* y[3];
   const float* bias[3];
@@ -152,33 +153,46 @@ struct GemvOut {
 // batches in flight, the next row's loads issued while the current row is summed (~8 KB in flight
 // per warp, across row ends). The first two batches are requested before the block stages x in
 // shared memory — once per block — rounded to the weights' dtype, as the cuBLAS path rounds it (the
-// same numbers whatever n), with the RMSNorm folded in (norm_w), or with SWIGLU x = silu(x) * x2
-// (the MLP's down projection).
+// same numbers whatever n), with the RMSNorm folded in (norm_w); or (XT) x already in the weights'
+// dtype, copied as it is (cp.async).
+// PAIRS: the MLP's gate/up projection, w = the ff gate rows then the ff up rows: a warp takes gate
+// row u and up row u one after the other and writes silu(gate) * up rounded to T (the down
+// projection's input, as matmul_swiglu rounds it), so the down projection stages half the bytes
+// and nothing computes the product twice.
 constexpr int kGemvWarps = 8;  // warps per block
 constexpr int kGemvBatch = 8;  // 16-byte loads per lane per batch
 
-template <typename T, int N, bool SWIGLU>
+__device__ inline void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+
+template <typename T, int N, bool XT, bool PAIRS>
 __global__ void __launch_bounds__(kGemvWarps * 32, 2)
-    gemv_kernel(const T* __restrict__ w, const float* __restrict__ x, const float* __restrict__ x2, GemvOut outs,
-                int n, int64_t in) {
+    gemv_kernel(const T* __restrict__ w, const void* __restrict__ xin, GemvOut outs, int n, int64_t in) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);  // [n, in]
   __shared__ float scale[8];
   constexpr int kStep = 32 * 8;  // elements of one warp-wide 16-byte load
   constexpr int kSpan = kGemvBatch * kStep;
+  constexpr int kParts = PAIRS ? 2 : 1;  // rows per unit of work: one, or a gate/up pair
   const int lane = threadIdx.x % 32;
-  const int64_t total_rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t units = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kGemvWarps;
-  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
-  // This warp's rows: first_row, first_row + warps, ...; each in nb batches: a flat stream of
-  // n_batches batches, batch j = (row first_row + (j / nb) * warps, elements (j % nb) * kSpan ..).
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
+  // This warp's units: first, first + warps, ...; each of kParts rows in nb batches: a flat stream
+  // of n_batches batches, batch j = (unit first + (j / (kParts nb)) * warps, part (j / nb) % kParts,
+  // elements (j % nb) * kSpan ..).
   const int nb = static_cast<int>((in + kSpan - 1) / kSpan);
-  const int64_t my_rows = first_row < total_rows ? (total_rows - first_row + warps - 1) / warps : 0;
-  const int64_t n_batches = my_rows * nb;
+  const int64_t my_units = first < units ? (units - first + warps - 1) / warps : 0;
+  const int64_t n_batches = my_units * kParts * nb;
+  auto unit_of = [&](int64_t j) { return first + (j / (kParts * nb)) * warps; };
   pdl_launch_dependents();  // the next kernel may start loading its weights as this one's blocks end
   uint4 buf0[kGemvBatch], buf1[kGemvBatch];
   auto load = [&](uint4(&buf)[kGemvBatch], int64_t j) {
-    const T* wr = w + (first_row + (j / nb) * warps) * in;
+    const int64_t row = PAIRS ? unit_of(j) + ((j / nb) & 1) * units : unit_of(j);
+    const T* wr = w + row * in;
     const int64_t base = (j % nb) * kSpan + lane * 8;
 #pragma unroll
     for (int u = 0; u < kGemvBatch; ++u) {
@@ -193,11 +207,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   // Staging x: float4 loads, kStageUnroll per thread in flight (a block's staging is a few round
   // trips to L2, not one per element).
   constexpr int kStageUnroll = 2;
-  const int64_t in4 = in / 4, total4 = n * in4;
-  const float4* x4 = reinterpret_cast<const float4*>(x);
-  const float4* xg4 = reinterpret_cast<const float4*>(x2);
+  const int64_t in4 = in / 4, total4 = XT ? 0 : n * in4;
+  const float4* x4 = static_cast<const float4*>(xin);
   const float4* nw4 = reinterpret_cast<const float4*>(outs.norm_w);
-  if (outs.norm_w) {  // RMSNorm of each x row, as add_rms_norm computes it
+  if constexpr (XT) {  // 16-byte chunks straight to shared memory, all in flight at once
+    const uint4* src = static_cast<const uint4*>(xin);
+    for (int64_t i = threadIdx.x; i < n * in / 8; i += blockDim.x) cp_async16(reinterpret_cast<uint4*>(xs) + i, src + i);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else if (outs.norm_w) {  // RMSNorm of each x row, as add_rms_norm computes it
     float ss[N];
 #pragma unroll
     for (int r = 0; r < N; ++r) ss[r] = 0.0f;
@@ -231,13 +248,12 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
     __syncthreads();
   }
   for (int64_t i = threadIdx.x; i < total4; i += blockDim.x * kStageUnroll) {
-    float4 v[kStageUnroll], g[kStageUnroll], nw[kStageUnroll];
+    float4 v[kStageUnroll], nw[kStageUnroll];
 #pragma unroll
     for (int u = 0; u < kStageUnroll; ++u) {
       const int64_t k = i + u * blockDim.x;
       if (k < total4) {
         v[u] = x4[k];
-        if (SWIGLU) g[u] = xg4[k];
         if (outs.norm_w) nw[u] = nw4[k % in4];
       }
     }
@@ -246,11 +262,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
       const int64_t k = i + u * blockDim.x;
       if (k >= total4) break;
       float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-      if (SWIGLU) {
-        const float gg[4] = {g[u].x, g[u].y, g[u].z, g[u].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) f[e] = f[e] / (1.0f + expf(-f[e])) * gg[e];
-      }
       if (outs.norm_w) {
         const float sc = scale[k / in4];
         const float ww[4] = {nw[u].x, nw[u].y, nw[u].z, nw[u].w};
@@ -263,7 +274,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   }
   __syncthreads();
 
-  float acc[N];
+  float acc[N], gate[PAIRS ? N : 1];
 #pragma unroll
   for (int j = 0; j < N; ++j) acc[j] = 0.0f;
   auto consume = [&](const uint4(&buf)[kGemvBatch], int64_t j) {
@@ -290,7 +301,23 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
     }
     if (j % nb != nb - 1) return;
     // The row is done: reduce over the warp and write its outputs.
-    const int64_t row = first_row + (j / nb) * warps;
+    const int64_t row = unit_of(j);
+    if constexpr (PAIRS) {  // the gate row's sums wait for the up row's
+      const bool up = (j / nb) & 1;
+#pragma unroll
+      for (int r = 0; r < N; ++r) {
+        float v = acc[r];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+        acc[r] = 0.0f;
+        if (!up) {
+          gate[r] = v;
+        } else if (lane == 0 && r < n) {
+          const float g = gate[r];
+          reinterpret_cast<T*>(outs.y[0])[r * units + row] = from_f32<T>(g / (1.0f + expf(-g)) * v);
+        }
+      }
+      return;
+    }
     // Which output: selects, not an index (a runtime index would copy outs to local memory).
     const int seg = row < outs.end[0] ? 0 : row < outs.end[1] ? 1 : 2;
     const int64_t begin = seg == 0 ? 0 : seg == 1 ? outs.end[0] : outs.end[1];
@@ -320,38 +347,39 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
 
 constexpr size_t kGemvMaxShared = 96 * 1024;  // x staged per block; larger goes to cuBLAS
 
-template <typename T, int N, bool SWIGLU>
-void launch_gemv_n(const T* w, const float* x, const float* x2, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
+template <typename T, int N, bool XT, bool PAIRS>
+void launch_gemv_n(const T* w, const void* x, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
   // Persistent blocks: as many as stay resident (computed once per kernel for the largest x).
   static const int resident = [] {
-    cudaFuncSetAttribute(gemv_kernel<T, N, SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaFuncSetAttribute(gemv_kernel<T, N, XT, PAIRS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          static_cast<int>(kGemvMaxShared));
     int device = 0, sms = 0, per_sm = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, N, SWIGLU>, kGemvWarps * 32,
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, N, XT, PAIRS>, kGemvWarps * 32,
                                                   static_cast<size_t>(N) * 2048 * sizeof(T));
     cudaGetLastError();
     return std::max(1, sms) * std::clamp(per_sm, 1, 2);
   }();
-  const int64_t rows = outs.end[outs.count - 1];
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((rows + kGemvWarps - 1) / kGemvWarps, resident));
-  launch_pdl(gemv_kernel<T, N, SWIGLU>, dim3(grid), dim3(kGemvWarps * 32), static_cast<size_t>(n * in) * sizeof(T), st, w, x,
-             x2, outs, n, in);
+  const int64_t units = outs.end[outs.count - 1];
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((units + kGemvWarps - 1) / kGemvWarps, resident));
+  launch_pdl(gemv_kernel<T, N, XT, PAIRS>, dim3(grid), dim3(kGemvWarps * 32), static_cast<size_t>(n * in) * sizeof(T), st,
+             w, x, outs, n, in);
 }
 
-template <typename T, bool SWIGLU>
-void launch_gemv(const T* w, const float* x, const float* x2, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
-  if (n <= 1) launch_gemv_n<T, 1, SWIGLU>(w, x, x2, outs, n, in, st);
-  else if (n <= 2) launch_gemv_n<T, 2, SWIGLU>(w, x, x2, outs, n, in, st);
-  else if (n <= 4) launch_gemv_n<T, 4, SWIGLU>(w, x, x2, outs, n, in, st);
-  else launch_gemv_n<T, 8, SWIGLU>(w, x, x2, outs, n, in, st);
+template <typename T, bool XT, bool PAIRS>
+void launch_gemv(const T* w, const void* x, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
+  if (n <= 1) launch_gemv_n<T, 1, XT, PAIRS>(w, x, outs, n, in, st);
+  else if (n <= 2) launch_gemv_n<T, 2, XT, PAIRS>(w, x, outs, n, in, st);
+  else if (n <= 4) launch_gemv_n<T, 4, XT, PAIRS>(w, x, outs, n, in, st);
+  else launch_gemv_n<T, 8, XT, PAIRS>(w, x, outs, n, in, st);
 }
 
-template <bool SWIGLU>
-void gemv(const Tensor& w, const float* x, const float* x2, const GemvOut& outs, int n, cudaStream_t st) {
-  if (w.dtype() == DType::kBF16) launch_gemv<__nv_bfloat16, SWIGLU>(w.data_as<__nv_bfloat16>(), x, x2, outs, n, w.dim(1), st);
-  else launch_gemv<__half, SWIGLU>(w.data_as<__half>(), x, x2, outs, n, w.dim(1), st);
+// The decode kernel for w (gemv_fits): x f32 (XT false) or in w's dtype (XT).
+template <bool XT = false, bool PAIRS = false>
+void gemv(const Tensor& w, const void* x, const GemvOut& outs, int n, cudaStream_t st) {
+  if (w.dtype() == DType::kBF16) launch_gemv<__nv_bfloat16, XT, PAIRS>(w.data_as<__nv_bfloat16>(), x, outs, n, w.dim(1), st);
+  else launch_gemv<__half, XT, PAIRS>(w.data_as<__half>(), x, outs, n, w.dim(1), st);
 }
 
 bool gemv_fits(const Tensor& w, int64_t n) {
@@ -480,7 +508,7 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
   // chunks; every model dimension is a multiple of 8).
   if (gemv_fits(w, n)) {
     GemvOut o{{y, nullptr, nullptr}, {bias, nullptr, nullptr}, {out, 0, 0}, 1, accumulate, nullptr, 0.0f};
-    gemv<false>(w, x, nullptr, o, static_cast<int>(n), stream_of(b));
+    gemv(w, x, o, static_cast<int>(n), stream_of(b));
     return launched("gemv_kernel");
   }
   COMBS_ASSIGN_OR_RETURN(const void* xin, gemm_input(b, w, x, n));
@@ -501,7 +529,7 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
     g.count = static_cast<int>(outs.size());
     g.norm_w = norm_weight;
     g.eps = eps;
-    gemv<false>(w, x, nullptr, g, static_cast<int>(n), stream_of(b));
+    gemv(w, x, g, static_cast<int>(n), stream_of(b));
     return launched("gemv_kernel");
   }
   if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
@@ -518,14 +546,36 @@ Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int6
   return n == 0 ? ok_status() : gemm_parts(b, w, x, n, outs);
 }
 
+Status matmul_gate_up_silu(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
+                           float eps, void* h) {
+  if (w.rank() != 2 || w.dim(0) % 2 != 0) {
+    return invalid_argument_error("cuda matmul_gate_up_silu: weight must be 2-D with gate and up rows, not " + w.shape().to_string());
+  }
+  if (n == 0) return ok_status();
+  if (!gemv_fits(w, n)) return invalid_argument_error("cuda matmul_gate_up_silu: needs decode_fused(w, n)");
+  GemvOut g{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false, norm_weight, eps};
+  gemv</*XT=*/false, /*PAIRS=*/true>(w, x, g, static_cast<int>(n), stream_of(b));
+  return launched("gemv_kernel");
+}
+
+Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, float* y, bool accumulate) {
+  if (w.rank() != 2) return invalid_argument_error("cuda matmul: weight must be 2-D, not " + w.shape().to_string());
+  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul: weight is not in device memory");
+  if (w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
+    return invalid_argument_error("cuda matmul_rounded: 16-bit weights only, not " + std::string(dtype_name(w.dtype())));
+  }
+  if (n == 0) return ok_status();
+  if (gemv_fits(w, n) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // staged by 16-byte copies
+    GemvOut g{{y, nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0), 0, 0}, 1, accumulate, nullptr, 0.0f};
+    gemv</*XT=*/true>(w, x, g, static_cast<int>(n), stream_of(b));
+    return launched("gemv_kernel");
+  }
+  return gemm(b, w, x, n, y, nullptr, accumulate);
+}
+
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
                      bool accumulate) {
   if (n == 0) return ok_status();
-  if (gemv_fits(w, n)) {
-    GemvOut g{{y, nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0), 0, 0}, 1, accumulate, nullptr, 0.0f};
-    gemv<true>(w, gate, up, g, static_cast<int>(n), stream_of(b));
-    return launched("gemv_kernel");
-  }
   if (w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
     COMBS_RETURN_IF_ERROR(silu_mul(b, gate, up, n * w.dim(1)));
     return matmul(b, w, gate, n, y, nullptr, accumulate);
@@ -541,7 +591,7 @@ Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* 
     launch_pdl(silu_mul_kernel<__nv_bfloat16>, dim3(blocks(count, 256)), dim3(256), 0, stream_of(b), gate, up, static_cast<__nv_bfloat16*>(xs), count);
   }
   COMBS_RETURN_IF_ERROR(launched("silu_mul_kernel"));
-  return gemm(b, w, xs, n, y, nullptr, accumulate);
+  return matmul_rounded(b, w, xs, n, y, accumulate);
 }
 
 Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_t n, float* out) {

@@ -351,9 +351,9 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, scale, att_t));
       if (fused) {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));
-        COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.w_gate_up, x, total, gate_up, w.ffn_norm.data_as<float>(), c.rms_eps));
-        COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, x,
-                                                  /*accumulate=*/true));
+        // silu(gate) * up in the weights' dtype, over the gate buffer (half its bytes).
+        COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up_silu(b, w.w_gate_up, x, total, w.ffn_norm.data_as<float>(), c.rms_eps, I.gate.data()));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, x, /*accumulate=*/true));
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta));
         COMBS_RETURN_IF_ERROR(norm_then_split(delta, w.ffn_norm, w.w_gate_up, gate_up));

@@ -39,9 +39,18 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
 // any n.
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs);
 
-// y = (silu(gate) * up) @ w^T, the MLP's down projection; for decode-sized n the product is formed
-// as x is read (no separate kernel); otherwise it is formed first, rounded to w's dtype in scratch
-// (16-bit weights) or over gate (f32 weights).
+// The MLP's first half for decode (only where decode_fused(w, n)): w [2 ff, in] holds the gate rows,
+// then the up rows; h [n, ff] = silu(norm(x) gate^T) * (norm(x) up^T) in w's dtype (the down
+// projection's input, for matmul_rounded), one pass over the weights. norm_weight as matmul_split's.
+Status matmul_gate_up_silu(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
+                           float eps, void* h);
+
+// y (+)= x @ w^T for x [n, in] already in w's dtype (16-bit weights only): matmul_gate_up_silu's
+// output, or add_rms_norm's y_dtype output.
+Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, float* y, bool accumulate = false);
+
+// y = (silu(gate) * up) @ w^T, the MLP's down projection: the product formed first, rounded to w's
+// dtype in scratch (16-bit weights) or over gate (f32 weights).
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
                      bool accumulate = false);
 
