@@ -360,10 +360,16 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
       }
     }
-    // The last residual add, the wanted rows, the final norm and the logits.
-    COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, fused ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
-    COMBS_RETURN_IF_ERROR(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
-    COMBS_RETURN_IF_ERROR(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
+    if (fused && n_out == total && cuda::decode_fused(I.output, n_out)) {
+      // Every row wanted (the rows ascend: in place): the final norm folded into the logits' projection.
+      const cuda::MatmulOut logits_out[] = {{I.logits.data_as<float>(), c.n_vocab}};
+      COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, I.output, x, total, logits_out, I.output_norm.data_as<float>(), c.rms_eps));
+    } else {
+      // The last residual add, the wanted rows, the final norm and the logits.
+      COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, fused ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
+      COMBS_RETURN_IF_ERROR(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
+      COMBS_RETURN_IF_ERROR(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
+    }
     if (device_argmax) COMBS_RETURN_IF_ERROR(cuda::argmax_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_ids));
     return ok_status();
   };
