@@ -3,6 +3,7 @@
 // machine without a GPU every test says so and checks nothing.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -185,6 +186,36 @@ TEST_CASE("cuda fused projections split outputs and fold swiglu into the down pr
     REQUIRE(cuda::silu_mul(*gpu, gd2.data_as<float>(), ud.data_as<float>(), n * in).ok());
     REQUIRE(cuda::matmul(*gpu, wd, gd2.data_as<float>(), n, y2.data_as<float>()).ok());
     CHECK(max_rel_err(download(*gpu, y1), download(*gpu, y2)) < 1e-3);
+  }
+}
+
+TEST_CASE("cuda argmax rows take the first of equal maxima", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(41);
+  // cols 1000: four floats at a time; 1001 and a row start off 16 bytes: one at a time.
+  for (int64_t cols : {1000, 1001}) {
+    for (int64_t offset : {0, 1}) {
+      INFO("cols " << cols << ", offset " << offset);
+      const int64_t rows = 4;
+      auto x = random_floats(rng, offset + rows * cols);
+      float* r = x.data() + offset;
+      r[0 * cols + 517] = 9.0f, r[0 * cols + 901] = 9.0f;  // a tie: the lower index
+      r[1 * cols + cols - 1] = 7.0f;                        // the last column
+      for (int64_t i = 0; i < cols; ++i) r[2 * cols + i] = -INFINITY;  // nothing above -inf: column 0
+      Tensor xd = upload(*gpu, x, Shape{offset + rows * cols});
+      Tensor ids = gpu->alloc(Shape{rows}, DType::kF32).value();  // 4-byte slots for the ids
+      REQUIRE(cuda::argmax_rows(*gpu, xd.data_as<float>() + offset, rows, cols, ids.data_as<int32_t>()).ok());
+      std::vector<int32_t> got(rows);
+      REQUIRE(gpu->copy(ids, Tensor::wrap(got.data(), Shape{rows}, DType::kF32)).ok());
+      for (int64_t i = 0; i < rows; ++i) {
+        INFO("row " << i);
+        CHECK(got[i] == std::max_element(r + i * cols, r + (i + 1) * cols) - (r + i * cols));
+      }
+      CHECK(got[0] == 517);
+      CHECK(got[1] == cols - 1);
+      CHECK(got[2] == 0);
+    }
   }
 }
 

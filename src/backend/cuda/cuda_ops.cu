@@ -387,14 +387,25 @@ bool gemv_fits(const Tensor& w, int64_t n) {
          static_cast<size_t>(n * w.dim(1)) * 2 <= kGemvMaxShared;
 }
 
-// One block per row: each thread scans a stride, then a block reduction; ties go to the lower id.
-__global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t* __restrict__ out) {
+// One block per row: each thread scans a stride (four floats at a time where the rows allow: vec),
+// then a block reduction; ties go to the lower id.
+__global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t* __restrict__ out, bool vec) {
   const float* r = x + blockIdx.x * cols;
   float best = -INFINITY;
   int64_t idx = 0x7fffffff;
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-    const float v = r[i];
+  pdl_wait();  // the logits come from the projection before
+  auto take = [&](float v, int64_t i) {
     if (v > best || (v == best && i < idx)) best = v, idx = i;
+  };
+  if (vec) {
+    const float4* r4 = reinterpret_cast<const float4*>(r);
+#pragma unroll 4
+    for (int64_t i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+      const float4 v = r4[i];
+      take(v.x, 4 * i), take(v.y, 4 * i + 1), take(v.z, 4 * i + 2), take(v.w, 4 * i + 3);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) take(r[i], i);
   }
   __shared__ float sv[1024];
   __shared__ int64_t si[1024];
@@ -646,7 +657,8 @@ Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_
 
 Status argmax_rows(CudaBackend& b, const float* x, int64_t rows, int64_t cols, int32_t* out) {
   if (rows == 0) return ok_status();
-  argmax_kernel<<<static_cast<unsigned>(rows), 1024, 0, stream_of(b)>>>(x, cols, out);
+  const bool vec = cols % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  launch_pdl(argmax_kernel, dim3(static_cast<unsigned>(rows)), dim3(1024), 0, stream_of(b), x, cols, out, vec);
   return launched("argmax_kernel");
 }
 
