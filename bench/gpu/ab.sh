@@ -1,0 +1,30 @@
+#!/bin/bash
+# usage (on the GPU machine, through the device tool with carry [".gpu"]):
+#   bench/gpu/ab.sh "VARIANTS" SHAPES ONLY ROUNDS [tests]
+#   e.g. bench/gpu/ab.sh "main next" llama-1b,llama-8b decode 3 tests
+# Runs the [cuda] tests of each variant (with "tests"), then ROUNDS rounds of
+# `combs-bench gpu --shapes S --only ONLY --reps 3` alternating the variants packed by pack.sh:
+# A/B figures from one machine session, the only comparison these noisy machines allow.
+set -u
+VARIANTS=$1; SHAPES=$2; ONLY=$3; ROUNDS=$4
+mkdir -p /tmp/icu
+[ -f .gpu/libs/libicudata.so.72.gz ] && gunzip -c .gpu/libs/libicudata.so.72.gz > /tmp/icu/libicudata.so.72
+export LD_LIBRARY_PATH=$PWD/.gpu/libs:/tmp/icu:/usr/local/cuda/lib64
+for v in $VARIANTS; do
+  mkdir -p /tmp/bin/$v
+  for f in .gpu/$v/*.gz; do gunzip -c "$f" > /tmp/bin/$v/$(basename "$f" .gz); done
+  chmod +x /tmp/bin/$v/*
+done
+if [ "${5:-}" = tests ]; then
+  for v in $VARIANTS; do
+    [ -x /tmp/bin/$v/combs_cuda_tests ] || continue
+    echo "== tests $v"; timeout 300 /tmp/bin/$v/combs_cuda_tests 2>&1 | tail -4
+  done
+fi
+for r in $(seq "$ROUNDS"); do
+  for v in $VARIANTS; do
+    for s in ${SHAPES//,/ }; do
+      echo "== round $r $v $(/tmp/bin/$v/combs-bench gpu --shapes $s --only $ONLY --reps 3 2>&1 | grep -v '^#' | grep -v '^$' | tr '\n' ' ')"
+    done
+  done
+done

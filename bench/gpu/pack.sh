@@ -1,0 +1,13 @@
+#!/bin/bash
+# usage: bench/gpu/pack.sh VARIANT [BUILD_DIR]
+# Copies combs-bench and combs_cuda_tests from BUILD_DIR/bin (default build/portable) into
+# .gpu/VARIANT, stripped and gzipped (two variants and the libraries fit the device tool's 64 MiB).
+# .gpu/libs must hold the shared libraries the GPU machine lacks (see ../shared/gpu/README.md).
+set -eu
+V=$1; B=${2:-build/portable}
+mkdir -p .gpu/$V
+for f in combs-bench combs_cuda_tests; do
+  [ -f "$B/bin/$f" ] || continue
+  strip -o .gpu/$V/$f "$B/bin/$f" && gzip -f .gpu/$V/$f
+done
+du -sh .gpu
