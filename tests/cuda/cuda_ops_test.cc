@@ -193,8 +193,9 @@ TEST_CASE("cuda argmax rows take the first of equal maxima", "[cuda]") {
   auto gpu = gpu_or_skip();
   if (!gpu) return;
   std::mt19937 rng(41);
-  // cols 1000: four floats at a time; 1001 and a row start off 16 bytes: one at a time.
-  for (int64_t cols : {1000, 1001}) {
+  // cols 1000 and a vocabulary's 128,256: four floats at a time; 1001 and a row start off 16 bytes:
+  // one at a time. Row 3 of the widest holds a tie within one thread (4,096 columns apart).
+  for (int64_t cols : {1000, 1001, 128256}) {
     for (int64_t offset : {0, 1}) {
       INFO("cols " << cols << ", offset " << offset);
       const int64_t rows = 4;
@@ -202,6 +203,7 @@ TEST_CASE("cuda argmax rows take the first of equal maxima", "[cuda]") {
       float* r = x.data() + offset;
       r[0 * cols + 517] = 9.0f, r[0 * cols + 901] = 9.0f;  // a tie: the lower index
       r[1 * cols + cols - 1] = 7.0f;                        // the last column
+      if (cols > 8192) r[3 * cols + 100] = 8.0f, r[3 * cols + 4196] = 8.0f;
       for (int64_t i = 0; i < cols; ++i) r[2 * cols + i] = -INFINITY;  // nothing above -inf: column 0
       Tensor xd = upload(*gpu, x, Shape{offset + rows * cols});
       Tensor ids = gpu->alloc(Shape{rows}, DType::kF32).value();  // 4-byte slots for the ids
@@ -215,6 +217,7 @@ TEST_CASE("cuda argmax rows take the first of equal maxima", "[cuda]") {
       CHECK(got[0] == 517);
       CHECK(got[1] == cols - 1);
       CHECK(got[2] == 0);
+      if (cols > 8192) CHECK(got[3] == 100);
     }
   }
 }
@@ -249,6 +252,8 @@ TEST_CASE("cuda decode mlp pairs gate and up rows and projects their rounded pro
       std::vector<float> want(gf.size());
       for (size_t i = 0; i < want.size(); ++i) want[i] = gf[i] / (1.0f + std::exp(-gf[i])) * uf[i];
       Tensor h = gpu->alloc(Shape{n, ff}, dt).value();
+      std::vector<uint16_t> nan16(static_cast<size_t>(n * ff), 0xFFFF);  // NaN in f16 and bf16: every element must be written
+      REQUIRE(gpu->copy(Tensor::wrap(nan16.data(), Shape{n, ff}, dt), h).ok());
       REQUIRE(cuda::matmul_gate_up_silu(*gpu, wgu_d, x_d.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, h.data()).ok());
       const auto got = dequantized(h, dt, n * ff);
       CHECK(max_rel_err(got, want) < (dt == DType::kBF16 ? 8e-3 : 1e-3));  // one rounding to dt

@@ -214,7 +214,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
     const uint4* src = static_cast<const uint4*>(xin);
     for (int64_t i = threadIdx.x; i < n * in / 8; i += blockDim.x) cp_async16(reinterpret_cast<uint4*>(xs) + i, src + i);
     asm volatile("cp.async.wait_all;" ::: "memory");
-  } else if (outs.norm_w) {  // RMSNorm of each x row, as add_rms_norm computes it
+  } else if (outs.norm_w) {
+    // RMSNorm of each x row: add_rms_norm's formula (its warps' sums added in another order, so the
+    // scale may differ from it in the last bit).
     float ss[N];
 #pragma unroll
     for (int r = 0; r < N; ++r) ss[r] = 0.0f;
@@ -562,6 +564,7 @@ Status matmul_gate_up_silu(CudaBackend& b, const Tensor& w, const float* x, int6
   if (w.rank() != 2 || w.dim(0) % 2 != 0) {
     return invalid_argument_error("cuda matmul_gate_up_silu: weight must be 2-D with gate and up rows, not " + w.shape().to_string());
   }
+  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul_gate_up_silu: weight is not in device memory");
   if (n == 0) return ok_status();
   if (!gemv_fits(w, n)) return invalid_argument_error("cuda matmul_gate_up_silu: needs decode_fused(w, n)");
   GemvOut g{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false, norm_weight, eps};
