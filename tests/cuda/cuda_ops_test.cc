@@ -39,6 +39,15 @@ Tensor poisoned(CudaBackend& b, int64_t n) {
   return upload(b, nan, Shape{n});
 }
 
+// A 16-bit (f16 or bf16) device tensor's values as f32 on the host.
+std::vector<float> download_16bit(CudaBackend& b, const Tensor& t) {
+  std::vector<uint16_t> raw(static_cast<size_t>(t.numel()));
+  REQUIRE(b.copy(t, Tensor::wrap(raw.data(), t.shape(), t.dtype())).ok());
+  std::vector<float> f(raw.size());
+  cpu::dequantize_row(raw.data(), t.dtype(), f.data(), t.numel());
+  return f;
+}
+
 // max |a - b| / (|b| + floor), over all elements; NaN anywhere fails.
 double max_rel_err(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-2) {
   REQUIRE(a.size() == b.size());
@@ -229,13 +238,6 @@ TEST_CASE("cuda decode mlp pairs gate and up rows and projects their rounded pro
   // ff above the decode kernel's warp count (some warps take two gate/up pairs); in and ff not
   // whole multiples of a warp's 2,048-element batch.
   const int64_t in = 2304, ff = 2600, out = 192;
-  auto dequantized = [&](const Tensor& t, DType dt, int64_t count) {
-    std::vector<uint16_t> raw(static_cast<size_t>(count));
-    REQUIRE(gpu->copy(t, Tensor::wrap(raw.data(), t.shape(), dt)).ok());
-    std::vector<float> f(raw.size());
-    cpu::dequantize_row(raw.data(), dt, f.data(), count);
-    return f;
-  };
   for (DType dt : {DType::kBF16, DType::kF16}) {
     auto wgu = random_floats(rng, 2 * ff * in, 0.05f), wdn = random_floats(rng, out * ff, 0.05f), g = random_floats(rng, in);
     Tensor wgu_d = upload(*gpu, wgu, Shape{2 * ff, in}, dt), wdn_d = upload(*gpu, wdn, Shape{out, ff}, dt),
@@ -255,7 +257,7 @@ TEST_CASE("cuda decode mlp pairs gate and up rows and projects their rounded pro
       std::vector<uint16_t> nan16(static_cast<size_t>(n * ff), 0xFFFF);  // NaN in f16 and bf16: every element must be written
       REQUIRE(gpu->copy(Tensor::wrap(nan16.data(), Shape{n, ff}, dt), h).ok());
       REQUIRE(cuda::matmul_gate_up_silu(*gpu, wgu_d, x_d.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, h.data()).ok());
-      const auto got = dequantized(h, dt, n * ff);
+      const auto got = download_16bit(*gpu, h);
       CHECK(max_rel_err(got, want) < (dt == DType::kBF16 ? 8e-3 : 1e-3));  // one rounding to dt
       // The down projection of the rounded product against the f32 path on the same values, then
       // with the residual add.
@@ -275,7 +277,7 @@ TEST_CASE("cuda decode mlp pairs gate and up rows and projects their rounded pro
     const int64_t n = 20;
     auto x = random_floats(rng, n * ff);
     Tensor x_dt = upload(*gpu, x, Shape{n, ff}, dt), y1 = poisoned(*gpu, n * out), y2 = poisoned(*gpu, n * out);
-    Tensor x_f32 = upload(*gpu, dequantized(x_dt, dt, n * ff), Shape{n * ff}), h = poisoned(*gpu, n * ff);
+    Tensor x_f32 = upload(*gpu, download_16bit(*gpu, x_dt), Shape{n * ff}), h = poisoned(*gpu, n * ff);
     CHECK(cuda::matmul_gate_up_silu(*gpu, wgu_d, x_f32.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, h.data()).code() ==
           StatusCode::kInvalidArgument);
     REQUIRE(cuda::matmul_rounded(*gpu, wdn_d, x_dt.data(), n, y1.data_as<float>()).ok());
@@ -333,10 +335,7 @@ TEST_CASE("cuda projections take a norm already rounded for them and batch equal
     Tensor xd = upload(*gpu, x, Shape{n * in}), gd = upload(*gpu, g, Shape{in});
     Tensor h = gpu->alloc(Shape{n, in}, dt).value();
     REQUIRE(cuda::add_rms_norm(*gpu, xd.data_as<float>(), nullptr, gd.data_as<float>(), h.data(), dt, n, in, 1e-5f).ok());
-    std::vector<uint16_t> raw(static_cast<size_t>(n * in));
-    REQUIRE(gpu->copy(h, Tensor::wrap(raw.data(), Shape{n, in}, dt)).ok());
-    std::vector<float> got_norm(raw.size());
-    cpu::dequantize_row(raw.data(), dt, got_norm.data(), n * in);
+    const auto got_norm = download_16bit(*gpu, h);
     CHECK(max_rel_err(got_norm, want_norm) < (dt == DType::kBF16 ? 8e-3 : 1e-3));
     // Parts from the rounded input, K and V in one buffer (one batched GEMM), against the whole
     // product of the f32 norm (rounded inside matmul).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cuda_fp16.h>
 
+#include "async_copy.h"
 #include "combs/backend/cuda/cuda_ops.h"
 #include "cuda_check.h"
 #include "pdl.h"
@@ -27,6 +28,8 @@ template <>
 __device__ inline __half from_f32<__half>(float v) { return __float2half_rn(v); }
 template <>
 __device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 template <typename T>
 __global__ void convert_kernel(const float* __restrict__ x, T* __restrict__ y, int64_t n) {
@@ -122,7 +125,7 @@ __global__ void silu_mul_kernel(const float* gate, const float* __restrict__ up,
   pdl_wait();
   if (i < n) {
     const float g = gate[i];
-    out[i] = from_f32<T>(g / (1.0f + expf(-g)) * up[i]);
+    out[i] = from_f32<T>(silu(g) * up[i]);
   }
 }
 
@@ -161,12 +164,6 @@ struct GemvOut {
 // and nothing computes the product twice.
 constexpr int kGemvWarps = 8;  // warps per block
 constexpr int kGemvBatch = 8;  // 16-byte loads per lane per batch
-
-__device__ inline void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
 
 template <typename T, int N, bool XT, bool PAIRS>
 __global__ void __launch_bounds__(kGemvWarps * 32, 2)
@@ -212,8 +209,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   const float4* nw4 = reinterpret_cast<const float4*>(outs.norm_w);
   if constexpr (XT) {  // 16-byte chunks straight to shared memory, all in flight at once
     const uint4* src = static_cast<const uint4*>(xin);
-    for (int64_t i = threadIdx.x; i < n * in / 8; i += blockDim.x) cp_async16(reinterpret_cast<uint4*>(xs) + i, src + i);
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    for (int64_t i = threadIdx.x; i < n * in / 8; i += blockDim.x) cp_async16(smem_addr(reinterpret_cast<uint4*>(xs) + i), src + i);
+    cp_async_commit();
+    cp_async_wait<0>();
   } else if (outs.norm_w) {
     // RMSNorm of each x row: add_rms_norm's formula (its warps' sums added in another order, so the
     // scale may differ from it in the last bit).
@@ -314,8 +312,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
         if (!up) {
           gate[r] = v;
         } else if (lane == 0 && r < n) {
-          const float g = gate[r];
-          reinterpret_cast<T*>(outs.y[0])[r * units + row] = from_f32<T>(g / (1.0f + expf(-g)) * v);
+          reinterpret_cast<T*>(outs.y[0])[r * units + row] = from_f32<T>(silu(gate[r]) * v);
         }
       }
       return;
@@ -430,6 +427,10 @@ unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + thre
 // x as a cuBLAS GEMM takes it with w: f32 weights read x itself; 16-bit weights a copy rounded to
 // their dtype (scratch slot 0, valid until the next op that uses the scratch).
 // Weights a GEMM takes: F32, F16 or BF16 (Q8_0 is converted at load).
+cudaDataType_t cuda_dtype(const Tensor& w) {
+  return w.dtype() == DType::kF32 ? CUDA_R_32F : w.dtype() == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
+}
+
 Status check_gemm_dtype(const Tensor& w) {
   if (w.dtype() == DType::kF32 || w.dtype() == DType::kF16 || w.dtype() == DType::kBF16) return ok_status();
   return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " weights (convert Q8_0 to BF16 at load)");
@@ -466,7 +467,7 @@ Status gemm(CudaBackend& b, const Tensor& w, const void* xin, int64_t n, float* 
   auto handle = static_cast<cublasHandle_t>(b.cublas());
   const float one = 1.0f, zero = 0.0f;
   const float* beta = accumulate ? &one : &zero;
-  const cudaDataType_t wtype = w.dtype() == DType::kF32 ? CUDA_R_32F : w.dtype() == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
+  const cudaDataType_t wtype = cuda_dtype(w);
   // Column-major view: y^T [out, n] = w [in, out]^T . x^T [in, n].
   COMBS_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(n),
                                             static_cast<int>(in), &one, w.data(), wtype, static_cast<int>(in), xin,
@@ -491,7 +492,7 @@ Status gemm_parts(CudaBackend& b, const Tensor& w, const void* xin, int64_t n, s
       const int64_t in = w.dim(1);
       auto handle = static_cast<cublasHandle_t>(b.cublas());
       const float one = 1.0f, zero = 0.0f;
-      const cudaDataType_t wtype = w.dtype() == DType::kF32 ? CUDA_R_32F : w.dtype() == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
+      const cudaDataType_t wtype = cuda_dtype(w);
       const Tensor part = w.rows(begin, begin + 2 * o.rows);
       COMBS_CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
           handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(o.rows), static_cast<int>(n), static_cast<int>(in), &one,
@@ -589,13 +590,13 @@ Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n,
 
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
                      bool accumulate) {
+  if (w.rank() != 2) return invalid_argument_error("cuda matmul: weight must be 2-D, not " + w.shape().to_string());
+  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul: weight is not in device memory");
   if (n == 0) return ok_status();
   if (w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
     COMBS_RETURN_IF_ERROR(silu_mul(b, gate, up, n * w.dim(1)));
     return matmul(b, w, gate, n, y, nullptr, accumulate);
   }
-  if (w.rank() != 2) return invalid_argument_error("cuda matmul: weight must be 2-D, not " + w.shape().to_string());
-  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul: weight is not in device memory");
   // The product rounded to the weights' dtype as it is formed: the GEMM's input, no rounding pass.
   const int64_t count = n * w.dim(1);
   COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(count) * 2));

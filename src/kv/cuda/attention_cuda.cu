@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend/cuda/async_copy.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/pdl.h"
 #include "combs/base/hash.h"
@@ -319,15 +320,9 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-// 16 bytes global -> shared without passing through registers; zero-filled when !valid.
-__device__ inline void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
+using cuda::cp_async16;
+using cuda::cp_async_commit;
+using cuda::cp_async_wait;
 
 // The tensor-core kernels' shapes: prefill blocks of 4 warps (64 query rows) with 64-key tiles;
 // decode blocks of one warp with 8 KB K/V tiles four deep (measured on the H200 against 16 KB
@@ -406,7 +401,7 @@ __global__ void __launch_bounds__(R * 32)
   }
   const int min_lim = min(lim[0], lim[1]);  // this warp needs no mask for a tile wholly below
 
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t smem_base = cuda::smem_addr(smem);
   auto load_tile = [&](int stage, int64_t k0) {
     const uint32_t kbase = smem_base + stage * (2 * KT * HD * 2), vbase = kbase + KT * HD * 2;
 #pragma unroll
