@@ -153,6 +153,22 @@ TEST_CASE("cuda paged decode over a 32k context splits and merges correctly", "[
   run_case(*gpu, {16, 2, 4, 128, DType::kBF16, {{5000, 8}, {3, 1}}}, 101);
 }
 
+TEST_CASE("cuda decode with few splits merges them in the attention kernel", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  // Splits of 16 keys (head_dim 128) or 32 (head_dim 64): these batches stay within 16 splits per
+  // sequence, so the one-warp decode kernel merges them itself; the paged call then the contiguous
+  // one show any count left behind.
+  run_case(*gpu, {16, 2, 4, 128, DType::kF16, {{100, 1}, {40, 1}, {3, 1}}}, 201);
+  run_case(*gpu, {32, 8, 4, 64, DType::kBF16, {{250, 1}, {70, 3}}}, 202);
+  run_case(*gpu, {16, 2, 16, 128, DType::kBF16, {{200, 1}}}, 203);  // a 16-head group: one warp's rows
+  run_case(*gpu, {16, 2, 4, 64, DType::kBF16, {{0, 37}, {100, 1}}}, 204);  // after a prefill grid
+  run_case(*gpu, {16, 4, 4, 64, DType::kF16, {{270, 1}, {200, 1}}}, 205);
+  // Past 16 splits, or a 4-warp decode block (groups above 16 heads): the merge kernel.
+  run_case(*gpu, {16, 2, 4, 128, DType::kBF16, {{300, 1}, {20, 1}}}, 206);
+  run_case(*gpu, {16, 2, 20, 128, DType::kBF16, {{500, 1}}}, 207);
+}
+
 TEST_CASE("cuda tensor-core prefill over long chunks after long prefixes matches the cpu", "[cuda]") {
   auto gpu = gpu_or_skip();
   if (!gpu) return;
