@@ -164,9 +164,13 @@ TEST_CASE("cuda decode with few splits merges them in the attention kernel", "[c
   run_case(*gpu, {16, 2, 16, 128, DType::kBF16, {{200, 1}}}, 203);  // a 16-head group: one warp's rows
   run_case(*gpu, {16, 2, 4, 64, DType::kBF16, {{0, 37}, {100, 1}}}, 204);  // after a prefill grid
   run_case(*gpu, {16, 4, 4, 64, DType::kF16, {{270, 1}, {200, 1}}}, 205);
-  // Past 16 splits, or a 4-warp decode block (groups above 16 heads): the merge kernel.
+  // Past 16 splits, a 4-warp decode block (groups above 16 heads) or more than 8 decode tokens:
+  // the merge kernel.
   run_case(*gpu, {16, 2, 4, 128, DType::kBF16, {{300, 1}, {20, 1}}}, 206);
   run_case(*gpu, {16, 2, 20, 128, DType::kBF16, {{500, 1}}}, 207);
+  run_case(*gpu,
+           {16, 2, 4, 128, DType::kBF16, {{100, 1}, {90, 1}, {80, 1}, {70, 1}, {60, 1}, {50, 1}, {40, 1}, {30, 1}, {20, 1}}},
+           208);
 }
 
 TEST_CASE("cuda tensor-core prefill over long chunks after long prefixes matches the cpu", "[cuda]") {

@@ -6,8 +6,8 @@
 // Both serve a whole GQA group per block, so each K/V row is read once per group, with the online
 // softmax in f32 (exp2, log2e folded into the scale). Decode splits long contexts across blocks
 // (split-KV) and merges them by log-sum-exp: in the tensor-core kernel itself (each token's last
-// split block to finish) while every sequence has at most kMaxFoldedSplits splits, else in a second
-// kernel. COMBS_ATTN=manual runs a simple reference instead (scores in global memory, softmax, P@V).
+// split block to finish) for batches of at most kMaxFoldedTokens decode tokens whose sequences have
+// at most kMaxFoldedSplits splits each, else in a second kernel. COMBS_ATTN=manual runs a simple reference instead (scores in global memory, softmax, P@V).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -333,6 +333,7 @@ using cuda::cp_async_wait;
 // launch less per layer); more (long contexts) go to merge_splits_kernel, whose blocks share the
 // work (a single block merging 99 splits measured slower, second CUDA session).
 constexpr int kMaxFoldedSplits = 16;
+constexpr int64_t kMaxFoldedTokens = 8;  // decode tokens in a batch (see fold_merge_)
 
 template <int HD, int R>
 struct FlashShape {
@@ -887,8 +888,11 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
   for (const SeqDev& d : sd_) {
     if (d.n_new < M_.prefill_min) max_splits_used = std::max(max_splits_used, static_cast<int>(d.splits));
   }
-  fold_merge_ = tensor_cores && G <= 16 && n_decode_ > 0 && max_splits_used > 1 && max_splits_used <= kMaxFoldedSplits &&
-                static_cast<size_t>(tokens_ * n_kv) * 4 <= kCountsBytes;
+  // Folded only for a few decode tokens: there the merge's launch is the cost; with many (64
+  // sessions' decode: 3% slower folded on the H200) the count and the later start of the next
+  // kernel cost more than the launch.
+  fold_merge_ = tensor_cores && G <= 16 && n_decode_ > 0 && n_decode_ <= kMaxFoldedTokens && max_splits_used > 1 &&
+                max_splits_used <= kMaxFoldedSplits && static_cast<size_t>(tokens_ * n_kv) * 4 <= kCountsBytes;
   // Slot 2 of the scratch (this plan's alone): the split counts first, at a fixed size (they stay
   // zero between launches, so they are cleared only when the slot is new), then the partials or
   // the reference's scores.
