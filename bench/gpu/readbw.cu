@@ -38,6 +38,18 @@ __global__ void __launch_bounds__(256) read_ldg(const uint4* p, int64_t n) {
   if (acc == 0x12345678) sink = acc;
 }
 
+// The decode GEMV's pipeline: nbat batches through two buffers, each reloaded (batch j + 2) once
+// it has been used; the patterns below differ only in what load() reads.
+template <typename Buf, typename Load, typename Use>
+__device__ __forceinline__ void two_deep(int64_t nbat, Buf& b0, Buf& b1, Load load, Use use) {
+  if (nbat > 0) load(b0, 0);
+  if (nbat > 1) load(b1, 1);
+  for (int64_t j = 0; j < nbat; j += 2) {
+    use(b0); if (j + 2 < nbat) load(b0, j + 2);
+    if (j + 1 < nbat) { use(b1); if (j + 3 < nbat) load(b1, j + 3); }
+  }
+}
+
 // 2: GEMV-like: warps walk rows (row_bytes) strided (CONTIG false) or contiguous ranges, 8 loads per
 // batch, two batches in flight
 template <bool CONTIG>
@@ -61,17 +73,11 @@ __global__ void __launch_bounds__(256, 2) read_rows(const uint4* p, int64_t rows
 #pragma unroll
     for (int u = 0; u < 8; ++u) acc ^= mix(b[u]);
   };
-  if (nbat > 0) load(b0, 0);
-  if (nbat > 1) load(b1, 1);
-  for (int64_t j = 0; j < nbat; j += 2) {
-    use(b0); if (j + 2 < nbat) load(b0, j + 2);
-    if (j + 1 < nbat) { use(b1); if (j + 3 < nbat) load(b1, j + 3); }
-  }
+  two_deep(nbat, b0, b1, load, use);
   if (acc == 0x12345678) sink = acc;
 }
 
-
-// 4: mma-fragment pattern: block = 8 warps on a unit of 16 rows, warp w on k-slice w of 8; lane (g = lane/4,
+// 3: mma-fragment pattern: block = 8 warps on a unit of 16 rows, warp w on k-slice w of 8; lane (g = lane/4,
 // t = lane%4) loads rows g and g+8, 16 bytes at k-step*64B + 16t; KSTEPS k-steps per batch (2 loads each), 2 batches
 template <int KSTEPS>
 __global__ void __launch_bounds__(256, 2) read_mma(const uint4* p, int64_t rows, int64_t row16) {
@@ -99,16 +105,11 @@ __global__ void __launch_bounds__(256, 2) read_mma(const uint4* p, int64_t rows,
 #pragma unroll
     for (int u = 0; u < 2 * KSTEPS; ++u) acc ^= mix(b[u]);
   };
-  if (nbat > 0) load(b0, 0);
-  if (nbat > 1) load(b1, 1);
-  for (int64_t j = 0; j < nbat; j += 2) {
-    use(b0); if (j + 2 < nbat) load(b0, j + 2);
-    if (j + 1 < nbat) { use(b1); if (j + 3 < nbat) load(b1, j + 3); }
-  }
+  two_deep(nbat, b0, b1, load, use);
   if (acc == 0x12345678) sink = acc;
 }
 
-// 3: bulk copies (TMA 1D) into a shared ring of S stages of C bytes; a block streams one contiguous range
+// 4: bulk copies (TMA 1D) into a shared ring of S stages of C bytes; a block streams one contiguous range
 __device__ __forceinline__ uint32_t sa(const void* q) { return (uint32_t)__cvta_generic_to_shared(q); }
 __device__ __forceinline__ void mbar_init(uint64_t* b, int c) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(sa(b)), "r"(c)); }
 __device__ __forceinline__ void mbar_expect(uint64_t* b, uint32_t tx) { asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(sa(b)), "r"(tx) : "memory"); }
