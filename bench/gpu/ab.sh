@@ -7,9 +7,9 @@
 # A/B figures from one machine session, the only comparison these noisy machines allow.
 set -u
 VARIANTS=$1; SHAPES=$2; ONLY=$3; ROUNDS=$4
-mkdir -p /tmp/icu
-[ -f .gpu/libs/libicudata.so.72.gz ] && gunzip -c .gpu/libs/libicudata.so.72.gz > /tmp/icu/libicudata.so.72
-export LD_LIBRARY_PATH=$PWD/.gpu/libs:/tmp/icu:/usr/local/cuda/lib64
+mkdir -p /tmp/gpulibs  # the gzipped libraries of .gpu/libs, unpacked
+for f in .gpu/libs/*.gz; do gunzip -c "$f" > /tmp/gpulibs/$(basename "$f" .gz); done
+export LD_LIBRARY_PATH=$PWD/.gpu/libs:/tmp/gpulibs:/usr/local/cuda/lib64
 for v in $VARIANTS; do
   mkdir -p /tmp/bin/$v
   for f in .gpu/$v/*.gz; do gunzip -c "$f" > /tmp/bin/$v/$(basename "$f" .gz); done
