@@ -1,8 +1,11 @@
 #!/bin/bash
 # usage: bench/gpu/pack.sh VARIANT [BUILD_DIR]
 # Copies combs-bench and combs_cuda_tests from BUILD_DIR/bin (default build/portable) into
-# .gpu/VARIANT, stripped and gzipped (two variants and the libraries fit the device tool's 64 MiB).
-# .gpu/libs must hold the shared libraries the GPU machine lacks (see ../shared/gpu/README.md).
+# .gpu/VARIANT, stripped and gzipped (~3 MB each). The device tool carries at most 64 MiB, the
+# tracked tree (~11 MiB) included: with the libraries (~23 MiB) about eight binaries fit; drop a
+# variant's test binary where only its speed is measured.
+# .gpu/libs must hold the shared libraries the GPU machine lacks (see ../shared/gpu/README.md);
+# ab.sh unpacks those gzipped there (*.gz) before running.
 set -eu
 V=$1; B=${2:-build/portable}
 mkdir -p .gpu/$V
