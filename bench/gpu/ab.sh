@@ -21,10 +21,5 @@ if [ "${5:-}" = tests ]; then
     echo "== tests $v"; timeout 300 /tmp/bin/$v/combs_cuda_tests 2>&1 | tail -4
   done
 fi
-for r in $(seq "$ROUNDS"); do
-  for v in $VARIANTS; do
-    for s in ${SHAPES//,/ }; do
-      echo "== round $r $v $(/tmp/bin/$v/combs-bench gpu --shapes $s --only $ONLY --reps 3 2>&1 | grep -v '^#' | grep -v '^$' | tr '\n' ' ')"
-    done
-  done
-done
+# The rounds: specs.sh with each variant as it is (no environment settings).
+bash "$(dirname "$0")/specs.sh" "$ROUNDS" "$SHAPES" "$ONLY" "$(for v in $VARIANTS; do printf '%s: ' "$v"; done)"

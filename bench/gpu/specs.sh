@@ -2,8 +2,9 @@
 # usage (on the GPU machine, after bench/gpu/ab.sh "VARIANTS" SHAPE ONLY 0 unpacked the builds):
 #   bench/gpu/specs.sh ROUNDS SHAPES ONLY "VARIANT:ENV=V,ENV2=W VARIANT2: ..."
 #   e.g. bench/gpu/specs.sh 2 llama-1b,llama-8b decode "main: next:COMBS_X=1 next:COMBS_X=2"
-# Like ab.sh, alternating builds and environment settings (experiment switches) in one machine
-# session: ROUNDS rounds of `combs-bench gpu --shapes S --only ONLY --reps 3` per spec and shape.
+# The rounds of ab.sh (which runs this for them), with environment settings (experiment switches)
+# per build, alternating in one machine session: ROUNDS rounds of `combs-bench gpu --shapes S
+# --only ONLY --reps 3` per spec and shape.
 set -u
 ROUNDS=$1; SHAPES=$2; ONLY=$3; SPECS=$4
 export LD_LIBRARY_PATH=$PWD/.gpu/libs:/tmp/gpulibs:/usr/local/cuda/lib64
