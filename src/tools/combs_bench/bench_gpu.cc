@@ -167,6 +167,18 @@ int run_gpu(int argc, char** argv) {
       !flags.ints("attention-contexts", &contexts)) {
     return 2;
   }
+  const std::string only = flags.str("only");
+  if (!only.empty() && only != "decode" && only != "prefill" && only != "sessions" && only != "attention") {
+    return std::fprintf(stderr, "combs-bench gpu: --only decode|prefill|sessions|attention\n"), 2;
+  }
+  // The workloads, one definition for the table and for --only: one session's decode (256 new
+  // tokens after a 128-token prompt), a 2,048-token prefill, `sessions` sessions' decode (128 new
+  // after 1,024-token prompts).
+  auto decode_run = [&](CudaRunner& r, const SamplingParams* sampling = nullptr) {
+    return run_sessions(r, 1, 128, 256, int(reps), sampling);
+  };
+  auto prefill_run = [&](CudaRunner& r) { return run_sessions(r, 1, 2048, 1, int(reps)); };
+  auto sessions_run = [&](CudaRunner& r) { return run_sessions(r, int(sessions), 1024, 128, int(reps)); };
   auto backend = CudaBackend::create();
   if (!backend.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", backend.status().to_string().c_str()), 1;
   register_cuda_attention();
@@ -175,10 +187,6 @@ int run_gpu(int argc, char** argv) {
               (*backend)->description().c_str(), bw / 1e9, reps);
   std::error_code ec;
   std::filesystem::create_directories(flags.str("dir"), ec);
-  const std::string only = flags.str("only");
-  if (!only.empty() && only != "decode" && only != "prefill" && only != "sessions" && only != "attention") {
-    return std::fprintf(stderr, "combs-bench gpu: --only decode|prefill|sessions|attention\n"), 2;
-  }
   if (only.empty()) {
     std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | same without "
                 "CUDA graphs | same sampling (T 0.8, top-p 0.95) | prefill tok/s (2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |"
@@ -202,25 +210,23 @@ int run_gpu(int argc, char** argv) {
     const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
     if (!only.empty()) {  // one part alone (for a profiler): no table
       const bool pre = only == "prefill";
-      auto r = pre                ? run_sessions(**runner, 1, 2048, 1, int(reps))
-               : only == "decode" ? run_sessions(**runner, 1, 128, 256, int(reps))
-                                  : run_sessions(**runner, int(sessions), 1024, 128, int(reps));
+      auto r = pre ? prefill_run(**runner) : only == "decode" ? decode_run(**runner) : sessions_run(**runner);
       if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
       std::printf("%s %s: %.0f tok/s\n", shape.c_str(), only.c_str(), pre ? r->prompt_tps : r->decode_tps);
       continue;
     }
-    auto one = run_sessions(**runner, 1, 128, 256, int(reps));
+    auto one = decode_run(**runner);
     StatusOr<Run> eager = Run{};
     {
       auto no_graphs = CudaRunner::create(**model, {.cuda_graphs = false});
       if (!no_graphs.ok()) return std::fprintf(stderr, "%s\n", no_graphs.status().to_string().c_str()), 1;
-      eager = run_sessions(**no_graphs, 1, 128, 256, int(reps));
+      eager = decode_run(**no_graphs);
     }
     SamplingParams sp;
     sp.temperature = 0.8f, sp.top_p = 0.95f;
-    auto sampled = run_sessions(**runner, 1, 128, 256, int(reps), &sp);
-    auto prefill = run_sessions(**runner, 1, 2048, 1, int(reps));
-    auto many = run_sessions(**runner, int(sessions), 1024, 128, int(reps));
+    auto sampled = decode_run(**runner, &sp);
+    auto prefill = prefill_run(**runner);
+    auto many = sessions_run(**runner);
     for (const StatusOr<Run>* r : {&one, &eager, &sampled, &prefill, &many}) {
       if (!r->ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r->status().to_string().c_str()), 1;
     }
