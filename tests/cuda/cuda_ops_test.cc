@@ -154,6 +154,13 @@ TEST_CASE("cuda errors come back as status", "[cuda]") {
   std::vector<float> host(64);
   Tensor w = Tensor::wrap(host.data(), Shape{8, 8}, DType::kF32);  // host memory
   CHECK(cuda::matmul(*gpu, w, nullptr, 1, nullptr).code() == StatusCode::kInvalidArgument);
+  // Host 16-bit weights of decode size: refused by every projection before its kernel would read them.
+  std::vector<uint16_t> host16(64);
+  Tensor w16 = Tensor::wrap(host16.data(), Shape{8, 8}, DType::kBF16);
+  const cuda::MatmulOut all_rows[] = {{nullptr, 8}};
+  CHECK(cuda::matmul_split(*gpu, w16, nullptr, 1, all_rows).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::matmul_rounded(*gpu, w16, nullptr, 1, nullptr).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::matmul_gate_up_silu(*gpu, w16, nullptr, 1, nullptr, 1e-5f, nullptr).code() == StatusCode::kInvalidArgument);
   Tensor q = gpu->alloc(Shape{8, 32}, DType::kQ8_0).value();
   CHECK(cuda::matmul(*gpu, q, nullptr, 1, nullptr).code() == StatusCode::kUnimplemented);
 }

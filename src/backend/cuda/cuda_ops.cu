@@ -424,8 +424,6 @@ __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t
 
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
-// x as a cuBLAS GEMM takes it with w: f32 weights read x itself; 16-bit weights a copy rounded to
-// their dtype (scratch slot 0, valid until the next op that uses the scratch).
 // Weights a GEMM takes: F32, F16 or BF16 (Q8_0 is converted at load).
 cudaDataType_t cuda_dtype(const Tensor& w) {
   return w.dtype() == DType::kF32 ? CUDA_R_32F : w.dtype() == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
@@ -436,17 +434,27 @@ Status check_gemm_dtype(const Tensor& w) {
   return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " weights (convert Q8_0 to BF16 at load)");
 }
 
-// A split projection's outputs: 1 to 3, their rows adding up to the weight's.
+// A projection's weight, for every entry point: 2-D, in device memory (op names the caller).
+Status check_weight(const Tensor& w, const char* op) {
+  if (w.rank() != 2) return invalid_argument_error(std::string(op) + ": weight must be 2-D, not " + w.shape().to_string());
+  if (w.device() != DeviceType::kCuda) return invalid_argument_error(std::string(op) + ": weight is not in device memory");
+  return ok_status();
+}
+
+// A split projection's weight and outputs: 1 to 3, their rows adding up to the weight's.
 Status check_split(const Tensor& w, std::span<const MatmulOut> outs) {
+  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul_split"));
   if (outs.empty() || outs.size() > 3) return invalid_argument_error("cuda matmul_split: 1 to 3 outputs");
   int64_t rows = 0;
   for (const MatmulOut& o : outs) rows += o.rows;
-  if (w.rank() != 2 || rows != w.dim(0)) {
+  if (rows != w.dim(0)) {
     return invalid_argument_error("cuda matmul_split: the outputs' rows do not add up to the weight's " + w.shape().to_string());
   }
   return ok_status();
 }
 
+// x as a cuBLAS GEMM takes it with w: f32 weights read x itself; 16-bit weights a copy rounded to
+// their dtype (scratch slot 0, valid until the next op that uses the scratch).
 StatusOr<const void*> gemm_input(CudaBackend& b, const Tensor& w, const float* x, int64_t n) {
   COMBS_RETURN_IF_ERROR(check_gemm_dtype(w));
   if (w.dtype() == DType::kF32) return static_cast<const void*>(x);
@@ -514,8 +522,7 @@ Status gemm_parts(CudaBackend& b, const Tensor& w, const void* xin, int64_t n, s
 bool decode_fused(const Tensor& w, int64_t n) { return gemv_fits(w, n); }
 
 Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float* y, const float* bias, bool accumulate) {
-  if (w.rank() != 2) return invalid_argument_error("cuda matmul: weight must be 2-D, not " + w.shape().to_string());
-  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul: weight is not in device memory");
+  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul"));
   const int64_t out = w.dim(0), in = w.dim(1);
   if (n == 0) return ok_status();
   // Decode-sized batches of 16-bit weights: the bandwidth-bound kernel above (in: whole 16-byte
@@ -547,7 +554,6 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
     return launched("gemv_kernel");
   }
   if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
-  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul_split: weight is not in device memory");
   // x rounded once for every part.
   COMBS_ASSIGN_OR_RETURN(const void* xin, gemm_input(b, w, x, n));
   return gemm_parts(b, w, xin, n, outs);
@@ -555,17 +561,17 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
 
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs) {
   COMBS_RETURN_IF_ERROR(check_split(w, outs));
-  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul_split: weight is not in device memory");
   COMBS_RETURN_IF_ERROR(check_gemm_dtype(w));
   return n == 0 ? ok_status() : gemm_parts(b, w, x, n, outs);
 }
 
 Status matmul_gate_up_silu(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
                            float eps, void* h) {
-  if (w.rank() != 2 || w.dim(0) % 2 != 0) {
-    return invalid_argument_error("cuda matmul_gate_up_silu: weight must be 2-D with gate and up rows, not " + w.shape().to_string());
+  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul_gate_up_silu"));
+  if (w.dim(0) % 2 != 0) {
+    return invalid_argument_error("cuda matmul_gate_up_silu: weight must hold gate and up rows (an even count), not " +
+                                  w.shape().to_string());
   }
-  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul_gate_up_silu: weight is not in device memory");
   if (n == 0) return ok_status();
   if (!gemv_fits(w, n)) return invalid_argument_error("cuda matmul_gate_up_silu: needs decode_fused(w, n)");
   GemvOut g{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false, norm_weight, eps};
@@ -574,8 +580,7 @@ Status matmul_gate_up_silu(CudaBackend& b, const Tensor& w, const float* x, int6
 }
 
 Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, float* y, bool accumulate) {
-  if (w.rank() != 2) return invalid_argument_error("cuda matmul: weight must be 2-D, not " + w.shape().to_string());
-  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul: weight is not in device memory");
+  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul"));
   if (w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
     return invalid_argument_error("cuda matmul_rounded: 16-bit weights only, not " + std::string(dtype_name(w.dtype())));
   }
@@ -590,8 +595,7 @@ Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n,
 
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
                      bool accumulate) {
-  if (w.rank() != 2) return invalid_argument_error("cuda matmul: weight must be 2-D, not " + w.shape().to_string());
-  if (w.device() != DeviceType::kCuda) return invalid_argument_error("cuda matmul: weight is not in device memory");
+  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul"));
   if (n == 0) return ok_status();
   if (w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
     COMBS_RETURN_IF_ERROR(silu_mul(b, gate, up, n * w.dim(1)));
