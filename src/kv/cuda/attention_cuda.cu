@@ -7,7 +7,8 @@
 // softmax in f32 (exp2, log2e folded into the scale). Decode splits long contexts across blocks
 // (split-KV) and merges them by log-sum-exp: in the tensor-core kernel itself (each token's last
 // split block to finish) for batches of at most kMaxFoldedTokens decode tokens whose sequences have
-// at most kMaxFoldedSplits splits each, else in a second kernel. COMBS_ATTN=manual runs a simple reference instead (scores in global memory, softmax, P@V).
+// at most kMaxFoldedSplits splits each, else in a second kernel. COMBS_ATTN=manual runs a simple
+// reference instead (scores in global memory, softmax, P@V).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -1010,7 +1011,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
                                "f32 caches 1/2/4/8; COMBS_ATTN=manual runs any)");
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (grid_splits_ > 1 && !(tensor_cores_ && fold_merge_)) {
+  if (grid_splits_ > 1 && !fold_merge_) {  // (fold_merge_ implies the tensor-core kernel)
     cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(wthreads), 0, st, M, part_o_,
                      part_ml_, out->data_as<float>(), grid_splits_, hd, n_q);
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
