@@ -135,7 +135,7 @@ TEST_CASE("cuda paged attention matches the cpu and a contiguous cache over ragg
     run_case(*gpu, {16, 4, 4, 64, dt, ragged}, seed++);
   }
   // Groups the tensor-core kernel packs unevenly (3, 7 heads per KV head: a prefill tile holds
-  // 21 or 9 tokens), fills (16: one warp's 16 rows) or spreads over a 4-warp decode block (32).
+  // 21 or 9 tokens), fills (16: one warp's 16 rows) or spreads over a 4-warp decode block (20, 32).
   for (int group : {3, 7, 16, 20, 32}) {
     INFO("group " << group);
     run_case(*gpu, {16, 2, group, 128, DType::kBF16, ragged}, seed++);
