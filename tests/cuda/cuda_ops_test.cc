@@ -210,17 +210,20 @@ TEST_CASE("cuda argmax rows take the first of equal maxima", "[cuda]") {
   if (!gpu) return;
   std::mt19937 rng(41);
   // cols 1000 and a vocabulary's 128,256: four floats at a time; 1001 and a row start off 16 bytes:
-  // one at a time. Row 3 of the widest holds a tie within one thread (4,096 columns apart).
+  // one at a time. Row 3 of the widest holds a tie within one thread (4,096 columns apart). NaN is
+  // never taken (row 4: NaN among numbers, as std::max_element after a number; row 5: all NaN: 0).
   for (int64_t cols : {1000, 1001, 128256}) {
     for (int64_t offset : {0, 1}) {
       INFO("cols " << cols << ", offset " << offset);
-      const int64_t rows = 4;
+      const int64_t rows = 6;
       auto x = random_floats(rng, offset + rows * cols);
       float* r = x.data() + offset;
       r[0 * cols + 517] = 9.0f, r[0 * cols + 901] = 9.0f;  // a tie: the lower index
       r[1 * cols + cols - 1] = 7.0f;                        // the last column
       if (cols > 8192) r[3 * cols + 100] = 8.0f, r[3 * cols + 4196] = 8.0f;
       for (int64_t i = 0; i < cols; ++i) r[2 * cols + i] = -INFINITY;  // nothing above -inf: column 0
+      for (int64_t i = 5; i < cols; i += 7) r[4 * cols + i] = NAN;
+      for (int64_t i = 0; i < cols; ++i) r[5 * cols + i] = NAN;
       Tensor xd = upload(*gpu, x, Shape{offset + rows * cols});
       Tensor ids = gpu->alloc(Shape{rows}, DType::kF32).value();  // 4-byte slots for the ids
       REQUIRE(cuda::argmax_rows(*gpu, xd.data_as<float>() + offset, rows, cols, ids.data_as<int32_t>()).ok());
@@ -234,6 +237,7 @@ TEST_CASE("cuda argmax rows take the first of equal maxima", "[cuda]") {
       CHECK(got[1] == cols - 1);
       CHECK(got[2] == 0);
       if (cols > 8192) CHECK(got[3] == 100);
+      CHECK(got[5] == 0);
     }
   }
 }

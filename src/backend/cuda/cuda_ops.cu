@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include "async_copy.h"
+#include "block_reduce.h"
 #include "combs/backend/cuda/cuda_ops.h"
 #include "cuda_check.h"
 #include "pdl.h"
@@ -387,39 +388,25 @@ bool gemv_fits(const Tensor& w, int64_t n) {
 }
 
 // One block per row: each thread scans a stride (four floats at a time where the rows allow: vec),
-// then a block reduction; ties go to the lower id.
+// then block_argmax (ties to the lower id; a row of NaN gives 0).
 __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t* __restrict__ out, bool vec) {
+  __shared__ float fred[32];
+  __shared__ int64_t ired[32];
   const float* r = x + blockIdx.x * cols;
-  float best = -INFINITY;
-  int64_t idx = 0x7fffffff;
+  ArgMax a;
   pdl_wait();  // the logits come from the projection before
-  auto take = [&](float v, int64_t i) {
-    if (v > best || (v == best && i < idx)) best = v, idx = i;
-  };
   if (vec) {
     const float4* r4 = reinterpret_cast<const float4*>(r);
 #pragma unroll 4
     for (int64_t i = threadIdx.x; i < cols / 4; i += blockDim.x) {
       const float4 v = r4[i];
-      take(v.x, 4 * i), take(v.y, 4 * i + 1), take(v.z, 4 * i + 2), take(v.w, 4 * i + 3);
+      a.take(v.x, 4 * i), a.take(v.y, 4 * i + 1), a.take(v.z, 4 * i + 2), a.take(v.w, 4 * i + 3);
     }
   } else {
-    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) take(r[i], i);
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) a.take(r[i], i);
   }
-  __shared__ float sv[1024];
-  __shared__ int64_t si[1024];
-  sv[threadIdx.x] = best;
-  si[threadIdx.x] = idx;
-  __syncthreads();
-  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) {
-      const float v = sv[threadIdx.x + o];
-      const int64_t j = si[threadIdx.x + o];
-      if (v > sv[threadIdx.x] || (v == sv[threadIdx.x] && j < si[threadIdx.x])) sv[threadIdx.x] = v, si[threadIdx.x] = j;
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(si[0]);
+  const int64_t best = block_argmax(a, fred, ired);
+  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(best < cols ? best : 0);
 }
 
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "block_reduce.h"
 #include "combs/backend/cuda/cuda_ops.h"
 #include "cuda_check.h"
 
@@ -57,22 +58,6 @@ struct Filters {
     return top_k.keeps(k, i) && (min_p <= 0.0f || prob(r, s) >= min_p) && top_p.keeps(k, i);
   }
 };
-
-template <typename T, typename Op>
-__device__ T block_reduce(T v, Op op, T* shared) {
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffff, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < kThreads / 32 ? shared[lane] : shared[0];
-    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffff, v, o));
-    if (lane == 0) shared[0] = v;
-  }
-  __syncthreads();
-  return shared[0];
-}
 
 // The cut where the running weight over the kept candidates first reaches `target` (pass =
 // false: total >= target; true: total > target). counting: weight 1, else probability mass.
@@ -201,21 +186,16 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(float* __restrict__ lo
   }
   __syncthreads();
   if (P.temperature == 0.0f) {  // greedy: the argmax, the lowest index on ties
-    float best = -INFINITY;
-    int64_t idx = n_vocab;
-    for (int64_t i = threadIdx.x; i < n_vocab; i += blockDim.x) {
-      if (l[i] > best || idx == n_vocab) best = l[i], idx = i;
-    }
-    const float m = block_reduce(best, [](float a, float b) { return fmaxf(a, b); }, fred);
-    if (best != m) idx = n_vocab;
-    const int64_t first = block_reduce(idx, [](int64_t a, int64_t b) { return a < b ? a : b; }, ired);
+    ArgMax a;
+    for (int64_t i = threadIdx.x; i < n_vocab; i += blockDim.x) a.take(l[i], i);
+    const int64_t first = block_argmax(a, fred, ired);
     if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(first < n_vocab ? first : 0);
     return;
   }
   Row r{l, n_vocab, P.temperature, 0.0f};
   float mx = -INFINITY;
   for (int64_t i = threadIdx.x; i < n_vocab; i += blockDim.x) mx = fmaxf(mx, scaled(r, i));
-  r.max_s = block_reduce(mx, [](float a, float b) { return fmaxf(a, b); }, fred);
+  r.max_s = block_reduce(mx, [](float a, float b) { return fmaxf(a, b); }, -INFINITY, fred);
   Filters f;
   uint64_t z = 0;  // mass after top-k (top-p's 100%)
   if (P.top_k > 0 && P.top_k < n_vocab) {
@@ -227,7 +207,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(float* __restrict__ lo
       const float s = scaled(r, i);
       if (f.top_k.keeps(key_of(s), i)) mass_sum += mass(prob(r, s));
     }
-    z = block_reduce(mass_sum, [](uint64_t a, uint64_t b) { return a + b; }, scratch);
+    z = block_reduce(mass_sum, [](uint64_t a, uint64_t b) { return a + b; }, uint64_t{0}, scratch);
     f.min_p = P.min_p;
     const uint64_t target = static_cast<uint64_t>(static_cast<double>(P.top_p) * static_cast<double>(z));
     f.top_p = find_cut(r, f, false, target > 0 ? target : 1, false, hist, scratch, nullptr);
@@ -239,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(float* __restrict__ lo
     const float s = scaled(r, i);
     if (f.keeps(r, i, s, key_of(s))) total_mass += mass(prob(r, s));
   }
-  total_mass = block_reduce(total_mass, [](uint64_t a, uint64_t b) { return a + b; }, scratch);
+  total_mass = block_reduce(total_mass, [](uint64_t a, uint64_t b) { return a + b; }, uint64_t{0}, scratch);
   uint64_t draw = static_cast<uint64_t>(P.uniform * static_cast<double>(total_mass));
   if (draw >= total_mass) draw = total_mass > 0 ? total_mass - 1 : 0;
   const Cut pick = find_cut(r, f, false, draw, true, hist, scratch, &s_total);
