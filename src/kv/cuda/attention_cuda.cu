@@ -334,6 +334,46 @@ using cuda::cp_async_wait;
 // launch less per layer); more (long contexts) go to merge_splits_kernel, whose blocks share the
 // work (a single block merging 99 splits measured slower, second CUDA session).
 constexpr int kMaxFoldedSplits = 16;
+
+// The log-sum-exp merge of one output row's splits (part_o [rows, grid_splits, hd], part_ml
+// [rows, grid_splits] of (m, l), exp2 units) for the four dimensions at d4: kMaxFoldedSplits
+// splits' partials requested at once (a loop waiting on each load would take a round trip to L2
+// per split), read from L2 (__ldcg: other blocks wrote them), with a running maximum; empty splits
+// (m = -inf) count for nothing. Used by the folded merge and merge_splits_kernel alike.
+__device__ inline float4 merge_splits4(const float* part_o, const float* part_ml, int64_t row, int grid_splits,
+                                       int splits, int hd, int d4) {
+  constexpr int U = kMaxFoldedSplits;
+  float mx = -INFINITY, L = 0.0f;
+  float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int sp0 = 0; sp0 < splits; sp0 += U) {
+    float2 ml[U];
+    float4 po[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (sp0 + u < splits) {
+        ml[u] = __ldcg(reinterpret_cast<const float2*>(part_ml) + row * grid_splits + sp0 + u);
+        po[u] = __ldcg(reinterpret_cast<const float4*>(part_o + (row * grid_splits + sp0 + u) * hd) + d4);
+      }
+    }
+    float m_new = mx;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (sp0 + u < splits) m_new = fmaxf(m_new, ml[u].x);
+    }
+    if (m_new == -INFINITY) continue;  // only empty splits so far
+    const float c = exp2f(mx - m_new);  // 0 while mx is -inf
+    L *= c, O.x *= c, O.y *= c, O.z *= c, O.w *= c;
+    mx = m_new;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (sp0 + u >= splits || ml[u].x == -INFINITY) continue;  // past the sequence's splits, or empty
+      const float f = exp2f(ml[u].x - mx);
+      L += ml[u].y * f;
+      O.x += po[u].x * f, O.y += po[u].y * f, O.z += po[u].z * f, O.w += po[u].w * f;
+    }
+  }
+  return make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+}
 constexpr int64_t kMaxFoldedTokens = 8;  // decode tokens in a batch (see fold_merge_)
 
 template <int HD, int R>
@@ -551,69 +591,27 @@ __global__ void __launch_bounds__(R * 32)
     }
     sync();
     if (!last_split) return;
-    // Each lane merges float4s of the group's rows, U splits' partials requested at once (a loop
-    // waiting on each load would take a round trip to L2 per split), read from L2 (__ldcg), with a
-    // running maximum.
-    constexpr int U = kMaxFoldedSplits;
+    // Each lane merges float4s of the group's rows.
     const int64_t row0 = static_cast<int64_t>(s.row + tl0) * n_q + kvh * G;
     for (int i = tid; i < G * HD / 4; i += NT) {
       const int64_t row = row0 + i / (HD / 4);
       const int d4 = i % (HD / 4);
-      float mx = -INFINITY, L = 0.0f;
-      float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int sp0 = 0; sp0 < splits; sp0 += U) {
-        float2 ml[U];
-        float4 po[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (sp0 + u < splits) {
-            ml[u] = __ldcg(reinterpret_cast<const float2*>(part_ml) + row * gridDim.z + sp0 + u);
-            po[u] = __ldcg(reinterpret_cast<const float4*>(part_o + (row * gridDim.z + sp0 + u) * HD) + d4);
-          }
-        }
-        float m_new = mx;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (sp0 + u < splits) m_new = fmaxf(m_new, ml[u].x);
-        }
-        if (m_new == -INFINITY) continue;  // only empty splits so far
-        const float c = exp2f(mx - m_new);  // 0 while mx is -inf
-        L *= c, O.x *= c, O.y *= c, O.z *= c, O.w *= c;
-        mx = m_new;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (sp0 + u >= splits || ml[u].x == -INFINITY) continue;  // past the sequence's splits, or empty
-          const float f = exp2f(ml[u].x - mx);
-          L += ml[u].y * f;
-          O.x += po[u].x * f, O.y += po[u].y * f, O.z += po[u].z * f, O.w += po[u].w * f;
-        }
-      }
-      reinterpret_cast<float4*>(out + row * HD)[d4] = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+      reinterpret_cast<float4*>(out + row * HD)[d4] = merge_splits4(part_o, part_ml, row, gridDim.z, splits, HD, d4);
     }
   }
 }
 
-// grid (tokens * n_q); block: head_dim threads. Log-sum-exp merge of a token's splits (rows of
-// sequences that ran in one split were written by attention_kernel directly).
+// grid (tokens * n_q); block: head_dim / 4 threads (rounded up to a warp). The merge of a token's
+// splits for rows the attention kernel did not merge (rows of sequences that ran in one split were
+// written by it directly). head_dim: 64 or 128.
 __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     float* __restrict__ out, int grid_splits, int hd, int n_q) {
   const int64_t row = blockIdx.x;
-  const int d = threadIdx.x;
+  const int d4 = threadIdx.x;
   const SeqDev& s = meta.seqs[meta.tok_seq[row / n_q]];
   cuda::pdl_wait();
-  if (d >= hd || s.n_new >= meta.prefill_min || s.splits == 1) return;
-  const int splits = s.splits;
-  float mx = -INFINITY;
-  for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, part_ml[(row * grid_splits + sp) * 2]);
-  float L = 0.0f, O = 0.0f;
-  for (int sp = 0; sp < splits; ++sp) {
-    const float m = part_ml[(row * grid_splits + sp) * 2];
-    if (m == -INFINITY) continue;  // an empty split
-    const float f = exp2f(m - mx);
-    L += part_ml[(row * grid_splits + sp) * 2 + 1] * f;
-    O += part_o[(row * grid_splits + sp) * hd + d] * f;
-  }
-  out[row * hd + d] = O / L;
+  if (d4 >= hd / 4 || s.n_new >= meta.prefill_min || s.splits == 1) return;
+  reinterpret_cast<float4*>(out + row * hd)[d4] = merge_splits4(part_o, part_ml, row, grid_splits, s.splits, hd, d4);
 }
 
 // The reference: grid (tokens, n_q); scores of one row in scratch [tokens, n_q, max_ctx].
@@ -1012,7 +1010,8 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (grid_splits_ > 1 && !fold_merge_) {  // (fold_merge_ implies the tensor-core kernel)
-    cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(wthreads), 0, st, M, part_o_,
+    const unsigned mthreads = static_cast<unsigned>((hd / 4 + 31) / 32 * 32);
+    cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(mthreads), 0, st, M, part_o_,
                      part_ml_, out->data_as<float>(), grid_splits_, hd, n_q);
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
