@@ -7,6 +7,7 @@
 #include "block_reduce.h"
 #include "combs/backend/cuda/cuda_ops.h"
 #include "cuda_check.h"
+#include "float_convert.h"
 #include "pdl.h"
 
 namespace combs::cuda {
@@ -16,19 +17,6 @@ namespace {
 cudaStream_t stream_of(CudaBackend& b) { return static_cast<cudaStream_t>(b.stream()); }
 
 Status launched(const char* kernel) { return cuda_status(cudaGetLastError(), kernel); }
-
-__device__ inline float to_f32(float v) { return v; }
-__device__ inline float to_f32(__half v) { return __half2float(v); }
-__device__ inline float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ inline T from_f32(float v);
-template <>
-__device__ inline float from_f32<float>(float v) { return v; }
-template <>
-__device__ inline __half from_f32<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 __device__ inline float silu(float g) { return g / (1.0f + expf(-g)); }
 

@@ -22,6 +22,7 @@
 
 #include "backend/cuda/async_copy.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/float_convert.h"
 #include "backend/cuda/pdl.h"
 #include "combs/base/hash.h"
 #include "combs/backend/cuda/cuda_backend.h"
@@ -57,17 +58,8 @@ struct Meta {
   int prefill_min;  // tokens of sequences with at least this many new tokens go to prefill tiles
 };
 
-__device__ inline float load_f32(const float* p) { return *p; }
-__device__ inline float load_f32(const __half* p) { return __half2float(*p); }
-__device__ inline float load_f32(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-template <typename T>
-__device__ inline T store_as(float v);
-template <>
-__device__ inline float store_as<float>(float v) { return v; }
-template <>
-__device__ inline __half store_as<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ inline __nv_bfloat16 store_as<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using cuda::from_f32;
+using cuda::to_f32;
 
 __device__ inline int64_t kv_offset(const SeqDev& s, const int32_t* tables, int64_t p, int head, int hd) {
   const int pi = static_cast<int>(p);  // positions fit in 32 bits (checked on the host)
@@ -99,9 +91,9 @@ __global__ void write_kv_kernel(const Meta M, float* __restrict__ q, const float
   T* V = static_cast<T*>(const_cast<void*>(s.v ? s.v : M.v)) + off;
   cuda::pdl_launch_dependents();
   cuda::pdl_wait();  // q, k, v come from the projection before
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) V[d] = store_as<T>(v[src + d]);
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) V[d] = from_f32<T>(v[src + d]);
   const int rotated = rope.inv_freq ? rope.rope_dim : 0;
-  for (int d = rotated + threadIdx.x; d < hd; d += blockDim.x) K[d] = store_as<T>(k[src + d]);
+  for (int d = rotated + threadIdx.x; d < hd; d += blockDim.x) K[d] = from_f32<T>(k[src + d]);
   if (!rope.inv_freq) return;
   const int half = rope.rope_dim / 2, G = n_q / n_kv;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -111,8 +103,8 @@ __global__ void write_kv_kernel(const Meta M, float* __restrict__ q, const float
     const float c = static_cast<float>(cs), sf = static_cast<float>(sn);
     const int a = rope.adjacent ? 2 * i : i, b = rope.adjacent ? 2 * i + 1 : i + half;
     const float k0 = k[src + a], k1 = k[src + b];
-    K[a] = store_as<T>(k0 * c - k1 * sf);
-    K[b] = store_as<T>(k0 * sf + k1 * c);
+    K[a] = from_f32<T>(k0 * c - k1 * sf);
+    K[b] = from_f32<T>(k0 * sf + k1 * c);
     for (int g = 0; g < G; ++g) {
       float* qh = q + (static_cast<int64_t>(t) * n_q + h * G + g) * hd;
       const float q0 = qh[a], q1 = qh[b];
@@ -631,7 +623,7 @@ __global__ void manual_attention_kernel(const Meta M, const float* __restrict__ 
   for (int64_t j = threadIdx.x; j < ctx; j += blockDim.x) {
     const T* kr = K + kv_offset(s, M.tables, j, kvh, hd);
     float dot = 0.0f;
-    for (int d = 0; d < hd; ++d) dot += qr[d] * load_f32(kr + d);
+    for (int d = 0; d < hd; ++d) dot += qr[d] * to_f32(kr[d]);
     sc[j] = dot * scale;
     mx = fmaxf(mx, sc[j]);
   }
@@ -657,7 +649,7 @@ __global__ void manual_attention_kernel(const Meta M, const float* __restrict__ 
   sum = red[0];
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float o = 0.0f;
-    for (int64_t j = 0; j < ctx; ++j) o += sc[j] * load_f32(V + kv_offset(s, M.tables, j, kvh, hd) + d);
+    for (int64_t j = 0; j < ctx; ++j) o += sc[j] * to_f32(V[kv_offset(s, M.tables, j, kvh, hd) + d]);
     out[(static_cast<int64_t>(t) * n_q + h) * hd + d] = o / sum;
   }
 }
