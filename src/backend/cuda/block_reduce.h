@@ -27,8 +27,9 @@ __device__ T block_reduce(T v, Op op, T identity, T* shared) {
   return shared[0];
 }
 
-// Argmax: the largest value, the lowest index among equal ones (as std::max_element); NaN is never
-// taken. A thread takes its elements in any order, then block_argmax combines the threads'.
+// Argmax: the largest value, the lowest index among equal ones; NaN is never taken (as
+// std::max_element unless the first element is NaN). A thread takes its elements in any order,
+// then block_argmax combines the threads'.
 struct ArgMax {
   float value = -INFINITY;
   int64_t index = INT64_MAX;  // INT64_MAX: nothing taken

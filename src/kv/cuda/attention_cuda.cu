@@ -938,6 +938,9 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
     return invalid_argument_error("attention (cuda): q, k, v and out must be f32");
   }
   if (tokens_ == 0) return ok_status();
+  if (out && reinterpret_cast<uintptr_t>(out->data()) % 16 != 0) {  // the kernels store float4s
+    return invalid_argument_error("attention (cuda): out must be 16-byte aligned");
+  }
   if (shared_arena_) {
     M_.k = work[0].kv.k;
     M_.v = work[0].kv.v;
