@@ -151,6 +151,16 @@ struct GemvOut {
 // row u and up row u one after the other and writes silu(gate) * up rounded to T (the down
 // projection's input, as matmul_swiglu rounds it), so the down projection stages half the bytes
 // and nothing computes the product twice.
+// The weights' 16-byte loads: read-only, and not kept in L1 (each is read once per step; measured
+// on the H200 against __ldg: llama-8b decode 232 vs 227-228 tok/s, llama-1b 1,145 vs 1,113-1,118).
+__device__ __forceinline__ uint4 load_weights16(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
 constexpr int kGemvWarps = 8;  // warps per block
 constexpr int kGemvBatch = 8;  // 16-byte loads per lane per batch
 
@@ -183,16 +193,24 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
 #pragma unroll
     for (int u = 0; u < kGemvBatch; ++u) {
       const int64_t i = base + u * kStep;
-      buf[u] = i < in ? __ldg(reinterpret_cast<const uint4*>(wr + i)) : make_uint4(0, 0, 0, 0);
+      buf[u] = i < in ? load_weights16(wr + i) : make_uint4(0, 0, 0, 0);
     }
   };
   if (n_batches > 0) load(buf0, 0);
   if (n_batches > 1) load(buf1, 1);
+  // The norm's weights are this layer's own, not an output of the kernels before: requested into
+  // L1 now (one 128-byte line per thread), so the staging below finds them there, not in DRAM.
+  if (!XT && outs.norm_w) {
+    for (int64_t k = threadIdx.x * 32; k < in; k += blockDim.x * 32) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(outs.norm_w + k));
+    }
+  }
   pdl_wait();  // x (and y, for accumulate) come from the kernels before
 
   // Staging x: float4 loads, kStageUnroll per thread in flight (a block's staging is a few round
-  // trips to L2, not one per element).
-  constexpr int kStageUnroll = 2;
+  // trips to L2, not one per element): for one row four (a 4,096-wide x in one round trip per
+  // pass; llama-8b decode 236 vs 234 tok/s on the H200), for more two (four spill registers).
+  constexpr int kStageUnroll = N == 1 ? 4 : 2;
   const int64_t in4 = in / 4, total4 = XT ? 0 : n * in4;
   const float4* x4 = static_cast<const float4*>(xin);
   const float4* nw4 = reinterpret_cast<const float4*>(outs.norm_w);

@@ -61,12 +61,17 @@ struct Meta {
 using cuda::from_f32;
 using cuda::to_f32;
 
+// Position p's page in the sequence's table and slot in that page (positions fit in 32 bits:
+// checked on the host; pad: log2(page_size), or -1).
+__device__ inline int kv_page(const SeqDev& s, int p) { return s.pad >= 0 ? p >> s.pad : p / s.page_size; }
+__device__ inline int kv_slot(const SeqDev& s, int p) { return s.pad >= 0 ? p & (s.page_size - 1) : p % s.page_size; }
+// Where position p's head lies in the arena, given its page's number in the pool.
+__device__ inline int64_t kv_offset_in(const SeqDev& s, int32_t page, int p, int head, int hd) {
+  return static_cast<int64_t>(page) * s.page_stride + head * s.head_stride + static_cast<int64_t>(kv_slot(s, p)) * hd;
+}
 __device__ inline int64_t kv_offset(const SeqDev& s, const int32_t* tables, int64_t p, int head, int hd) {
-  const int pi = static_cast<int>(p);  // positions fit in 32 bits (checked on the host)
-  const int page = s.pad >= 0 ? pi >> s.pad : pi / s.page_size;  // pad: log2(page_size), or -1
-  const int slot = s.pad >= 0 ? pi & (s.page_size - 1) : pi % s.page_size;
-  return static_cast<int64_t>(tables[s.table_off + page]) * s.page_stride + head * s.head_stride +
-         static_cast<int64_t>(slot) * hd;
+  const int pi = static_cast<int>(p);
+  return kv_offset_in(s, tables[s.table_off + kv_page(s, pi)], pi, head, hd);
 }
 
 // The rotation of an AttentionRope, as the kernels take it (inv_freq null: none).
@@ -89,18 +94,22 @@ __global__ void write_kv_kernel(const Meta M, float* __restrict__ q, const float
   const int64_t src = (static_cast<int64_t>(t) * n_kv + h) * hd;
   T* K = static_cast<T*>(const_cast<void*>(s.k ? s.k : M.k)) + off;
   T* V = static_cast<T*>(const_cast<void*>(s.v ? s.v : M.v)) + off;
+  // The rotation's cos / sin depend on the position alone: computed before the wait (a thread has
+  // at most one pair: blockDim >= head_dim >= rope_dim).
+  const int half = rope.inv_freq ? rope.rope_dim / 2 : 0, G = n_q / n_kv, i = threadIdx.x;
+  float c = 1.0f, sf = 0.0f;
+  if (i < half) {
+    const float angle = static_cast<float>(p) * rope.inv_freq[i];
+    double sn, cs;
+    sincos(static_cast<double>(angle), &sn, &cs);
+    c = static_cast<float>(cs), sf = static_cast<float>(sn);
+  }
   cuda::pdl_launch_dependents();
   cuda::pdl_wait();  // q, k, v come from the projection before
   for (int d = threadIdx.x; d < hd; d += blockDim.x) V[d] = from_f32<T>(v[src + d]);
   const int rotated = rope.inv_freq ? rope.rope_dim : 0;
   for (int d = rotated + threadIdx.x; d < hd; d += blockDim.x) K[d] = from_f32<T>(k[src + d]);
-  if (!rope.inv_freq) return;
-  const int half = rope.rope_dim / 2, G = n_q / n_kv;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float angle = static_cast<float>(p) * rope.inv_freq[i];
-    double sn, cs;
-    sincos(static_cast<double>(angle), &sn, &cs);
-    const float c = static_cast<float>(cs), sf = static_cast<float>(sn);
+  if (i < half) {
     const int a = rope.adjacent ? 2 * i : i, b = rope.adjacent ? 2 * i + 1 : i + half;
     const float k0 = k[src + a], k1 = k[src + b];
     K[a] = from_f32<T>(k0 * c - k1 * sf);
@@ -443,14 +452,24 @@ __global__ void __launch_bounds__(R * 32)
   const int min_lim = min(lim[0], lim[1]);  // this warp needs no mask for a tile wholly below
 
   const uint32_t smem_base = cuda::smem_addr(smem);
+  // The page-table entries of the next tile's rows, read one tile ahead (a dependent load to L2
+  // or DRAM before each tile's copies would otherwise stall the warp once per tile).
+  int32_t pages[LOADS];
+  auto fetch_pages = [&](int64_t k0) {
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+      const int key = static_cast<int>(k0 + (tid + j * NT) / CH);
+      pages[j] = key < ke ? M.tables[s.table_off + kv_page(s, key)] : 0;
+    }
+  };
   auto load_tile = [&](int stage, int64_t k0) {
     const uint32_t kbase = smem_base + stage * (2 * KT * HD * 2), vbase = kbase + KT * HD * 2;
 #pragma unroll
     for (int j = 0; j < LOADS; ++j) {
       const int i = tid + j * NT, row = i / CH, c = i % CH;
-      const int64_t key = k0 + row;
+      const int key = static_cast<int>(k0 + row);
       const bool valid = key < ke;
-      const int64_t off = valid ? kv_offset(s, M.tables, key, kvh, HD) + c * 8 : 0;
+      const int64_t off = valid ? kv_offset_in(s, pages[j], key, kvh, HD) + c * 8 : 0;
       const uint32_t dst = (row * HD + ((c ^ (row & 7)) * 8)) * 2;
       cp_async16(kbase + dst, K + off, valid);
       cp_async16(vbase + dst, V + off, valid);
@@ -467,13 +486,15 @@ __global__ void __launch_bounds__(R * 32)
   const int n_tiles = static_cast<int>((ke - kb + KT - 1) / KT);
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < n_tiles) load_tile(st, kb + st * KT);
+    if (st < n_tiles) fetch_pages(kb + st * KT), load_tile(st, kb + st * KT);
     cp_async_commit();
   }
+  if (STAGES - 1 < n_tiles) fetch_pages(kb + (STAGES - 1) * KT);
   for (int i = 0; i < n_tiles; ++i) {
     cp_async_wait<STAGES - 2>();
     sync();  // tile i is in; every warp is done with the stage reloaded next
     if (i + STAGES - 1 < n_tiles) load_tile((i + STAGES - 1) % STAGES, kb + static_cast<int64_t>(i + STAGES - 1) * KT);
+    if (i + STAGES < n_tiles) fetch_pages(kb + static_cast<int64_t>(i + STAGES) * KT);
     cp_async_commit();
     const uint32_t kbase = smem_base + (i % STAGES) * (2 * KT * HD * 2), vbase = kbase + KT * HD * 2;
     const int64_t k0 = kb + static_cast<int64_t>(i) * KT;
