@@ -26,6 +26,7 @@ struct CudaRunnerOptions {
 struct CudaRunnerStats {
   int64_t graph_captures = 0;  // decode graphs captured (the first and any whose launch key changed)
   int64_t graph_replays = 0;   // decode steps run as one graph launch
+  double host_seconds = 0;     // forward's host work: from its call until it waits for the device
 };
 
 class CudaRunner final : public ModelRunner {

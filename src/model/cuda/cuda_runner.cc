@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -228,6 +229,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   Impl& I = *impl_;
   CudaBackend& b = *I.backend;
   if (seqs.empty()) return ok_status();
+  const auto t_enter = std::chrono::steady_clock::now();
   int64_t total = 0;
   COMBS_RETURN_IF_ERROR(check_forward_inputs(c, seqs, &b, &total));
   const int64_t e = c.n_embd, hd = c.head_dim, nq = c.n_heads, nkv = c.n_kv_heads, ff = c.n_ff;
@@ -392,6 +394,8 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     ran = cuda::sample_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_sample_params, d_sample_adjust, d_ids);
   }
   if (!ran.ok()) return fail(ran);
+  // (Before the copy: a copy to pageable host memory waits for the device.)
+  I.stats.host_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_enter).count();
   const Status copied =
       options.token_ids
           ? cuda::cuda_status(cudaMemcpyAsync(options.token_ids, d_ids, static_cast<size_t>(n_out) * 4, cudaMemcpyDeviceToHost, st),

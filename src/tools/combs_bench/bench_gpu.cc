@@ -41,6 +41,7 @@ double copy_bandwidth(CudaBackend& b) {
 
 struct Run {
   double prompt_tps = 0, decode_tps = 0;
+  double host_us = 0, step_us = 0;  // per decode step: forward's host work before its wait, and all of it
 };
 
 // n_seqs sessions, each a prompt of `prompt` tokens (prefilled one session at a time), then
@@ -56,7 +57,7 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
   std::vector<float> logits(static_cast<size_t>(n_seqs) * c.n_vocab);
   std::vector<int32_t> tokens(prompt);
   for (int i = 0; i < prompt; ++i) tokens[i] = (i * 7919 + 13) % c.n_vocab;
-  std::vector<double> tp, td;
+  std::vector<double> tp, td, th, ts;
   for (int r = 0; r < reps + 1; ++r) {  // the first round warms up
     std::vector<std::unique_ptr<PagedKVCache>> caches;
     double t_prompt = 0;
@@ -77,6 +78,7 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
       for (int s = 0; s < n_seqs; ++s) rows.push_back({sampling, (s + 0.5) / n_seqs, {}});
       fo.sampling = rows;
     }
+    const double host0 = runner.stats().host_seconds;
     const double t0 = now_seconds();
     for (int i = 0; i < gen; ++i) {
       for (int s = 0; s < n_seqs; ++s) {
@@ -87,11 +89,13 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
     }
     const double dt = now_seconds() - t0;
     if (r > 0) {
+      th.push_back((runner.stats().host_seconds - host0) * 1e6 / gen);
+      ts.push_back(dt * 1e6 / gen);
       tp.push_back(double(prompt) * n_seqs / t_prompt);
       td.push_back(double(gen) * n_seqs / dt);
     }
   }
-  return Run{median(tp), median(td)};
+  return Run{median(tp), median(td), median(th), median(ts)};
 }
 
 // Decode attention alone: one token over `ctx` keys for n_seqs sequences, 32 query / 8 KV heads,
@@ -212,7 +216,9 @@ int run_gpu(int argc, char** argv) {
       const bool pre = only == "prefill";
       auto r = pre ? prefill_run(**runner) : only == "decode" ? decode_run(**runner) : sessions_run(**runner);
       if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
-      std::printf("%s %s: %.0f tok/s\n", shape.c_str(), only.c_str(), pre ? r->prompt_tps : r->decode_tps);
+      std::printf("%s %s: %.0f tok/s", shape.c_str(), only.c_str(), pre ? r->prompt_tps : r->decode_tps);
+      if (!pre) std::printf(" (host work %.1f of %.1f us per step)", r->host_us, r->step_us);
+      std::printf("\n");
       continue;
     }
     auto one = decode_run(**runner);
