@@ -155,7 +155,7 @@ struct GemvOut {
 // on the H200 against __ldg: llama-8b decode 232 vs 227-228 tok/s, llama-1b 1,145 vs 1,113-1,118).
 __device__ __forceinline__ uint4 load_weights16(const void* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;

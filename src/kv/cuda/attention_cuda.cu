@@ -830,7 +830,9 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
     max_ctx_ = std::max(max_ctx_, w.pos + w.n_new);
     shared_arena_ &= w.kv.k == work[0].kv.k && w.kv.v == work[0].kv.v;
   }
-  if (max_ctx_ > INT32_MAX) return invalid_argument_error("attention (cuda): positions beyond 2^31");
+  // The kernels index positions in 32 bits, including a tile's keys past the context's end (up to
+  // 2,047 beyond it): positions stay below 2^31 - 4,096.
+  if (max_ctx_ > INT32_MAX - 4096) return invalid_argument_error("attention (cuda): positions beyond 2^31 - 4096");
   const int G = n_q / n_kv, tile_tokens = std::max(kPrefillRows / G, 1);
   const bool tensor_cores = attend && impl == AttentionImpl::kFlash && (hd_ == 64 || hd_ == 128) &&
                             (dtype_ == DType::kF16 || dtype_ == DType::kBF16) && G <= kMaxTensorCoreGroup;
