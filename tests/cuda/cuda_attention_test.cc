@@ -1,6 +1,6 @@
 // Paged attention on the GPU against the CPU's (checked against float64 in tests/kv) and against
 // a contiguous GPU cache, over ragged batches of prefill chunks (tensor cores from 16 new tokens)
-// and decodes: page sizes 16 and 32,
+// and decodes: page sizes 16 and 32 (and 7, 24),
 // GQA ratios 1 to 8, head_dim 64 and 128, f16/bf16/f32 caches, contexts up to 32k (split-KV), and
 // the manual reference path. [cuda]: skipped (and saying so) without a GPU.
 #include <catch2/catch.hpp>
@@ -133,6 +133,13 @@ TEST_CASE("cuda paged attention matches the cpu and a contiguous cache over ragg
   for (DType dt : {DType::kBF16, DType::kF32}) {
     INFO(dtype_name(dt));
     run_case(*gpu, {16, 4, 4, 64, dt, ragged}, seed++);
+  }
+  // Page sizes that are not powers of two (positions to pages by division; a 16-key tile spans up
+  // to three pages of 7).
+  for (int page_size : {7, 24}) {
+    INFO("page " << page_size);
+    run_case(*gpu, {page_size, 2, 4, 128, DType::kBF16, ragged}, seed++);
+    run_case(*gpu, {page_size, 2, 8, 64, DType::kF32, ragged}, seed++);
   }
   // Groups the tensor-core kernel packs unevenly (3, 7 heads per KV head: a prefill tile holds
   // 21 or 9 tokens), fills (16: one warp's 16 rows) or spreads over a 4-warp decode block (20, 32).
