@@ -335,6 +335,7 @@ using cuda::cp_async_wait;
 // launch less per layer); more (long contexts) go to merge_splits_kernel, whose blocks share the
 // work (a single block merging 99 splits measured slower, second CUDA session).
 constexpr int kMaxFoldedSplits = 16;
+constexpr int64_t kMaxFoldedTokens = 8;  // decode tokens in a batch (see fold_merge_)
 
 // The log-sum-exp merge of one output row's splits (part_o [rows, grid_splits, hd], part_ml
 // [rows, grid_splits] of (m, l), exp2 units) for the four dimensions at d4: kMaxFoldedSplits
@@ -375,7 +376,6 @@ __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml
   }
   return make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
 }
-constexpr int64_t kMaxFoldedTokens = 8;  // decode tokens in a batch (see fold_merge_)
 
 template <int HD, int R>
 struct FlashShape {
