@@ -3,6 +3,7 @@
 // [cuda]: skipped (and saying so) without a GPU.
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 
@@ -134,7 +135,8 @@ TEST_CASE("decode steps replayed as cuda graphs give exactly the logits of launc
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     INFO(dtype_name(dtype));
     testing::TinyModel m("tiny", dtype);
-    auto graphs = std::move(CudaRunner::create(*m.model, {.cuda_graphs = true})).value();
+    // (time_device on one of the two: the events around its steps change nothing they compute.)
+    auto graphs = std::move(CudaRunner::create(*m.model, {.cuda_graphs = true, .time_device = true})).value();
     auto eager = std::move(CudaRunner::create(*m.model, {.cuda_graphs = false})).value();
     const KVGeometry g = m.model->config().kv_geometry(DType::kBF16);
     auto pool_g = PagePool::create(graphs->backend(), {g, 16, 256}).value();
@@ -149,6 +151,7 @@ TEST_CASE("decode steps replayed as cuda graphs give exactly the logits of launc
     }
     std::vector<float> lg(n * V), le(n * V);
     std::vector<int32_t> ids(n);
+    const auto t0 = std::chrono::steady_clock::now();
     // 60 steps cross page edges (the page tables grow) and change the batch: all four, then
     // subsets of 3, 2 and 1, with logits on some steps and device argmax ids on others.
     for (int step = 0; step < 60; ++step) {
@@ -174,8 +177,13 @@ TEST_CASE("decode steps replayed as cuda graphs give exactly the logits of launc
         REQUIRE(cg[members[j]]->seq_len() == ce[members[j]]->seq_len());
       }
     }
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const CudaRunnerStats st = graphs->stats();
-    INFO("captures " << st.graph_captures << ", replays " << st.graph_replays);
+    INFO("captures " << st.graph_captures << ", replays " << st.graph_replays << ", device " << st.device_seconds
+                     << " s of " << wall << " s");
+    CHECK(st.device_seconds > 0.0);
+    CHECK(st.device_seconds < wall);
+    CHECK(eager->stats().device_seconds == 0.0);
     CHECK(st.graph_captures >= 4);  // batch sizes 4, 3, 2, 1 at least
     CHECK(st.graph_replays > 20);
     CHECK(eager->stats().graph_replays == 0);

@@ -21,12 +21,16 @@ struct CudaRunnerOptions {
   // Decode steps (one new token per sequence, up to 512 sequences) as CUDA graphs, one per batch
   // size: a step is then one graph launch. Off: every kernel launched on its own (to compare).
   bool cuda_graphs = true;
+  // Times each forward's device work (from its first launch to its last, uploads excluded) with a
+  // pair of CUDA events, into stats().device_seconds: for benchmarks (what of a step the host adds).
+  bool time_device = false;
 };
 
 struct CudaRunnerStats {
   int64_t graph_captures = 0;  // decode graphs captured (the first and any whose launch key changed)
   int64_t graph_replays = 0;   // decode steps run as one graph launch
   double host_seconds = 0;     // forward's host work: from its call until it waits for the device
+  double device_seconds = 0;   // with time_device: the device's time from a forward's first launch to its last
 };
 
 class CudaRunner final : public ModelRunner {

@@ -147,6 +147,12 @@ struct CudaRunner::Impl {
   bool use_graphs = true;
   std::unordered_map<int64_t, DecodeGraph> graphs;
   CudaRunnerStats stats;
+  // time_device: events recorded before a forward's first launch and after its last.
+  cudaEvent_t launched = nullptr, finished = nullptr;
+  ~Impl() {
+    if (launched) cudaEventDestroy(launched);
+    if (finished) cudaEventDestroy(finished);
+  }
 };
 
 namespace {
@@ -185,6 +191,10 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
   auto impl = std::make_unique<Impl>();
   impl->use_graphs = options.cuda_graphs;
   COMBS_ASSIGN_OR_RETURN(impl->backend, CudaBackend::create({.device = options.device}));
+  if (options.time_device) {
+    COMBS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->launched));
+    COMBS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->finished));
+  }
   register_cuda_attention();
   CudaBackend& b = *impl->backend;
   const ModelConfig& c = model.config();
@@ -376,6 +386,9 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     return ok_status();
   };
 
+  if (I.launched) {
+    if (Status s = cuda::cuda_status(cudaEventRecord(I.launched, st), "cudaEventRecord"); !s.ok()) return fail(s);
+  }
   Status ran;
   const int64_t n_seqs = static_cast<int64_t>(seqs.size());
   if (I.use_graphs && decode && n_seqs <= kMaxGraphBatch && I.step.replayable()) {
@@ -393,6 +406,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   if (ran.ok() && sampling) {
     ran = cuda::sample_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_sample_params, d_sample_adjust, d_ids);
   }
+  if (ran.ok() && I.finished) ran = cuda::cuda_status(cudaEventRecord(I.finished, st), "cudaEventRecord");
   if (!ran.ok()) return fail(ran);
   // (Before the copy: a copy to pageable host memory waits for the device.)
   I.stats.host_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_enter).count();
@@ -405,6 +419,13 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
                               "cudaMemcpyAsync(logits)");
   if (!copied.ok()) return fail(copied);
   if (Status s = b.synchronize(); !s.ok()) return fail(s);
+  if (I.launched) {
+    float ms = 0.0f;
+    if (Status s = cuda::cuda_status(cudaEventElapsedTime(&ms, I.launched, I.finished), "cudaEventElapsedTime"); !s.ok()) {
+      return fail(s);
+    }
+    I.stats.device_seconds += ms * 1e-3;
+  }
   I.step.commit();
   return ok_status();
 }

@@ -41,7 +41,9 @@ double copy_bandwidth(CudaBackend& b) {
 
 struct Run {
   double prompt_tps = 0, decode_tps = 0;
-  double host_us = 0, step_us = 0;  // per decode step: forward's host work before its wait, and all of it
+  // Per decode step: forward's host work before its wait, the device's time from its first launch
+  // to its last (a runner with time_device; else 0), and all of it.
+  double host_us = 0, device_us = 0, step_us = 0;
 };
 
 // n_seqs sessions, each a prompt of `prompt` tokens (prefilled one session at a time), then
@@ -57,7 +59,7 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
   std::vector<float> logits(static_cast<size_t>(n_seqs) * c.n_vocab);
   std::vector<int32_t> tokens(prompt);
   for (int i = 0; i < prompt; ++i) tokens[i] = (i * 7919 + 13) % c.n_vocab;
-  std::vector<double> tp, td, th, ts;
+  std::vector<double> tp, td, th, tg, ts;
   for (int r = 0; r < reps + 1; ++r) {  // the first round warms up
     std::vector<std::unique_ptr<PagedKVCache>> caches;
     double t_prompt = 0;
@@ -78,7 +80,7 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
       for (int s = 0; s < n_seqs; ++s) rows.push_back({sampling, (s + 0.5) / n_seqs, {}});
       fo.sampling = rows;
     }
-    const double host0 = runner.stats().host_seconds;
+    const double host0 = runner.stats().host_seconds, device0 = runner.stats().device_seconds;
     const double t0 = now_seconds();
     for (int i = 0; i < gen; ++i) {
       for (int s = 0; s < n_seqs; ++s) {
@@ -90,12 +92,13 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
     const double dt = now_seconds() - t0;
     if (r > 0) {
       th.push_back((runner.stats().host_seconds - host0) * 1e6 / gen);
+      tg.push_back((runner.stats().device_seconds - device0) * 1e6 / gen);
       ts.push_back(dt * 1e6 / gen);
       tp.push_back(double(prompt) * n_seqs / t_prompt);
       td.push_back(double(gen) * n_seqs / dt);
     }
   }
-  return Run{median(tp), median(td), median(th), median(ts)};
+  return Run{median(tp), median(td), median(th), median(tg), median(ts)};
 }
 
 // Decode attention alone: one token over `ctx` keys for n_seqs sequences, 32 query / 8 KV heads,
@@ -209,7 +212,8 @@ int run_gpu(int argc, char** argv) {
     }
     auto model = Model::load(path);
     if (!model.ok()) return std::fprintf(stderr, "%s\n", model.status().to_string().c_str()), 1;
-    auto runner = CudaRunner::create(**model);
+    // --only decode / sessions also times the device's part of a step (two events per forward).
+    auto runner = CudaRunner::create(**model, {.time_device = !only.empty() && only != "prefill"});
     if (!runner.ok()) return std::fprintf(stderr, "%s\n", runner.status().to_string().c_str()), 1;
     const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
     if (!only.empty()) {  // one part alone (for a profiler): no table
@@ -217,7 +221,11 @@ int run_gpu(int argc, char** argv) {
       auto r = pre ? prefill_run(**runner) : only == "decode" ? decode_run(**runner) : sessions_run(**runner);
       if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
       std::printf("%s %s: %.0f tok/s", shape.c_str(), only.c_str(), pre ? r->prompt_tps : r->decode_tps);
-      if (!pre) std::printf(" (host work %.1f of %.1f us per step)", r->host_us, r->step_us);
+      if (!pre) {
+        std::printf(" (per step: %.1f us, the device's work %.1f from its first launch to its last, host work %.1f before "
+                    "it waits)",
+                    r->step_us, r->device_us, r->host_us);
+      }
       std::printf("\n");
       continue;
     }
