@@ -214,11 +214,44 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   const int64_t in4 = in / 4, total4 = XT ? 0 : n * in4;
   const float4* x4 = static_cast<const float4*>(xin);
   const float4* nw4 = reinterpret_cast<const float4*>(outs.norm_w);
+  bool staged = false;  // (the one-row norm path below stages x itself)
   if constexpr (XT) {  // 16-byte chunks straight to shared memory, all in flight at once
     const uint4* src = static_cast<const uint4*>(xin);
     for (int64_t i = threadIdx.x; i < n * in / 8; i += blockDim.x) cp_async16(smem_addr(reinterpret_cast<uint4*>(xs) + i), src + i);
     cp_async_commit();
     cp_async_wait<0>();
+  } else if (N == 1 && outs.norm_w && in4 <= static_cast<int64_t>(blockDim.x) * kStageUnroll) {
+    // One row of at most kStageUnroll float4s per thread (decode of one sequence, in <= 4,096): x
+    // is loaded once and kept in registers; after the one barrier that gathers the warps' sums
+    // every thread takes the scale itself (the same sum in the same order as below: the same
+    // numbers), then stages its part with the norm's weights (from L1). One pass over x, two
+    // barriers instead of three. (x and the weights both kept: 40-48 bytes of spills.)
+    float4 v[kStageUnroll];
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int64_t k = threadIdx.x + u * blockDim.x;
+      v[u] = k < in4 ? x4[k] : make_float4(0, 0, 0, 0);
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    __shared__ float red_1[kGemvWarps];
+    if (lane == 0) red_1[threadIdx.x / 32] = ss;
+    __syncthreads();
+    float t = 0.0f;
+    for (int w8 = 0; w8 < kGemvWarps; ++w8) t += red_1[w8];
+    const float sc = rsqrtf(t / static_cast<float>(in) + outs.eps);
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int64_t k = threadIdx.x + u * blockDim.x;
+      if (k >= in4) break;
+      const float4 nw = nw4[k];  // (in L1: requested before the PDL wait)
+      const float f[4] = {v[u].x * sc * nw.x, v[u].y * sc * nw.y, v[u].z * sc * nw.z, v[u].w * sc * nw.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xs[k * 4 + e] = from_f32<T>(f[e]);
+    }
+    staged = true;
   } else if (outs.norm_w) {
     // RMSNorm of each x row: add_rms_norm's formula (its warps' sums added in another order, so the
     // scale may differ from it in the last bit).
@@ -254,7 +287,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
     }
     __syncthreads();
   }
-  for (int64_t i = threadIdx.x; i < total4; i += blockDim.x * kStageUnroll) {
+  for (int64_t i = threadIdx.x; i < (staged ? 0 : total4); i += blockDim.x * kStageUnroll) {
     float4 v[kStageUnroll], nw[kStageUnroll];
 #pragma unroll
     for (int u = 0; u < kStageUnroll; ++u) {
