@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   } else if (N == 1 && outs.norm_w && in4 <= static_cast<int64_t>(blockDim.x) * kStageUnroll) {
     // One row of at most kStageUnroll float4s per thread (decode of one sequence, in <= 4,096): x
     // is loaded once and kept in registers; after the one barrier that gathers the warps' sums
-    // every thread takes the scale itself (the same sum in the same order as below: the same
-    // numbers), then stages its part with the norm's weights (from L1). One pass over x, two
+    // every thread takes the scale itself (the same sums in the same order as below), then stages
+    // its part with the norm's weights (from L1). One pass over x, two
     // barriers instead of three. (x and the weights both kept: 40-48 bytes of spills.)
     float4 v[kStageUnroll];
 #pragma unroll
