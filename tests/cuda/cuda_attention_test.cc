@@ -160,19 +160,19 @@ TEST_CASE("cuda paged decode over a 32k context splits and merges correctly", "[
   run_case(*gpu, {16, 2, 4, 128, DType::kBF16, {{5000, 8}, {3, 1}}}, 101);
 }
 
-TEST_CASE("cuda decode with few splits merges them in the attention kernel", "[cuda]") {
+TEST_CASE("cuda decode over short contexts, a few splits each, matches the cpu", "[cuda]") {
   auto gpu = gpu_or_skip();
   if (!gpu) return;
-  // Splits of 16 keys (head_dim 128) or 32 (head_dim 64): these batches stay within 16 splits per
-  // sequence, so the one-warp decode kernel merges them itself; the paged call then the contiguous
-  // one show any count left behind.
+  // Splits of 16 keys (head_dim 128) or 32 (head_dim 64): a few splits per sequence, empty ones
+  // in the grid beside them, every merge in merge_splits_kernel; the paged call then the
+  // contiguous one.
   run_case(*gpu, {16, 2, 4, 128, DType::kF16, {{100, 1}, {40, 1}, {3, 1}}}, 201);
   run_case(*gpu, {32, 8, 4, 64, DType::kBF16, {{250, 1}, {70, 3}}}, 202);
   run_case(*gpu, {16, 2, 16, 128, DType::kBF16, {{200, 1}}}, 203);  // a 16-head group: one warp's rows
   run_case(*gpu, {16, 2, 4, 64, DType::kBF16, {{0, 37}, {100, 1}}}, 204);  // after a prefill grid
   run_case(*gpu, {16, 4, 4, 64, DType::kF16, {{270, 1}, {200, 1}}}, 205);
-  // Past 16 splits, a 4-warp decode block (groups above 16 heads) or more than 8 decode tokens:
-  // the merge kernel.
+  // Past 16 splits (a second batch of the merge's loads), a 4-warp decode block (groups above 16
+  // heads), nine decode tokens.
   run_case(*gpu, {16, 2, 4, 128, DType::kBF16, {{300, 1}, {20, 1}}}, 206);
   run_case(*gpu, {16, 2, 20, 128, DType::kBF16, {{500, 1}}}, 207);
   run_case(*gpu,

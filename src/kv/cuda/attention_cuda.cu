@@ -5,10 +5,9 @@
 // prefill tiles and decode tokens alike; f32 caches use a CUDA-core kernel (attention_kernel).
 // Both serve a whole GQA group per block, so each K/V row is read once per group, with the online
 // softmax in f32 (exp2, log2e folded into the scale). Decode splits long contexts across blocks
-// (split-KV) and merges them by log-sum-exp: in the tensor-core kernel itself (each token's last
-// split block to finish) for batches of at most kMaxFoldedTokens decode tokens whose sequences have
-// at most kMaxFoldedSplits splits each, else in a second kernel. COMBS_ATTN=manual runs a simple
-// reference instead (scores in global memory, softmax, P@V).
+// (split-KV) and merges them by log-sum-exp in a second kernel (merge_splits_kernel), which lets
+// the next one (the output projection) launch once the attention is done. COMBS_ATTN=manual runs a
+// simple reference instead (scores in global memory, softmax, P@V).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -331,20 +330,17 @@ using cuda::cp_async_wait;
 // decode blocks of one warp with 8 KB K/V tiles four deep (measured on the H200 against 16 KB
 // two or three deep: 16 x 8k contexts 0.91 of copy bandwidth vs 0.89 / 0.62), or of 4 warps when
 // the group has more than 16 heads.
-// Up to this many splits per sequence, the tensor-core decode kernel merges them itself (one
-// launch less per layer); more (long contexts) go to merge_splits_kernel, whose blocks share the
-// work (a single block merging 99 splits measured slower, second CUDA session).
-constexpr int kMaxFoldedSplits = 16;
-constexpr int64_t kMaxFoldedTokens = 8;  // decode tokens in a batch (see fold_merge_)
+// Splits' partials the merge requests at once.
+constexpr int kMergeBatch = 16;
 
 // The log-sum-exp merge of one output row's splits (part_o [rows, grid_splits, hd], part_ml
-// [rows, grid_splits] of (m, l), exp2 units) for the four dimensions at d4: kMaxFoldedSplits
-// splits' partials requested at once (a loop waiting on each load would take a round trip to L2
-// per split), read from L2 (__ldcg: other blocks wrote them), with a running maximum; empty splits
-// (m = -inf) count for nothing. Used by the folded merge and merge_splits_kernel alike.
+// [rows, grid_splits] of (m, l), exp2 units) for the four dimensions at d4: kMergeBatch splits'
+// partials requested at once (a loop waiting on each load would take a round trip to L2 per
+// split), read from L2 (__ldcg: other blocks wrote them), with a running maximum; empty splits
+// (m = -inf) count for nothing.
 __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml, int64_t row, int grid_splits,
                                        int splits, int hd, int d4) {
-  constexpr int U = kMaxFoldedSplits;
+  constexpr int U = kMergeBatch;
   float mx = -INFINITY, L = 0.0f;
   float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int sp0 = 0; sp0 < splits; sp0 += U) {
@@ -389,8 +385,7 @@ struct FlashShape {
 template <typename T, int HD, int R>
 __global__ void __launch_bounds__(R * 32)
     flash_kernel(const Meta M, const int32_t* __restrict__ tiles, const float* __restrict__ q, float* __restrict__ out,
-                 float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ counts, int n_kv, int G,
-                 float scale_log2) {
+                 float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, int G, float scale_log2) {
   constexpr int KT = FlashShape<HD, R>::kKeys, STAGES = FlashShape<HD, R>::kStages;
   constexpr int NT = R * 32, CH = HD / 8, LOADS = KT * CH / NT;  // 16-byte chunks per row; per thread per tile
   static_assert(KT * CH % NT == 0 && KT % 16 == 0, "tile shape");
@@ -404,7 +399,7 @@ __global__ void __launch_bounds__(R * 32)
   // every block of this one has started (it waits for this grid's completion before reading
   // anything). Not a projection: its persistent blocks, launched early, would wait for SMs still
   // busy here (measured: single-session decode 904 -> 867 tok/s).
-  if (!decode || (gridDim.z > 1 && !counts)) cuda::pdl_launch_dependents();
+  if (!decode || gridDim.z > 1) cuda::pdl_launch_dependents();
   cuda::pdl_wait();  // every block, before any exit: this grid completes only after the one before
   int tl0, ntok, split = 0, splits = 1;
   int64_t kb = 0, ke;
@@ -588,30 +583,6 @@ __global__ void __launch_bounds__(R * 32)
       if (quad == 0) part_ml[prow * 2] = m[h], part_ml[prow * 2 + 1] = l[h];
     }
   }
-  // The split merge folded in (counts set; one-warp blocks only: the 4-warp kernel's registers are
-  // spent): the token's last split block to finish merges its group's rows, as merge_splits_kernel
-  // would; the count goes back to 0 for the next launch.
-  if constexpr (R == 1) {
-    if (splits == 1 || !counts) return;
-    __shared__ int last_split;
-    __threadfence();  // this block's partials visible device-wide before it counts
-    sync();
-    if (tid == 0) {
-      int* c = counts + static_cast<int64_t>(blockIdx.x) * n_kv + kvh;
-      last_split = atomicAdd(c, 1) == splits - 1;
-      if (last_split) *c = 0;
-      __threadfence();  // acquire: the other splits' partials after their count
-    }
-    sync();
-    if (!last_split) return;
-    // Each lane merges float4s of the group's rows.
-    const int64_t row0 = static_cast<int64_t>(s.row + tl0) * n_q + kvh * G;
-    for (int i = tid; i < G * HD / 4; i += NT) {
-      const int64_t row = row0 + i / (HD / 4);
-      const int d4 = i % (HD / 4);
-      reinterpret_cast<float4*>(out + row * HD)[d4] = merge_splits4(part_o, part_ml, row, gridDim.z, splits, HD, d4);
-    }
-  }
 }
 
 // grid (tokens * n_q); block: head_dim / 4 threads (rounded up to a warp). The merge of a token's
@@ -623,6 +594,11 @@ __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ p
   const int d4 = threadIdx.x;
   const SeqDev& s = meta.seqs[meta.tok_seq[row / n_q]];
   cuda::pdl_wait();
+  // The attention is done: the next kernel (the output projection) may launch now and request its
+  // weights while this merge runs (its blocks then start ~2.6 us earlier in a llama-8b layer), but
+  // not earlier: launched while the attention runs, its loads slow the attention's more (H200,
+  // llama-8b decode: 241 tok/s vs 239 launched at the end, 227 at this kernel's start).
+  cuda::pdl_launch_dependents();
   if (d4 >= hd / 4 || s.n_new >= meta.prefill_min || s.splits == 1) return;
   reinterpret_cast<float4*>(out + row * hd)[d4] = merge_splits4(part_o, part_ml, row, grid_splits, s.splits, hd, d4);
 }
@@ -711,23 +687,23 @@ int flash_capacity(DType dt, int hd, int R) {
 
 template <typename T, int HD, int R>
 cudaError_t launch_flash(dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles, const float* q, float* out,
-                         float* part_o, float* part_ml, int* counts, int n_kv, int G, float scale_log2) {
+                         float* part_o, float* part_ml, int n_kv, int G, float scale_log2) {
   if (const cudaError_t e = flash_attr<T, HD, R>(); e != cudaSuccess) return e;
   return cuda::launch_pdl(flash_kernel<T, HD, R>, grid, dim3(R * 32), FlashShape<HD, R>::kSmemBytes, st, M,
-                          tiles, q, out, part_o, part_ml, counts, n_kv, G, scale_log2);
+                          tiles, q, out, part_o, part_ml, n_kv, G, scale_log2);
 }
 
 // The tensor-core kernel for a cache of T: head_dim 64 or 128, R warps per block (1 or 4).
 template <typename T>
 cudaError_t launch_flash(int hd, int R, dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles,
-                         const float* q, float* out, float* part_o, float* part_ml, int* counts, int n_kv, int G,
+                         const float* q, float* out, float* part_o, float* part_ml, int n_kv, int G,
                          float scale_log2) {
   if (hd == 64) {
-    return R == 1 ? launch_flash<T, 64, 1>(grid, st, M, tiles, q, out, part_o, part_ml, counts, n_kv, G, scale_log2)
-                  : launch_flash<T, 64, 4>(grid, st, M, tiles, q, out, part_o, part_ml, counts, n_kv, G, scale_log2);
+    return R == 1 ? launch_flash<T, 64, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2)
+                  : launch_flash<T, 64, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2);
   }
-  return R == 1 ? launch_flash<T, 128, 1>(grid, st, M, tiles, q, out, part_o, part_ml, counts, n_kv, G, scale_log2)
-                : launch_flash<T, 128, 4>(grid, st, M, tiles, q, out, part_o, part_ml, counts, n_kv, G, scale_log2);
+  return R == 1 ? launch_flash<T, 128, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2)
+                : launch_flash<T, 128, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2);
 }
 
 template <typename T, int HD, int G>
@@ -791,11 +767,6 @@ class CudaAttentionPlan final : public DeviceAttentionPlan {
   RopeDev rope_{nullptr, 0, false};
   AttentionImpl impl_ = AttentionImpl::kFlash;
   bool attend_ = false, shared_arena_ = true, tensor_cores_ = false;
-  // Decode splits merged by each token's last split block (every sequence within
-  // kMaxFoldedSplits), counting in counts_ [tokens, n_kv] (zero between launches).
-  bool fold_merge_ = false;
-  int* counts_ = nullptr;
-  uint64_t counts_generation_ = ~uint64_t{0};
 };
 
 // Where the cache holds f16 or bf16, the head_dim is 64 or 128 and a GQA group has at most 64
@@ -810,7 +781,6 @@ constexpr int kPrefillMin = 16, kPrefillRows = 64, kMaxTensorCoreGroup = 64;
 // The partial results are capped at kMaxPartialBytes (a long prefill chunk batched with a decode
 // would otherwise ask for gigabytes).
 constexpr int64_t kTargetBlocks = 1056, kMinKeysPerSplit = 64, kMaxSplits = 128, kMaxPartialBytes = 64 << 20;
-constexpr size_t kCountsBytes = 64 << 10;  // the counts of up to 16,384 (token, KV head) pairs
 
 Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n_q, bool attend, AttentionImpl impl,
                                   const AttentionRope* rope) {
@@ -898,27 +868,10 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
   const size_t part_o_bytes = grid_splits_ > 1 && n_decode_ > 0 ? static_cast<size_t>(tokens_ * n_q * grid_splits_ * hd_) * 4 : 0;
   const size_t part_ml_bytes = grid_splits_ > 1 && n_decode_ > 0 ? static_cast<size_t>(tokens_ * n_q * grid_splits_ * 2) * 4 : 0;
   const size_t manual_bytes = attend && impl == AttentionImpl::kManual ? static_cast<size_t>(tokens_ * n_q * max_ctx_) * 4 : 0;
-  int max_splits_used = 1;
-  for (const SeqDev& d : sd_) {
-    if (d.n_new < M_.prefill_min) max_splits_used = std::max(max_splits_used, static_cast<int>(d.splits));
-  }
-  // Folded only for a few decode tokens: there the merge's launch is the cost; with many (64
-  // sessions' decode: 3% slower folded on the H200) the count and the later start of the next
-  // kernel cost more than the launch.
-  fold_merge_ = tensor_cores && G <= 16 && n_decode_ > 0 && n_decode_ <= kMaxFoldedTokens && max_splits_used > 1 &&
-                max_splits_used <= kMaxFoldedSplits && static_cast<size_t>(tokens_ * n_kv) * 4 <= kCountsBytes;
-  // Slot 2 of the scratch (this plan's alone): the split counts first, at a fixed size (they stay
-  // zero between launches, so they are cleared only when the slot is new), then the partials or
-  // the reference's scores.
+  // Slot 2 of the scratch (this plan's alone): the partials or the reference's scores.
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
-  COMBS_ASSIGN_OR_RETURN(void* scratch,
-                         b_.scratch(kCountsBytes + align(part_o_bytes) + align(part_ml_bytes) + manual_bytes + 256, 2));
-  counts_ = static_cast<int*>(scratch);
-  if (fold_merge_ && b_.scratch_generation() != counts_generation_) {
-    COMBS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(counts_, 0, kCountsBytes, static_cast<cudaStream_t>(b_.stream())));
-    counts_generation_ = b_.scratch_generation();
-  }
-  part_o_ = reinterpret_cast<float*>(static_cast<char*>(scratch) + kCountsBytes);
+  COMBS_ASSIGN_OR_RETURN(void* scratch, b_.scratch(align(part_o_bytes) + align(part_ml_bytes) + manual_bytes + 256, 2));
+  part_o_ = static_cast<float*>(scratch);
   part_ml_ = reinterpret_cast<float*>(reinterpret_cast<char*>(part_o_) + align(part_o_bytes));
   scores_ = reinterpret_cast<float*>(reinterpret_cast<char*>(part_ml_) + align(part_ml_bytes));
   return ok_status();
@@ -945,9 +898,8 @@ uint64_t CudaAttentionPlan::key() const {
                              static_cast<uint64_t>(grid_splits_), static_cast<uint64_t>(M_.prefill_min),
                              static_cast<uint64_t>(n_kv_) << 32 | static_cast<uint32_t>(n_q_),
                              static_cast<uint64_t>(hd_) << 8 | static_cast<uint64_t>(dtype_),
-                             static_cast<uint64_t>(attend_) << 2 | static_cast<uint64_t>(tensor_cores_) << 1 |
-                                 static_cast<uint64_t>(fold_merge_),
-                             reinterpret_cast<uintptr_t>(counts_), reinterpret_cast<uintptr_t>(rope_.inv_freq),
+                             static_cast<uint64_t>(attend_) << 1 | static_cast<uint64_t>(tensor_cores_),
+                             reinterpret_cast<uintptr_t>(rope_.inv_freq),
                              static_cast<uint64_t>(rope_.rope_dim) << 1 | static_cast<uint64_t>(rope_.adjacent)};
   uint64_t h = 0;
   for (uint64_t f : fields) h = hash_mix(h, f);
@@ -1001,21 +953,20 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
     const dim3 pgrid(static_cast<unsigned>(n_tiles_), static_cast<unsigned>(n_kv));
     COMBS_CUDA_RETURN_IF_ERROR(
         f16 ? launch_flash<__half>(hd, 4, pgrid, st, M, d_tiles_, q.data_as<float>(), out->data_as<float>(), nullptr,
-                                   nullptr, nullptr, n_kv, G, scale_log2)
+                                   nullptr, n_kv, G, scale_log2)
             : launch_flash<__nv_bfloat16>(hd, 4, pgrid, st, M, d_tiles_, q.data_as<float>(), out->data_as<float>(),
-                                          nullptr, nullptr, nullptr, n_kv, G, scale_log2));
+                                          nullptr, nullptr, n_kv, G, scale_log2));
   }
   if (n_decode_ == 0) return ok_status();
   const dim3 grid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_kv), static_cast<unsigned>(grid_splits_));
   bool ok = true;
   if (tensor_cores_) {
     const int R = G <= 16 ? 1 : 4;
-    int* counts = fold_merge_ ? counts_ : nullptr;
     COMBS_CUDA_RETURN_IF_ERROR(
         f16 ? launch_flash<__half>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(), part_o_,
-                                   part_ml_, counts, n_kv, G, scale_log2)
+                                   part_ml_, n_kv, G, scale_log2)
             : launch_flash<__nv_bfloat16>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(),
-                                          part_o_, part_ml_, counts, n_kv, G, scale_log2));
+                                          part_o_, part_ml_, n_kv, G, scale_log2));
   } else {
     ok = dtype_ == DType::kF32 &&
          dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2);
@@ -1027,7 +978,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
                                "f32 caches 1/2/4/8; COMBS_ATTN=manual runs any)");
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (grid_splits_ > 1 && !fold_merge_) {  // (fold_merge_ implies the tensor-core kernel)
+  if (grid_splits_ > 1) {
     const unsigned mthreads = static_cast<unsigned>((hd / 4 + 31) / 32 * 32);
     cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(mthreads), 0, st, M, part_o_,
                      part_ml_, out->data_as<float>(), grid_splits_, hd, n_q);
