@@ -172,7 +172,7 @@ TEST_CASE("cuda decode over short contexts, a few splits each, matches the cpu",
   run_case(*gpu, {16, 2, 4, 64, DType::kBF16, {{0, 37}, {100, 1}}}, 204);  // after a prefill grid
   run_case(*gpu, {16, 4, 4, 64, DType::kF16, {{270, 1}, {200, 1}}}, 205);
   // Past 16 splits (a second batch of the merge's loads), a 4-warp decode block (groups above 16
-  // heads), nine decode tokens.
+  // heads), many decode tokens.
   run_case(*gpu, {16, 2, 4, 128, DType::kBF16, {{300, 1}, {20, 1}}}, 206);
   run_case(*gpu, {16, 2, 20, 128, DType::kBF16, {{500, 1}}}, 207);
   run_case(*gpu,

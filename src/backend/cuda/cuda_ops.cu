@@ -224,8 +224,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
     // One row of at most kStageUnroll float4s per thread (decode of one sequence, in <= 4,096): x
     // is loaded once and kept in registers; after the one barrier that gathers the warps' sums
     // every thread takes the scale itself (the same sums in the same order as below), then stages
-    // its part with the norm's weights (from L1). One pass over x, two
-    // barriers instead of three. (x and the weights both kept: 40-48 bytes of spills.)
+    // its part with the norm's weights (from L1). One pass over x, two barriers instead of three
+    // (H200: llama-8b decode 238 vs 235 tok/s). The weights are loaded after the barrier: kept in
+    // registers beside x they spilled 40-48 bytes.
     float4 v[kStageUnroll];
 #pragma unroll
     for (int u = 0; u < kStageUnroll; ++u) {

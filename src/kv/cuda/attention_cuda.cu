@@ -326,10 +326,6 @@ using cuda::cp_async16;
 using cuda::cp_async_commit;
 using cuda::cp_async_wait;
 
-// The tensor-core kernels' shapes: prefill blocks of 4 warps (64 query rows) with 64-key tiles;
-// decode blocks of one warp with 8 KB K/V tiles four deep (measured on the H200 against 16 KB
-// two or three deep: 16 x 8k contexts 0.91 of copy bandwidth vs 0.89 / 0.62), or of 4 warps when
-// the group has more than 16 heads.
 // Splits' partials the merge requests at once.
 constexpr int kMergeBatch = 16;
 
@@ -373,6 +369,10 @@ __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml
   return make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
 }
 
+// The tensor-core kernels' shapes: prefill blocks of 4 warps (64 query rows) with 64-key tiles;
+// decode blocks of one warp with 8 KB K/V tiles four deep (measured on the H200 against 16 KB
+// two or three deep: 16 x 8k contexts 0.91 of copy bandwidth vs 0.89 / 0.62), or of 4 warps when
+// the group has more than 16 heads.
 template <int HD, int R>
 struct FlashShape {
   static constexpr int kKeys = R == 1 ? 2048 / HD : 64;
@@ -586,8 +586,8 @@ __global__ void __launch_bounds__(R * 32)
 }
 
 // grid (tokens * n_q); block: head_dim / 4 threads (rounded up to a warp). The merge of a token's
-// splits for rows the attention kernel did not merge (rows of sequences that ran in one split were
-// written by it directly). head_dim: 64 or 128.
+// splits, for the rows of sequences that ran in several (those in one split were written by the
+// attention kernel directly). head_dim: 64 or 128.
 __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     float* __restrict__ out, int grid_splits, int hd, int n_q) {
   const int64_t row = blockIdx.x;
