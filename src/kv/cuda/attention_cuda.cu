@@ -595,9 +595,9 @@ __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ p
   const SeqDev& s = meta.seqs[meta.tok_seq[row / n_q]];
   cuda::pdl_wait();
   // The attention is done: the next kernel (the output projection) may launch now and request its
-  // weights while this merge runs (its blocks then start ~2.6 us earlier in a llama-8b layer), but
-  // not earlier: launched while the attention runs, its loads slow the attention's more (H200,
-  // llama-8b decode: 241 tok/s vs 239 launched at the end, 227 at this kernel's start).
+  // weights while this merge runs (in a llama-8b layer its blocks start ~5 us before the merge
+  // ends), but not earlier: launched while the attention runs, its loads slow the attention's more
+  // (H200, llama-8b decode: 241 tok/s vs 239 launched at the merge's end, 227 at its start).
   cuda::pdl_launch_dependents();
   if (d4 >= hd / 4 || s.n_new >= meta.prefill_min || s.splits == 1) return;
   reinterpret_cast<float4*>(out + row * hd)[d4] = merge_splits4(part_o, part_ml, row, grid_splits, s.splits, hd, d4);
