@@ -1,7 +1,7 @@
 // combs-server: serves combs.v1.Combs (plus grpc.health.v1.Health and server reflection) over gRPC
 // for one model. Without --model it writes (once) a small random-weight model into --cache-dir and
-// serves that: with the vocabulary of --vocab (by default the Llama 3 vocabulary of the source
-// tree, where it exists), else the built-in byte-level one.
+// serves that: with the vocabulary of --vocab (by default Llama 3's, installed beside the binary in
+// share/combs), or the built-in byte-level one (--vocab none).
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -21,6 +21,7 @@
 #endif
 #include "combs/model/random_model.h"
 #include "combs_service.h"
+#include "common/data_files.h"
 #include "common/flags.h"
 #include "http_endpoint.h"
 #include "log.h"
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
                      {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""},
                       {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
-                      {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", COMBS_DEFAULT_VOCAB},
+                      {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()},
                       {"api-keys", ""}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}});
   flags.describe({
       {"config", "config file of 'name = value' lines (the flags below without --); the command line wins"},
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
       {"session-ttl-s", "idle sessions expire after this many seconds"},
       {"cache-dir", "where the default model is written; default ~/.cache/combs"},
       {"grace-s", "on SIGTERM/SIGINT, running streams get this long to finish, then end UNAVAILABLE"},
-      {"vocab", "vocabulary GGUF of the default model; none: a built-in byte-level vocabulary"},
+      {"vocab", "vocabulary GGUF of the default model (default: Llama 3's, from share/combs beside the binary); none or empty: a built-in byte-level vocabulary"},
       {"api-keys", "file of API keys, one a line; callers send 'authorization: Bearer <key>'"},
       {"tls-cert", "PEM certificate chain (with --tls-key: serve TLS)"},
       {"tls-key", "PEM private key of --tls-cert"},
@@ -90,16 +91,15 @@ int main(int argc, char** argv) {
     }
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
-    std::string vocab = flags.str("vocab");
-    if (!flags.given("vocab") && !std::filesystem::exists(vocab)) {
-      // An installed combs-server: the vocabulary installed beside it (share/combs).
-      const auto installed = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path().parent_path() /
-                             "share/combs/ggml-vocab-llama-bpe.gguf";
-      if (!ec && std::filesystem::exists(installed)) vocab = installed.string();
+    std::string vocab = flags.str("vocab") == "none" ? "" : flags.str("vocab");
+    if (!vocab.empty() && !std::filesystem::is_regular_file(vocab, ec)) {
+      return std::fprintf(stderr, "combs-server: --vocab %s: no such file\n", vocab.c_str()), 2;
     }
-    if (!vocab.empty() && !std::filesystem::exists(vocab)) {
-      if (flags.given("vocab") && !vocab.empty()) return std::fprintf(stderr, "combs-server: --vocab %s: no such file\n", vocab.c_str()), 2;
-      vocab.clear();  // the built-in default is not there (an installed binary): byte-level vocabulary
+    if (vocab.empty() && !flags.given("vocab")) {
+      server::LogLine("no_default_vocabulary")
+          .add("detail", "share/combs/ggml-vocab-llama-bpe.gguf is not beside the binary: the default model gets the "
+                         "built-in byte-level vocabulary")
+          .warn();
     }
     path = dir + "/default-tiny" + (vocab.empty() ? "" : "-" + std::filesystem::path(vocab).stem().string()) + ".gguf";
     if (!std::filesystem::exists(path)) {
