@@ -8,11 +8,12 @@
 set -u
 ROUNDS=$1; SHAPES=$2; ONLY=$3; SPECS=$4
 export LD_LIBRARY_PATH=$PWD/.gpu/libs:/tmp/gpulibs:/usr/local/cuda/lib64
+VOCAB=$PWD/tests/data/vocab/ggml-vocab-llama-bpe.gguf  # the real shapes: Llama 3's 128,256 tokens
 for r in $(seq "$ROUNDS"); do
   for spec in $SPECS; do
     v=${spec%%:*}; e=${spec#*:}
     for s in ${SHAPES//,/ }; do
-      echo "== round $r $spec $(env ${e//,/ } /tmp/bin/$v/combs-bench gpu --shapes $s --only $ONLY --reps 3 2>&1 | grep -v '^#' | grep -v '^$' | tr '\n' ' ')"
+      echo "== round $r $spec $(env ${e//,/ } /tmp/bin/$v/combs-bench gpu --shapes $s --only $ONLY --reps 3 --vocab "$VOCAB" 2>&1 | grep -v '^#' | grep -v '^$' | tr '\n' ' ')"
     done
   done
 done

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "combs/backend/cpu/cpu_backend.h"
+#include "combs/base/status.h"
 
 namespace combs::bench {
 
@@ -24,6 +25,21 @@ std::vector<std::string> split_list(const std::string& s);
 // Median GB/s of summing a buffer of `bytes` (larger than the caches) on all of the backend's
 // threads: the memory-bandwidth bound that results are compared with.
 double measure_read_bandwidth(CpuBackend& backend, int64_t bytes, int reps);
+
+// The --vocab flag of the model benchmarks: a vocabulary GGUF whose tokenizer the random-weight
+// models copy. Default: Llama 3's 128,256 tokens (installed beside the binary, share/combs), so the
+// output matrix has the real shape's size; "none": the built-in 259-token byte-level vocabulary.
+inline constexpr const char* kVocabHelp =
+    "vocabulary GGUF of the random-weight models (default: Llama 3's 128,256 tokens from share/combs beside the "
+    "binary); none: the built-in 259-token vocabulary";
+// The flag's value as RandomModelOptions::vocab_path (empty for "none"), checked to exist.
+StatusOr<std::string> bench_vocab(const std::string& flag);
+
+// The random-weight model DIR/SHAPE-DTYPE-VOCAB.gguf (VOCAB: the vocabulary file's stem, or
+// "v259" for the built-in one), written there once (through a temporary file, so an interrupted
+// write leaves none) and reused by later runs and by the peer, which reads the same files.
+StatusOr<std::string> bench_model(const std::string& dir, const std::string& shape, const std::string& dtype,
+                                  const std::string& vocab_path);
 
 int run_kv(int argc, char** argv);
 int run_model(int argc, char** argv);

@@ -1,9 +1,11 @@
 // Helpers shared by the combs-bench subcommands.
 #include <algorithm>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "bench.h"
+#include "combs/model/random_model.h"
 
 namespace combs::bench {
 
@@ -43,6 +45,35 @@ std::vector<std::string> split_list(const std::string& s) {
     start = end + 1;
   }
   return out;
+}
+
+StatusOr<std::string> bench_vocab(const std::string& flag) {
+  if (flag == "none") return std::string();
+  if (flag.empty()) {
+    return invalid_argument_error(
+        "no default vocabulary: share/combs/ggml-vocab-llama-bpe.gguf is not beside the binary; pass --vocab PATH "
+        "(e.g. tests/data/vocab/ggml-vocab-llama-bpe.gguf) or --vocab none");
+  }
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(flag, ec)) return not_found_error("--vocab " + flag + ": no such file");
+  return flag;
+}
+
+StatusOr<std::string> bench_model(const std::string& dir, const std::string& shape, const std::string& dtype,
+                                  const std::string& vocab_path) {
+  RandomModelOptions o;
+  COMBS_ASSIGN_OR_RETURN(o.shape, named_shape(shape));
+  if (!parse_dtype(dtype, &o.dtype)) return invalid_argument_error("unknown weight type '" + dtype + "'");
+  o.vocab_path = vocab_path;
+  const std::string stem = vocab_path.empty() ? "v259" : std::filesystem::path(vocab_path).stem().string();
+  const std::string path = dir + "/" + shape + "-" + dtype + "-" + stem + ".gguf";
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) return path;
+  std::filesystem::create_directories(dir, ec);
+  COMBS_RETURN_IF_ERROR(write_random_model(o, path + ".tmp"));
+  std::filesystem::rename(path + ".tmp", path, ec);
+  if (ec) return internal_error("renaming " + path + ".tmp: " + ec.message());
+  return path;
 }
 
 }  // namespace combs::bench

@@ -2,23 +2,23 @@
 // 64 sessions generating at once through the engine (continuous batching on the CPU backend), and
 // the aggregate as a ratio to one session's.
 #include <cstdio>
-#include <filesystem>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "bench.h"
 #include "combs/engine/engine.h"
-#include "combs/model/random_model.h"
+#include "common/data_files.h"
 #include "common/flags.h"
 
 namespace combs::bench {
 
 int run_engine(int argc, char** argv) {
   tools::Flags flags("combs-bench engine",
-                     {{"shape", "tiny"}, {"dtype", "bf16"}, {"model", ""}, {"vocab", ""},
+                     {{"shape", "tiny"}, {"dtype", "bf16"}, {"model", ""}, {"vocab", tools::default_vocab()},
                       {"sessions", "1,8,64"}, {"prompt", "64"}, {"gen", "32"}, {"threads", "0"},
                       {"dir", "/tmp/combs-bench-models"}});
+  flags.describe({{"vocab", kVocabHelp}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
     flags.print_usage("[flags]   (--model PATH, or a random model of --shape/--dtype written once into --dir)");
@@ -32,20 +32,11 @@ int run_engine(int argc, char** argv) {
   }
   std::string path = flags.str("model");
   if (path.empty()) {
-    RandomModelOptions o;
-    auto shape = named_shape(flags.str("shape"));
-    if (!shape.ok() || !parse_dtype(flags.str("dtype"), &o.dtype)) {
-      return std::fprintf(stderr, "combs-bench: bad --shape or --dtype\n"), 2;
-    }
-    o.shape = *shape;
-    o.vocab_path = flags.str("vocab");
-    std::error_code ec;
-    std::filesystem::create_directories(flags.str("dir"), ec);
-    path = flags.str("dir") + "/" + flags.str("shape") + "-" + flags.str("dtype") +
-           (o.vocab_path.empty() ? "" : "-vocab") + ".gguf";
-    if (!std::filesystem::exists(path)) {
-      if (Status s = write_random_model(o, path); !s.ok()) return std::fprintf(stderr, "combs-bench: %s\n", s.to_string().c_str()), 1;
-    }
+    auto vocab = bench_vocab(flags.str("vocab"));
+    if (!vocab.ok()) return std::fprintf(stderr, "combs-bench engine: %s\n", vocab.status().message().c_str()), 2;
+    auto made = bench_model(flags.str("dir"), flags.str("shape"), flags.str("dtype"), *vocab);
+    if (!made.ok()) return std::fprintf(stderr, "combs-bench engine: %s\n", made.status().message().c_str()), 2;
+    path = *made;
   }
   std::printf("# combs-bench engine: %s, prompt %lld tokens, %lld generated per session, greedy\n\n",
               path.c_str(), prompt, gen);

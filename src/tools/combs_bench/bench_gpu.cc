@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <numeric>
 
 #include "bench.h"
@@ -14,7 +13,7 @@
 #include "combs/kv/cuda/cuda_attention.h"
 #include "combs/kv/paged_kv_cache.h"
 #include "combs/model/cuda_runner.h"
-#include "combs/model/random_model.h"
+#include "common/data_files.h"
 #include "common/flags.h"
 
 namespace combs::bench {
@@ -162,10 +161,11 @@ StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, i
 int run_gpu(int argc, char** argv) {
   tools::Flags flags("combs-bench gpu", {{"shapes", "llama-1b"}, {"dir", "/tmp/combs-bench-models"}, {"reps", "3"},
                                          {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"},
-                                         {"only", ""}});
+                                         {"only", ""}, {"vocab", tools::default_vocab()}});
+  flags.describe({{"vocab", kVocabHelp}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
-    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N] [--only decode|prefill|sessions|attention]");
+    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N] [--only decode|prefill|sessions|attention|models] [--vocab PATH|none]");
     return 0;
   }
   long long reps, sessions;
@@ -175,8 +175,9 @@ int run_gpu(int argc, char** argv) {
     return 2;
   }
   const std::string only = flags.str("only");
-  if (!only.empty() && only != "decode" && only != "prefill" && only != "sessions" && only != "attention") {
-    return std::fprintf(stderr, "combs-bench gpu: --only decode|prefill|sessions|attention\n"), 2;
+  if (!only.empty() && only != "decode" && only != "prefill" && only != "sessions" && only != "attention" &&
+      only != "models") {
+    return std::fprintf(stderr, "combs-bench gpu: --only decode|prefill|sessions|attention|models\n"), 2;
   }
   // The workloads, one definition for the table and for --only: one session's decode (256 new
   // tokens after a 128-token prompt), a 2,048-token prefill, `sessions` sessions' decode (128 new
@@ -186,14 +187,22 @@ int run_gpu(int argc, char** argv) {
   };
   auto prefill_run = [&](CudaRunner& r) { return run_sessions(r, 1, 2048, 1, int(reps)); };
   auto sessions_run = [&](CudaRunner& r) { return run_sessions(r, int(sessions), 1024, 128, int(reps)); };
+  auto vocab = bench_vocab(flags.str("vocab"));
+  if (!vocab.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", vocab.status().message().c_str()), 2;
+  if (only == "models") {  // write the models of --shapes (no GPU needed) and print their paths, e.g. for the peer
+    for (const std::string& shape : split_list(flags.str("shapes"))) {
+      auto path = bench_model(flags.str("dir"), shape, "bf16", *vocab);
+      if (!path.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", path.status().message().c_str()), 2;
+      std::printf("%s %s\n", shape.c_str(), path->c_str());
+    }
+    return 0;
+  }
   auto backend = CudaBackend::create();
   if (!backend.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", backend.status().to_string().c_str()), 1;
   register_cuda_attention();
   const double bw = copy_bandwidth(**backend);
-  std::printf("# combs-bench gpu on %s: device copy bandwidth %.0f GB/s (read + write), median of %lld\n\n",
-              (*backend)->description().c_str(), bw / 1e9, reps);
-  std::error_code ec;
-  std::filesystem::create_directories(flags.str("dir"), ec);
+  std::printf("# combs-bench gpu on %s: device copy bandwidth %.0f GB/s (read + write), median of %lld; vocabulary %s\n\n",
+              (*backend)->description().c_str(), bw / 1e9, reps, vocab->empty() ? "built-in (259 tokens)" : vocab->c_str());
   if (only.empty()) {
     std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | same without "
                 "CUDA graphs | same sampling (T 0.8, top-p 0.95) | prefill tok/s (2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |"
@@ -201,16 +210,9 @@ int run_gpu(int argc, char** argv) {
                 sessions);
   }
   for (const std::string& shape : only == "attention" ? std::vector<std::string>() : split_list(flags.str("shapes"))) {
-    const std::string path = flags.str("dir") + "/" + shape + "-bf16.gguf";
-    if (!std::filesystem::exists(path)) {
-      RandomModelOptions o;
-      auto sh = named_shape(shape);
-      if (!sh.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", sh.status().to_string().c_str()), 2;
-      o.shape = *sh;
-      o.dtype = DType::kBF16;
-      if (Status s = write_random_model(o, path); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
-    }
-    auto model = Model::load(path);
+    auto path = bench_model(flags.str("dir"), shape, "bf16", *vocab);
+    if (!path.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", path.status().message().c_str()), 2;
+    auto model = Model::load(*path);
     if (!model.ok()) return std::fprintf(stderr, "%s\n", model.status().to_string().c_str()), 1;
     // --only decode / sessions also times the device's part of a step (two events per forward).
     auto runner = CudaRunner::create(**model, {.time_device = !only.empty() && only != "prefill"});
@@ -250,7 +252,7 @@ int run_gpu(int argc, char** argv) {
                 many->decode_tps);
     std::fflush(stdout);
   }
-  if (!only.empty() && only != "attention") return 0;
+  if ((!only.empty() && only != "attention") || contexts.empty()) return 0;
   std::printf("\n| decode attention (32 q / 8 kv heads, hd 128, bf16) | sequences | paged GB/s | contiguous GB/s | "
               "paged / contiguous time | paged / copy bandwidth |\n|---|---|---|---|---|---|\n");
   for (long long ctx : contexts) {

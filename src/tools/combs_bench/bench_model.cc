@@ -1,15 +1,14 @@
 // combs-bench model: prompt processing and decode tokens/s of random-weight models, with the
 // decode bound (measured read bandwidth / bytes of weights read per token) from the same run.
 #include <cstdio>
-#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "bench.h"
 #include "combs/backend/cpu/cpu_ops.h"
 #include "combs/kv/paged_kv_cache.h"
-#include "combs/model/random_model.h"
 #include "combs/model/runner.h"
+#include "common/data_files.h"
 #include "common/flags.h"
 
 namespace combs::bench {
@@ -61,7 +60,8 @@ int run_model(int argc, char** argv) {
   tools::Flags flags("combs-bench model",
                      {{"shapes", "tiny,llama-1b"}, {"dtypes", "bf16,q8_0"}, {"prompt", "512"},
                       {"gen", "128"}, {"threads", "0"}, {"reps", "3"}, {"bandwidth-mib", "512"},
-                      {"dir", "/tmp/combs-bench-models"}, {"vocab", ""}});
+                      {"dir", "/tmp/combs-bench-models"}, {"vocab", tools::default_vocab()}});
+  flags.describe({{"vocab", kVocabHelp}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
     flags.print_usage("[flags]   (models are written once into --dir and reused)");
@@ -73,33 +73,21 @@ int run_model(int argc, char** argv) {
       !flags.integer("bandwidth-mib", &bw_mib, 1, 1 << 20)) {
     return 2;
   }
+  auto vocab = bench_vocab(flags.str("vocab"));
+  if (!vocab.ok()) return std::fprintf(stderr, "combs-bench model: %s\n", vocab.status().message().c_str()), 2;
   CpuBackend backend({static_cast<int>(threads)});
   std::printf("# combs-bench model: %d threads, matmul %s, prompt %lld tokens, decode %lld tokens, "
-              "median of %lld; read bandwidth (%lld MiB, all threads) measured before each decode run\n\n",
-              backend.num_threads(), std::string(cpu::matmul_isa()).c_str(), prompt, gen, reps, bw_mib);
-  std::printf("| model | dtype | weights read/token | prompt tok/s | decode tok/s | bandwidth GB/s "
-              "| decode bound tok/s | decode / bound |\n|---|---|---|---|---|---|---|---|\n");
-  std::error_code ec;
-  std::filesystem::create_directories(flags.str("dir"), ec);
+              "median of %lld; read bandwidth (%lld MiB, all threads) measured before each decode run; vocabulary %s\n\n",
+              backend.num_threads(), std::string(cpu::matmul_isa()).c_str(), prompt, gen, reps, bw_mib,
+              vocab->empty() ? "built-in (259 tokens)" : vocab->c_str());
+  std::printf("| model | dtype | vocabulary | weights read/token | prompt tok/s | decode tok/s | bandwidth GB/s "
+              "| decode bound tok/s | decode / bound |\n|---|---|---|---|---|---|---|---|---|\n");
   for (const std::string& shape_name : split_list(flags.str("shapes"))) {
     for (const std::string& dtype_str : split_list(flags.str("dtypes"))) {
-      RandomModelOptions o;
-      auto shape = named_shape(shape_name);
-      if (!shape.ok() || !parse_dtype(dtype_str, &o.dtype)) {
-        std::fprintf(stderr, "combs-bench: bad shape '%s' or dtype '%s'\n", shape_name.c_str(),
-                     dtype_str.c_str());
-        return 2;
-      }
-      o.shape = *shape;
-      o.vocab_path = flags.str("vocab");
-      const std::string path = flags.str("dir") + "/" + shape_name + "-" + dtype_str + ".gguf";
-      if (!std::filesystem::exists(path)) {
-        if (Status s = write_random_model(o, path); !s.ok()) {
-          std::fprintf(stderr, "combs-bench: %s\n", s.to_string().c_str());
-          return 1;
-        }
-      }
-      auto model = Model::load(path);
+      auto path = bench_model(flags.str("dir"), shape_name, dtype_str, *vocab);
+      if (!path.ok()) return std::fprintf(stderr, "combs-bench model: %s\n", path.status().message().c_str()), 1;
+      std::fprintf(stderr, "combs-bench model: %s\n", path->c_str());
+      auto model = Model::load(*path);
       if (!model.ok()) {
         std::fprintf(stderr, "combs-bench: %s\n", model.status().to_string().c_str());
         return 1;
@@ -111,8 +99,8 @@ int run_model(int argc, char** argv) {
         std::fprintf(stderr, "combs-bench: %s\n", f.status().to_string().c_str());
         return 1;
       }
-      std::printf("| %s | %s | %.1f MB | %.1f | %.2f | %.1f | %.2f | %.0f%% |\n", shape_name.c_str(),
-                  dtype_str.c_str(), bytes / 1e6, f->prompt_tps, f->decode_tps, f->bandwidth_gbs,
+      std::printf("| %s | %s | %d | %.1f MB | %.1f | %.2f | %.1f | %.2f | %.0f%% |\n", shape_name.c_str(),
+                  dtype_str.c_str(), (*model)->config().n_vocab, bytes / 1e6, f->prompt_tps, f->decode_tps, f->bandwidth_gbs,
                   f->bandwidth_gbs * 1e9 / bytes, 100.0 * f->decode_over_bound);
       std::fflush(stdout);
     }

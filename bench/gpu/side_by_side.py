@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""The table of bench/gpu/side_by_side.sh (and bench/peer/cpu_side_by_side.sh): combs and the peer
+on the same files, medians over the rounds, from the raw outputs in OUT.
+
+usage: side_by_side.py OUT SHAPES ROUNDS
+combs: OUT/combs-SHAPE-R.md, the row of `combs-bench gpu`; the peer: OUT/peer-decode-SHAPE-R.json and
+OUT/peer-prefill-SHAPE-R.json (llama-bench -o json), OUT/peer-sessions-SHAPE-R.{jsonl,log}
+(llama-batched-bench --output-format jsonl).
+"""
+import json
+import statistics
+import sys
+
+
+def combs_row(path, shape):
+    """combs-bench gpu's table row of `shape` as a dict of its figures."""
+    for line in open(path):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == shape and len(cells) >= 9:
+            return {"bound": float(cells[2]), "decode": float(cells[3]), "prefill": float(cells[7]),
+                    "sessions": float(cells[8])}
+    raise ValueError(f"{path}: no row for {shape}")
+
+
+def bench_json(path):
+    """llama-bench -o json: the median of each test's samples, by (n_prompt, n_gen, n_ubatch)."""
+    with open(path) as f:
+        tests = json.load(f)
+    return {(t["n_prompt"], t["n_gen"], t["n_ubatch"]): statistics.median(t["samples_ts"]) for t in tests}
+
+
+def batched_tg(paths):
+    """llama-batched-bench --output-format jsonl: speed_tg of its (one) line."""
+    for p in paths:
+        try:
+            for line in open(p):
+                if line.startswith("{") and "speed_tg" in line:
+                    return json.loads(line)["speed_tg"]
+        except FileNotFoundError:
+            pass
+    raise ValueError(f"no batched-bench result in {paths}")
+
+
+def main():
+    out, shapes, rounds = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+    print("| model | workload | combs tok/s | peer tok/s | combs / peer | bound tok/s | combs / bound | "
+          "peer / bound |\n|---|---|---|---|---|---|---|---|")
+    for s in shapes:
+        figs = {"decode": ([], []), "prefill": ([], []), "sessions": ([], [])}
+        bound, best_ub = [], []
+        for r in range(1, rounds + 1):
+            try:
+                c = combs_row(f"{out}/combs-{s}-{r}.md", s)
+                d = bench_json(f"{out}/peer-decode-{s}-{r}.json")
+                p = bench_json(f"{out}/peer-prefill-{s}-{r}.json")
+                b = batched_tg([f"{out}/peer-sessions-{s}-{r}.jsonl", f"{out}/peer-sessions-{s}-{r}.log"])
+            except (OSError, ValueError, KeyError) as e:
+                print(f"<!-- round {r} {s}: {e} -->")
+                continue
+            bound.append(c["bound"])
+            figs["decode"][0].append(c["decode"])
+            figs["decode"][1].append(max(v for (npp, ng, _), v in d.items() if ng == 256))
+            ub, v = max(((k[2], v) for k, v in p.items() if k[0] == 2048), key=lambda kv: kv[1])
+            best_ub.append(ub)
+            figs["prefill"][0].append(c["prefill"])
+            figs["prefill"][1].append(v)
+            figs["sessions"][0].append(c["sessions"])
+            figs["sessions"][1].append(b)
+        if not bound:
+            continue
+        names = {"decode": "1 session decode (256 after 128)",
+                 "prefill": f"prefill 2,048 (peer's fastest -ub: {'/'.join(map(str, sorted(set(best_ub))))})",
+                 "sessions": "64 sessions decode (1,024 prompts, 128 new)"}
+        for w, (cv, pv) in figs.items():
+            cm, pm = statistics.median(cv), statistics.median(pv)
+            bd = statistics.median(bound) if w == "decode" else None
+            print(f"| {s} | {names[w]} | {cm:,.0f} | {pm:,.0f} | {cm / pm:.2f} | "
+                  + (f"{bd:,.0f} | {cm / bd:.2f} | {pm / bd:.2f} |" if bd else "- | - | - |"))
+    print(f"\n(medians over {rounds} rounds; per round: combs {', '.join(shapes)} then the peer, same files)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/bin/bash
+# usage (on the GPU machine, through the device tool with carry [".gpu"]):
+#   bench/gpu/side_by_side.sh [ROUNDS] [SHAPES] [VARIANT]     e.g. bench/gpu/side_by_side.sh 2 llama-1b,llama-8b main
+# combs and the peer (llama.cpp, built there from node-llama-cpp's bundled source) on the same GGUF
+# files (random BF16 weights, Llama 3's 128,256-token vocabulary), in one run of one machine:
+#   one session's decode   combs: 256 new after a 128-token prompt   llama-bench -p 0 -n 256 -d 128
+#   prefill of 2,048       combs: one 2,048-token prompt             llama-bench -p 2048 -n 0, fastest -ub
+#   64 sessions            combs: 64 x 1,024-token prompts, 128 new  llama-batched-bench -npp 1024 -ntg 128 -npl 64
+# Needs, packed here: .gpu/libs (../shared/gpu/pack-libs.sh, gzipped), .gpu/VARIANT/combs-bench.gz
+# (bench/gpu/pack.sh VARIANT) and .gpu/llama-src.tar.xz (bench/peer/build.sh tarball). Steps, each
+# skipped where its output exists (a second call on a warm machine resumes): the peer's CUDA build
+# (build/peer), the models (build/models, written while the peer builds), then ROUNDS rounds of
+# every measurement of both programs, alternating per shape. Raw outputs go to $OUT (else
+# /tmp/side-by-side); the table (medians over rounds; ratio = combs / peer) is printed last.
+set -u
+ROUNDS=${1:-2}; SHAPES=${2:-llama-1b,llama-8b}; V=${3:-main}
+here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd)
+out=${OUT:-/tmp/side-by-side}; mkdir -p "$out"
+export PEER_DIR=$repo/build/peer
+models=$repo/build/models
+vocab=$repo/tests/data/vocab/ggml-vocab-llama-bpe.gguf
+mkdir -p /tmp/gpulibs /tmp/bin/$V "$models"
+for f in "$repo"/.gpu/libs/*.gz; do [ -e "$f" ] && gunzip -c "$f" > /tmp/gpulibs/$(basename "$f" .gz); done
+gunzip -c "$repo/.gpu/$V/combs-bench.gz" > /tmp/bin/$V/combs-bench && chmod +x /tmp/bin/$V/combs-bench || exit 1
+export LD_LIBRARY_PATH=$repo/.gpu/libs:/tmp/gpulibs:/usr/local/cuda/lib64
+combs=/tmp/bin/$V/combs-bench
+
+t0=$(date +%s)
+peer_bin=$PEER_DIR/build-cuda/bin
+if [ ! -x "$peer_bin/llama-batched-bench" ]; then
+  (bash "$repo/bench/peer/build.sh" cuda "$repo/.gpu/llama-src.tar.xz" > "$out/peer-build.log" 2>&1;
+   echo "peer build exit $? after $(( $(date +%s) - t0 )) s" >> "$out/peer-build.log") &
+  build_pid=$!
+fi
+"$combs" gpu --only models --shapes "$SHAPES" --dir "$models" --vocab "$vocab" > "$out/models.txt" || exit 1
+echo "# models written after $(( $(date +%s) - t0 )) s: $(awk '{print $2}' "$out/models.txt" | tr '\n' ' ')"
+if [ -n "${build_pid:-}" ]; then wait "$build_pid"; tail -n 3 "$out/peer-build.log"; fi
+[ -x "$peer_bin/llama-batched-bench" ] || { echo "the peer did not build: $out/peer-build.log"; exit 1; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > "$out/gpu.txt"
+git -C "$repo" rev-parse --short HEAD > "$out/combs-commit.txt" 2>/dev/null
+for r in $(seq "$ROUNDS"); do
+  for s in ${SHAPES//,/ }; do
+    m=$(awk -v s="$s" '$1 == s { print $2 }' "$out/models.txt")
+    echo "# round $r $s: combs ($(( $(date +%s) - t0 )) s)"
+    "$combs" gpu --shapes "$s" --dir "$models" --vocab "$vocab" --reps 3 --sessions 64 --attention-contexts "" \
+      > "$out/combs-$s-$r.md" 2>&1
+    echo "# round $r $s: peer ($(( $(date +%s) - t0 )) s)"
+    "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 256 -d 128 -r 3 -o json > "$out/peer-decode-$s-$r.json" 2> "$out/peer-decode-$s-$r.log"
+    "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 2048 -n 0 -b 2048 -ub 512,1024,2048 -r 3 -o json \
+      > "$out/peer-prefill-$s-$r.json" 2> "$out/peer-prefill-$s-$r.log"
+    "$peer_bin/llama-batched-bench" -m "$m" -ngl 99 -fa on -c $((64 * (1024 + 128))) -b 2048 -ub 512 \
+      -npp 1024 -ntg 128 -npl 64 --output-format jsonl > "$out/peer-sessions-$s-$r.jsonl" 2> "$out/peer-sessions-$s-$r.log"
+  done
+done
+echo "# done after $(( $(date +%s) - t0 )) s"
+python3 "$here/side_by_side.py" "$out" "$SHAPES" "$ROUNDS" | tee "$out/table.md"
