@@ -31,7 +31,9 @@ WORKDIR /home/combs
 # gRPC and Prometheus metrics.
 EXPOSE 50051 9464
 # Models are mounted read-only at /models: `--model /models/NAME.gguf`. Without one the server
-# serves its embedded default (a small random-weight model written into /var/cache/combs).
+# serves its embedded default (a small random-weight model written into /var/cache/combs) with
+# Llama 3's vocabulary, which cmake --install put in /opt/combs/share/combs: combs-server finds it
+# beside its binary (bin/../share/combs), so no --vocab is needed.
 VOLUME ["/models", "/var/cache/combs"]
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
   CMD ["combs", "--server", "127.0.0.1:50051", "health"]

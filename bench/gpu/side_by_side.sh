@@ -10,12 +10,13 @@
 # (bench/gpu/pack.sh VARIANT) and .gpu/llama-src.tar.xz (bench/peer/build.sh tarball). Steps, each
 # skipped where its output exists (a second call on a warm machine resumes): the peer's CUDA build
 # (build/peer), the models (build/models, written while the peer builds), then ROUNDS rounds of
-# every measurement of both programs, alternating per shape. Raw outputs go to $OUT (else
-# /tmp/side-by-side); the table (medians over rounds; ratio = combs / peer) is printed last.
+# every measurement of both programs, alternating per shape. Raw outputs go to /tmp/side-by-side,
+# packed into $OUT/side-by-side-raw.tar.gz at the end (the device tool brings back few files); the
+# table (medians over rounds; ratio = combs / peer) is printed last and kept as $OUT/table.md.
 set -u
 ROUNDS=${1:-2}; SHAPES=${2:-llama-1b,llama-8b}; V=${3:-main}
 here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd)
-out=${OUT:-/tmp/side-by-side}; mkdir -p "$out"
+out=/tmp/side-by-side; mkdir -p "$out"
 export PEER_DIR=$repo/build/peer
 models=$repo/build/models
 vocab=$repo/tests/data/vocab/ggml-vocab-llama-bpe.gguf
@@ -38,7 +39,6 @@ if [ -n "${build_pid:-}" ]; then wait "$build_pid"; tail -n 3 "$out/peer-build.l
 [ -x "$peer_bin/llama-batched-bench" ] || { echo "the peer did not build: $out/peer-build.log"; exit 1; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > "$out/gpu.txt"
-git -C "$repo" rev-parse --short HEAD > "$out/combs-commit.txt" 2>/dev/null
 for r in $(seq "$ROUNDS"); do
   for s in ${SHAPES//,/ }; do
     m=$(awk -v s="$s" '$1 == s { print $2 }' "$out/models.txt")
@@ -54,4 +54,7 @@ for r in $(seq "$ROUNDS"); do
   done
 done
 echo "# done after $(( $(date +%s) - t0 )) s"
-python3 "$here/side_by_side.py" "$out" "$SHAPES" "$ROUNDS" | tee "$out/table.md"
+python3 "$here/../peer/side_by_side.py" "$out" "$SHAPES" "$ROUNDS" | tee "$out/table.md"
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/side-by-side-raw.tar.gz" -C "$out" . && cp "$out/table.md" "$OUT/table.md"
+fi

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <filesystem>
 #include <thread>
 
 #include "support/server_process.h"
@@ -315,6 +316,55 @@ TEST_CASE("flags come from the command line or a config file and bad ones are re
   CHECK(cfg_code == 2);
   CHECK(cfg_out.find("combs.conf:2: unknown flag 'max-new-tokenz'") != std::string::npos);
   CHECK(run_command(bin + " --config " + dir.file("missing.conf")).first == 2);
+}
+
+namespace {
+int n_vocab(const ServerProcess& server) {
+  auto stub = server.stub();
+  grpc::ClientContext ctx;
+  ModelInfo m;
+  REQUIRE(stub->GetModelInfo(&ctx, GetModelInfoRequest(), &m).ok());
+  return m.n_vocab();
+}
+}  // namespace
+
+TEST_CASE("the default vocabulary is found beside the binary in the build tree and in an installed prefix", "[server]") {
+  {  // build/<preset>/bin/combs-server finds build/<preset>/share/combs/ggml-vocab-llama-bpe.gguf
+    ServerProcess server({}, /*test_vocab=*/false);
+    CHECK(n_vocab(server) == 128256);
+    CHECK(server.stop() == 0);
+  }
+  // An installed layout elsewhere: PREFIX/bin/combs-server with PREFIX/share/combs, as cmake --install
+  // lays it out; nothing of the source or build tree is read.
+  namespace fs = std::filesystem;
+  combs::testing::TempDir prefix;
+  fs::create_directories(prefix.file("bin"));
+  fs::create_directories(prefix.file("share/combs"));
+  fs::copy_file(COMBS_SERVER_BIN, prefix.file("bin/combs-server"));
+  fs::copy_file(std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf",
+                prefix.file("share/combs/ggml-vocab-llama-bpe.gguf"));
+  {
+    ServerProcess server({}, false, prefix.file("bin/combs-server"));
+    CHECK(n_vocab(server) == 128256);
+    CHECK(server.stop() == 0);
+  }
+  {  // without it: the built-in byte-level vocabulary, and a warning that says why
+    fs::remove(prefix.file("share/combs/ggml-vocab-llama-bpe.gguf"));
+    ServerProcess server({}, false, prefix.file("bin/combs-server"));
+    CHECK(n_vocab(server) == 259);
+    CHECK(server.stop() == 0);
+    CHECK(server.logs().find("event=no_default_vocabulary") != std::string::npos);
+  }
+  {  // --vocab none asks for the built-in one (no warning)
+    ServerProcess server({"--vocab", "none"}, false);
+    CHECK(n_vocab(server) == 259);
+    CHECK(server.stop() == 0);
+    CHECK(server.logs().find("no_default_vocabulary") == std::string::npos);
+  }
+  auto [code, out] = run_command(std::string(COMBS_SERVER_BIN) + " --cache-dir " + prefix.file("c") +
+                                 " --vocab " + prefix.file("missing.gguf"));
+  CHECK(code == 2);
+  CHECK(out.find("missing.gguf: no such file") != std::string::npos);
 }
 
 TEST_CASE("SIGTERM drains: health NOT_SERVING then running streams finish or end UNAVAILABLE and exit 0",

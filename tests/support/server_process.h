@@ -26,11 +26,16 @@ struct ServerProcess {
   std::string metrics_address;  // HOST:PORT of /metrics, when --metrics-listen was given
   TempDir dir;
 
-  // Extra flags after the defaults (a small pool, 2 threads, the Llama 3 vocabulary).
-  explicit ServerProcess(std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {COMBS_SERVER_BIN, "--listen", "127.0.0.1:0", "--cache-dir", dir.file("cache"),
-                                     "--threads", "2", "--kv-memory-mib", "64", "--vocab",
-                                     std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf"};
+  // Extra flags after the defaults (a small pool, 2 threads, the Llama 3 vocabulary of the test
+  // data: without `test_vocab`, no --vocab, so the server takes its default). `binary`: another
+  // copy of combs-server (an installed layout).
+  explicit ServerProcess(std::vector<std::string> extra = {}, bool test_vocab = true,
+                         std::string binary = COMBS_SERVER_BIN) {
+    std::vector<std::string> args = {std::move(binary), "--listen", "127.0.0.1:0", "--cache-dir", dir.file("cache"),
+                                     "--threads", "2", "--kv-memory-mib", "64"};
+    if (test_vocab) {
+      args.insert(args.end(), {"--vocab", std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf"});
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     int out[2];
     REQUIRE(pipe(out) == 0);

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""The table of bench/gpu/side_by_side.sh (and bench/peer/cpu_side_by_side.sh): combs and the peer
+"""The tables of bench/gpu/side_by_side.sh and bench/peer/cpu_side_by_side.sh: combs and the peer
 on the same files, medians over the rounds, from the raw outputs in OUT.
 
-usage: side_by_side.py OUT SHAPES ROUNDS
-combs: OUT/combs-SHAPE-R.md, the row of `combs-bench gpu`; the peer: OUT/peer-decode-SHAPE-R.json and
+usage: side_by_side.py OUT SHAPES ROUNDS               (GPU)
+       side_by_side.py --cpu OUT SHAPE DTYPES ROUNDS   (CPU)
+GPU: OUT/combs-SHAPE-R.md, the row of `combs-bench gpu`; the peer: OUT/peer-decode-SHAPE-R.json and
 OUT/peer-prefill-SHAPE-R.json (llama-bench -o json), OUT/peer-sessions-SHAPE-R.{jsonl,log}
 (llama-batched-bench --output-format jsonl).
+CPU: OUT/combs-DTYPE-R.md, the row of `combs-bench model`; OUT/peer-prompt-DTYPE-R.json and
+OUT/peer-decode-DTYPE-R.json (llama-bench -o json).
 """
 import json
 import statistics
@@ -41,7 +44,44 @@ def batched_tg(paths):
     raise ValueError(f"no batched-bench result in {paths}")
 
 
+def cpu_main(out, shape, dtypes, rounds):
+    print("| model | weights | workload | combs tok/s | peer tok/s | combs / peer | combs / bound | peer / bound |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for d in dtypes:
+        prompt, decode, ratio = ([], []), ([], []), []
+        for r in range(1, rounds + 1):
+            try:
+                row = None
+                for line in open(f"{out}/combs-{d}-{r}.md"):
+                    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                    if len(cells) >= 9 and cells[0] == shape and cells[1] == d:
+                        row = cells
+                if row is None:
+                    raise ValueError(f"combs-{d}-{r}.md: no row")
+                pp = bench_json(f"{out}/peer-prompt-{d}-{r}.json")
+                tg = bench_json(f"{out}/peer-decode-{d}-{r}.json")
+            except (OSError, ValueError, KeyError) as e:
+                print(f"<!-- round {r} {d}: {e} -->")
+                continue
+            bound = float(row[7])  # decode bound tok/s, from the read bandwidth measured in the same run
+            prompt[0].append(float(row[4]))
+            prompt[1].append(max(v for (n, g, _), v in pp.items() if n == 512 and g == 0))
+            decode[0].append(float(row[5]))
+            decode[1].append(max(v for (n, g, _), v in tg.items() if g == 128))
+            ratio.append((float(row[5]) / bound, decode[1][-1] / bound))
+        if not ratio:
+            continue
+        med = statistics.median
+        for name, (cv, pv), br in (("prompt 512", prompt, None), ("decode 128 after 512", decode, ratio)):
+            cm, pm = med(cv), med(pv)
+            tail = f"{med(b[0] for b in br):.2f} | {med(b[1] for b in br):.2f} |" if br else "- | - |"
+            print(f"| {shape} | {d} | {name} | {cm:,.2f} | {pm:,.2f} | {cm / pm:.2f} | {tail}")
+    print(f"\n(medians over {rounds} interleaved rounds; each round: per weight type combs, then the peer, same file)")
+
+
 def main():
+    if sys.argv[1] == "--cpu":
+        return cpu_main(sys.argv[2], sys.argv[3], sys.argv[4].split(","), int(sys.argv[5]))
     out, shapes, rounds = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
     print("| model | workload | combs tok/s | peer tok/s | combs / peer | bound tok/s | combs / bound | "
           "peer / bound |\n|---|---|---|---|---|---|---|---|")
