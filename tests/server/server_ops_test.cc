@@ -369,11 +369,15 @@ TEST_CASE("the default vocabulary is found beside the binary in the build tree a
 
 TEST_CASE("SIGTERM drains: health NOT_SERVING then running streams finish or end UNAVAILABLE and exit 0",
           "[server]") {
-  ServerProcess server({"--grace-s", "3"});
+  // The long stream must outlast the grace: 2,000 tokens (the tiny model's context is 2,048) on
+  // one thread would need ~900 tok/s to finish in 2 s, ~60 GB/s from one core (the tiny model
+  // with Llama 3's vocabulary reads 68 MB a token). 1,000 tokens with a 3 s grace on two threads
+  // finished in time on a machine at ~300 tok/s.
+  ServerProcess server({"--grace-s", "2", "--threads", "1"});
   auto stub = server.stub();
   const std::string short_s = create(*stub), long_s = create(*stub);
   grpc::ClientContext short_ctx, long_ctx;
-  GenerateRequest short_req = greedy(short_s, {128000, 9906}, 12), long_req = greedy(long_s, {128000, 9906}, 1000);
+  GenerateRequest short_req = greedy(short_s, {128000, 9906}, 12), long_req = greedy(long_s, {128000, 9906}, 2000);
   auto short_stream = stub->Generate(&short_ctx, short_req);
   auto long_stream = stub->Generate(&long_ctx, long_req);
   GenerateResponse r;
