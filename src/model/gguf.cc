@@ -10,6 +10,8 @@
 #include <fstream>
 #include <limits>
 
+#include "combs/backend/quant.h"
+
 namespace combs::gguf {
 namespace {
 
@@ -240,8 +242,9 @@ StatusOr<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
     COMBS_RETURN_IF_ERROR(r.read(&type, tf + " type"));
     const std::optional<DType> dt = to_dtype(type);
     if (!dt) {
-      return unimplemented_error(path + ": " + tf + " type: ggml type " + std::to_string(type) +
-                                 " is not supported (F32, F16, BF16 and Q8_0 are)");
+      // Name the type (a Q4_K_M file is refused at its first Q4_K or Q6_K tensor, say).
+      return unimplemented_error(path + ": " + tf + " type: ggml type " + std::to_string(type) + " (" +
+                                 ggml_type_name(type) + ") is not supported (F32, F16, BF16 and Q8_0 are)");
     }
     t.dtype = *dt;
     if (t.dims[0] % dtype_block_elems(t.dtype) != 0) {

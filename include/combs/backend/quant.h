@@ -1,0 +1,46 @@
+// ggml's block-quantized weight formats, as GGUF files store them: for each ggml type id its name,
+// block geometry, and (for the formats combs reads) a scalar dequantization of whole blocks.
+//
+// The block layouts are those of ggml's ggml-common.h (described in quant.cc beside each
+// dequantizer). Dequantization is exact to the float32 operations ggml's reference
+// dequantize_row_* performs, in the same order (quant.cc is compiled without FMA contraction), so
+// it equals llama.cpp's and an independent NumPy reference bit for bit
+// (tests/reference/dequant_ref.py). These are the reference and the fallback for every kernel
+// that reads quantized weights; the kernels themselves come with the types' DType support.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace combs {
+
+// Dequantizes `n_blocks` consecutive blocks at `blocks` into n_blocks * block_elems floats.
+using DequantizeFn = void (*)(const void* blocks, float* out, int64_t n_blocks);
+
+struct QuantFormat {
+  uint32_t ggml_type;     // GGUF's tensor type id
+  std::string_view name;  // ggml's name, e.g. "Q4_K"
+  int block_elems;        // elements per block (32 or 256)
+  int block_bytes;        // bytes per block
+  DequantizeFn dequantize;
+};
+
+// Every block format combs dequantizes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+// Q6_K, IQ4_NL, IQ4_XS, MXFP4.
+const std::vector<QuantFormat>& quant_formats();
+
+// The format of a ggml type id; nullptr when combs has none for it (F32/F16/BF16 are element
+// types, not block formats; IQ1/IQ2/IQ3, TQ, NVFP4 and the removed repacked types are refused).
+const QuantFormat* quant_format(uint32_t ggml_type);
+
+// ggml's name of any type id it has defined ("IQ2_XXS", "Q4_0_4_4 (removed)", ...), for errors;
+// "ggml type N" for an id it never defined.
+std::string ggml_type_name(uint32_t ggml_type);
+
+// Bytes of `elems` elements of a block format: elems must be a multiple of the block (a row that
+// is not whole blocks is malformed); -1 when it is not, or when the size overflows int64.
+int64_t quant_bytes(const QuantFormat& f, int64_t elems);
+
+}  // namespace combs

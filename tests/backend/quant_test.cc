@@ -1,0 +1,143 @@
+// ggml's block formats (combs/backend/quant.h): every format's dequantization equals the NumPy
+// reference (tests/reference/dequant_ref.py, written from the published block layouts) bit for bit,
+// on blocks llama-quantize made and on random blocks; sizes of malformed rows are refused.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "combs/backend/dtype.h"
+#include "combs/backend/quant.h"
+#include "support/temp_dir.h"
+
+using namespace combs;
+
+namespace {
+
+// Byte offsets of each format's f16 scales: random blocks get finite ones there (a NaN's payload
+// is not what is compared), every other byte is random.
+std::vector<int> f16_fields(std::string_view name) {
+  if (name == "Q4_1" || name == "Q5_1" || name == "Q4_K" || name == "Q5_K") return {0, 2};
+  if (name == "Q2_K") return {80, 82};
+  if (name == "Q3_K") return {108};
+  if (name == "Q6_K") return {208};
+  if (name == "MXFP4") return {};
+  return {0};
+}
+
+std::vector<uint8_t> random_blocks(const QuantFormat& f, int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> b(static_cast<size_t>(n) * f.block_bytes);
+  for (auto& x : b) x = static_cast<uint8_t>(rng());
+  std::uniform_real_distribution<float> scale(-2.0f, 2.0f);
+  for (int i = 0; i < n; ++i) {
+    for (int off : f16_fields(f.name)) {
+      // Scales of every magnitude f16 has, subnormals included, none inf or NaN.
+      const float v = std::ldexp(scale(rng), static_cast<int>(rng() % 40) - 24);
+      const uint16_t h = f32_to_f16(v);
+      std::memcpy(&b[static_cast<size_t>(i) * f.block_bytes + off], &h, 2);
+    }
+  }
+  return b;
+}
+
+std::vector<uint8_t> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// The reference's values for these blocks.
+std::vector<float> reference(const QuantFormat& f, const std::vector<uint8_t>& blocks) {
+  combs::testing::TempDir dir;
+  const std::string in = dir.file("blocks.bin"), out = dir.file("values.f32");
+  {
+    std::ofstream o(in, std::ios::binary);
+    o.write(reinterpret_cast<const char*>(blocks.data()), static_cast<std::streamsize>(blocks.size()));
+  }
+  const std::string cmd = std::string(COMBS_PYTHON) + " " + COMBS_REFERENCE_DIR + "/dequant_ref.py " +
+                          std::string(f.name) + " " + in + " " + out + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string said;
+  char buf[512];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) said.append(buf, n);
+  INFO(cmd << "\n" << said);
+  REQUIRE(pclose(p) == 0);
+  const std::vector<uint8_t> raw = read_bytes(out);
+  std::vector<float> v(raw.size() / 4);
+  std::memcpy(v.data(), raw.data(), v.size() * 4);
+  return v;
+}
+
+// combs' values, into a buffer poisoned beforehand, with a guard past the end that must stay.
+std::vector<float> dequantized(const QuantFormat& f, const std::vector<uint8_t>& blocks) {
+  const int64_t nb = static_cast<int64_t>(blocks.size()) / f.block_bytes;
+  std::vector<float> y(static_cast<size_t>(nb * f.block_elems) + 16, std::nanf("0x5a5a"));
+  f.dequantize(blocks.data(), y.data(), nb);
+  for (size_t i = y.size() - 16; i < y.size(); ++i) REQUIRE(std::isnan(y[i]));
+  y.resize(y.size() - 16);
+  return y;
+}
+
+void check_bit_exact(const QuantFormat& f, const std::vector<uint8_t>& blocks) {
+  const std::vector<float> want = reference(f, blocks), got = dequantized(f, blocks);
+  REQUIRE(got.size() == want.size());
+  size_t mismatches = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], 4) != 0 && mismatches++ == 0) first = i;
+  }
+  INFO(f.name << ": " << mismatches << " of " << got.size() << " values differ; first at " << first << ": "
+              << (mismatches ? got[first] : 0.0f) << " vs " << (mismatches ? want[first] : 0.0f));
+  CHECK(mismatches == 0);
+}
+
+}  // namespace
+
+TEST_CASE("every block format dequantizes bit-exactly as the numpy reference on llama-quantize blocks",
+          "[backend][quant]") {
+  int files = 0;
+  for (const QuantFormat& f : quant_formats()) {
+    const std::vector<uint8_t> blocks = read_bytes(std::string(COMBS_TEST_DATA_DIR) + "/quant/" + std::string(f.name) + ".bin");
+    if (f.name == "MXFP4") continue;  // no llama-quantize file (see tests/data/quant/README.md)
+    INFO(f.name);
+    REQUIRE(!blocks.empty());
+    REQUIRE(blocks.size() % f.block_bytes == 0);
+    check_bit_exact(f, blocks);
+    ++files;
+  }
+  CHECK(files == 12);
+}
+
+TEST_CASE("every block format dequantizes bit-exactly as the numpy reference on random blocks", "[backend][quant]") {
+  uint32_t seed = 1;
+  for (const QuantFormat& f : quant_formats()) {
+    INFO(f.name);
+    check_bit_exact(f, random_blocks(f, f.block_elems == 256 ? 64 : 512, seed++));
+  }
+}
+
+TEST_CASE("block formats know their geometry and refuse rows that are not whole blocks", "[backend][quant]") {
+  CHECK(quant_formats().size() == 13);
+  const QuantFormat* q4k = quant_format(12);
+  REQUIRE(q4k != nullptr);
+  CHECK(q4k->name == "Q4_K");
+  CHECK(quant_bytes(*q4k, 4096) == 16 * 144);
+  CHECK(quant_bytes(*q4k, 4000) == -1);  // not whole super-blocks
+  CHECK(quant_bytes(*q4k, -256) == -1);
+  CHECK(quant_bytes(*quant_format(8), INT64_MAX / 32 * 32) == -1);  // 2^58 blocks of 34 bytes overflow int64
+  CHECK(quant_format(8)->block_bytes == static_cast<int>(sizeof(BlockQ8_0)));
+  for (uint32_t refused : {16u, 17u, 18u, 19u, 21u, 22u, 29u, 31u, 34u, 35u, 36u, 40u, 99u}) {
+    INFO(refused);
+    CHECK(quant_format(refused) == nullptr);
+  }
+  CHECK(ggml_type_name(16) == "IQ2_XXS");
+  CHECK(ggml_type_name(33) == "Q4_0_8_8 (removed)");
+  CHECK(ggml_type_name(39) == "MXFP4");
+  CHECK(ggml_type_name(1000) == "ggml type 1000");
+}
