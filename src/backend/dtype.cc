@@ -1,24 +1,30 @@
 #include "combs/backend/dtype.h"
 
+#include <utility>
+
 namespace combs {
 
+namespace {
+constexpr std::pair<DType, std::string_view> kNames[] = {
+    {DType::kF32, "f32"},     {DType::kF16, "f16"},     {DType::kBF16, "bf16"},     {DType::kQ8_0, "q8_0"},
+    {DType::kQ4_0, "q4_0"},   {DType::kQ4_1, "q4_1"},   {DType::kQ5_0, "q5_0"},     {DType::kQ5_1, "q5_1"},
+    {DType::kQ2_K, "q2_k"},   {DType::kQ3_K, "q3_k"},   {DType::kQ4_K, "q4_k"},     {DType::kQ5_K, "q5_k"},
+    {DType::kQ6_K, "q6_k"},   {DType::kIQ4_NL, "iq4_nl"}, {DType::kIQ4_XS, "iq4_xs"}, {DType::kMXFP4, "mxfp4"},
+};
+}  // namespace
+
 std::string_view dtype_name(DType t) {
-  switch (t) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
-    case DType::kQ8_0: return "q8_0";
+  for (const auto& [d, name] : kNames) {
+    if (d == t) return name;
   }
   return "?";
 }
 
 bool parse_dtype(std::string_view name, DType* out) {
-  if (name == "f32") *out = DType::kF32;
-  else if (name == "f16") *out = DType::kF16;
-  else if (name == "bf16") *out = DType::kBF16;
-  else if (name == "q8_0") *out = DType::kQ8_0;
-  else return false;
-  return true;
+  for (const auto& [d, n] : kNames) {
+    if (n == name) return *out = d, true;
+  }
+  return false;
 }
 
 uint16_t f32_to_f16(float f) {

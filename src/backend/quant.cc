@@ -294,11 +294,13 @@ void dq_mxfp4(const void* src, float* y, int64_t nb) {
 
 const std::vector<QuantFormat>& quant_formats() {
   static const std::vector<QuantFormat> formats = {
-      {2, "Q4_0", 32, 18, dq_q4_0},      {3, "Q4_1", 32, 20, dq_q4_1},     {6, "Q5_0", 32, 22, dq_q5_0},
-      {7, "Q5_1", 32, 24, dq_q5_1},      {8, "Q8_0", 32, 34, dq_q8_0},     {10, "Q2_K", 256, 84, dq_q2_k},
-      {11, "Q3_K", 256, 110, dq_q3_k},   {12, "Q4_K", 256, 144, dq_q4_k},  {13, "Q5_K", 256, 176, dq_q5_k},
-      {14, "Q6_K", 256, 210, dq_q6_k},   {20, "IQ4_NL", 32, 18, dq_iq4_nl}, {23, "IQ4_XS", 256, 136, dq_iq4_xs},
-      {39, "MXFP4", 32, 17, dq_mxfp4},
+      {DType::kQ4_0, 2, "Q4_0", 32, 18, dq_q4_0},        {DType::kQ4_1, 3, "Q4_1", 32, 20, dq_q4_1},
+      {DType::kQ5_0, 6, "Q5_0", 32, 22, dq_q5_0},        {DType::kQ5_1, 7, "Q5_1", 32, 24, dq_q5_1},
+      {DType::kQ8_0, 8, "Q8_0", 32, 34, dq_q8_0},        {DType::kQ2_K, 10, "Q2_K", 256, 84, dq_q2_k},
+      {DType::kQ3_K, 11, "Q3_K", 256, 110, dq_q3_k},     {DType::kQ4_K, 12, "Q4_K", 256, 144, dq_q4_k},
+      {DType::kQ5_K, 13, "Q5_K", 256, 176, dq_q5_k},     {DType::kQ6_K, 14, "Q6_K", 256, 210, dq_q6_k},
+      {DType::kIQ4_NL, 20, "IQ4_NL", 32, 18, dq_iq4_nl}, {DType::kIQ4_XS, 23, "IQ4_XS", 256, 136, dq_iq4_xs},
+      {DType::kMXFP4, 39, "MXFP4", 32, 17, dq_mxfp4},
   };
   return formats;
 }
@@ -306,6 +308,13 @@ const std::vector<QuantFormat>& quant_formats() {
 const QuantFormat* quant_format(uint32_t ggml_type) {
   for (const QuantFormat& f : quant_formats()) {
     if (f.ggml_type == ggml_type) return &f;
+  }
+  return nullptr;
+}
+
+const QuantFormat* quant_format(DType t) {
+  for (const QuantFormat& f : quant_formats()) {
+    if (f.dtype == t) return &f;
   }
   return nullptr;
 }

@@ -30,8 +30,8 @@ Status check_tokens(const char* name, const Tensor& t, int64_t n_tokens, int64_t
                                   std::to_string(n_tokens) + ", " + std::to_string(heads) + ", " +
                                   std::to_string(head_dim) + "]");
   }
-  if (t.dtype() == DType::kQ8_0) {
-    return invalid_argument_error(std::string("attention: ") + name + " cannot be q8_0");
+  if (is_block_quant(t.dtype())) {
+    return invalid_argument_error(std::string("attention: ") + name + " cannot be " + std::string(dtype_name(t.dtype())));
   }
   if (t.device() != device) {
     return invalid_argument_error(std::string("attention: ") + name +

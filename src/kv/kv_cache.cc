@@ -24,7 +24,10 @@ Status validate_kv_geometry(const KVGeometry& g) {
   if (g.num_layers < 1 || g.num_layers > 4096) return bad("num_layers", g.num_layers, 4096);
   if (g.n_kv_heads < 1 || g.n_kv_heads > 4096) return bad("n_kv_heads", g.n_kv_heads, 4096);
   if (g.head_dim < 1 || g.head_dim > 4096) return bad("head_dim", g.head_dim, 4096);
-  if (g.dtype == DType::kQ8_0) return invalid_argument_error("KV geometry: K/V cannot be stored as q8_0");
+  if (is_block_quant(g.dtype)) {
+    return invalid_argument_error("KV geometry: K/V cannot be stored as " + std::string(dtype_name(g.dtype)) +
+                                  " (f32, f16 or bf16)");
+  }
   return ok_status();
 }
 

@@ -128,6 +128,13 @@ class Reader {
   size_t pos_ = 0;
 };
 
+// "F32, F16, BF16, Q4_0, ..., MXFP4": the types tensors may have.
+std::string supported_types() {
+  std::string s = "F32, F16, BF16";
+  for (const QuantFormat& f : quant_formats()) s += ", " + std::string(f.name);
+  return s;
+}
+
 }  // namespace
 
 std::optional<DType> to_dtype(uint32_t ggml_type) {
@@ -135,8 +142,9 @@ std::optional<DType> to_dtype(uint32_t ggml_type) {
     case GgmlType::kF32: return DType::kF32;
     case GgmlType::kF16: return DType::kF16;
     case GgmlType::kBF16: return DType::kBF16;
-    case GgmlType::kQ8_0: return DType::kQ8_0;
+    default: break;
   }
+  if (const QuantFormat* f = quant_format(ggml_type)) return f->dtype;
   return std::nullopt;
 }
 
@@ -145,9 +153,8 @@ uint32_t to_ggml_type(DType t) {
     case DType::kF32: return static_cast<uint32_t>(GgmlType::kF32);
     case DType::kF16: return static_cast<uint32_t>(GgmlType::kF16);
     case DType::kBF16: return static_cast<uint32_t>(GgmlType::kBF16);
-    case DType::kQ8_0: return static_cast<uint32_t>(GgmlType::kQ8_0);
+    default: return quant_format(t)->ggml_type;
   }
-  return 0;
 }
 
 int64_t TensorInfo::numel() const {
@@ -244,7 +251,7 @@ StatusOr<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
     if (!dt) {
       // Name the type (a Q4_K_M file is refused at its first Q4_K or Q6_K tensor, say).
       return unimplemented_error(path + ": " + tf + " type: ggml type " + std::to_string(type) + " (" +
-                                 ggml_type_name(type) + ") is not supported (F32, F16, BF16 and Q8_0 are)");
+                                 ggml_type_name(type) + ") is not supported (" + supported_types() + " are)");
     }
     t.dtype = *dt;
     if (t.dims[0] % dtype_block_elems(t.dtype) != 0) {

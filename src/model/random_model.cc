@@ -95,6 +95,10 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
 
 Status write_random_model(const RandomModelOptions& o, const std::string& path) {
   using gguf::Value;
+  if (!can_quantize(o.dtype)) {
+    return unimplemented_error("random models are written as f32, f16, bf16 or q8_0, not " +
+                               std::string(dtype_name(o.dtype)) + " (llama.cpp's llama-quantize makes the other types)");
+  }
   const ModelShape& s = o.shape;
   gguf::GgufWriter w;
   w.set("general.architecture", Value::str(s.arch));

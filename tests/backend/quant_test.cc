@@ -124,6 +124,17 @@ TEST_CASE("every block format dequantizes bit-exactly as the numpy reference on 
 
 TEST_CASE("block formats know their geometry and refuse rows that are not whole blocks", "[backend][quant]") {
   CHECK(quant_formats().size() == 13);
+  for (const QuantFormat& f : quant_formats()) {  // dtype.h's constexpr geometry agrees with the table
+    INFO(f.name);
+    CHECK(is_block_quant(f.dtype));
+    CHECK(dtype_block_elems(f.dtype) == f.block_elems);
+    CHECK(dtype_block_bytes(f.dtype) == static_cast<size_t>(f.block_bytes));
+    CHECK(quant_format(f.dtype) == &f);
+    DType parsed;
+    REQUIRE(parse_dtype(dtype_name(f.dtype), &parsed));
+    CHECK(parsed == f.dtype);
+  }
+  CHECK(quant_format(DType::kBF16) == nullptr);
   const QuantFormat* q4k = quant_format(12);
   REQUIRE(q4k != nullptr);
   CHECK(q4k->name == "Q4_K");

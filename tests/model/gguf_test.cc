@@ -109,13 +109,13 @@ TEST_CASE("gguf with bad tensor offsets types or dims is rejected", "[model]") {
     return open_bytes(dir, copy);
   };
   const uint64_t far = 1ull << 40, misaligned = 3;
-  const uint32_t unknown_type = 2 /* Q4_0 */, five_dims = 5, zero_dims = 0;
+  const uint32_t unknown_type = 16 /* IQ2_XXS */, five_dims = 5, zero_dims = 0;
   const uint64_t zero = 0;
   CHECK_THAT(patch(b + 4 + 16 + 4, &far, 8).message(), Catch::Contains("offset"));
   CHECK_THAT(patch(b + 4 + 16 + 4, &misaligned, 8).message(), Catch::Contains("alignment"));
   const Status t = patch(b + 4 + 16, &unknown_type, 4);
   CHECK(t.code() == StatusCode::kUnimplemented);
-  CHECK_THAT(t.message(), Catch::Contains("type") && Catch::Contains("'b'") && Catch::Contains("(Q4_0)"));
+  CHECK_THAT(t.message(), Catch::Contains("type") && Catch::Contains("'b'") && Catch::Contains("(IQ2_XXS)") && Catch::Contains("Q4_K, Q5_K"));
   CHECK_THAT(patch(b, &five_dims, 4).message(), Catch::Contains("n_dims"));
   CHECK_THAT(patch(b, &zero_dims, 4).message(), Catch::Contains("n_dims"));
   CHECK_THAT(patch(b + 4, &zero, 8).message(), Catch::Contains("dims"));

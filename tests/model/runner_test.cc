@@ -2,7 +2,9 @@
 // contiguous caches, batches vs single sequences, rollback and replay.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "combs/model/sampler.h"
 #include "support/model_helpers.h"
@@ -39,6 +41,74 @@ std::vector<float> run_chunks(TinyModel& m, KVCache& cache, const std::vector<in
 }
 
 }  // namespace
+
+// Files that llama.cpp's llama-quantize made from random f16 models (tests/data/models/README.md):
+// between them every block type, in per-tensor mixes as real files have.
+const char* const kQuantizedModels[] = {"tiny-mix-a.gguf", "qwen2-tiny-mix-b.gguf"};
+
+TEST_CASE("runner logits on block-quantized files agree with the float64 reference over the dequantized weights",
+          "[model][quant]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  for (const char* file : kQuantizedModels) {
+    INFO(file);
+    TinyModel m(ModelFile{std::string(COMBS_TEST_DATA_DIR) + "/models/" + file});
+    std::set<DType> types;
+    for (const auto& t : m.model->file().tensors()) types.insert(t.dtype);
+    CHECK(types.size() >= 6);  // the mix is really in the file (f32 norms and 5 or 9 block types)
+    const ReferenceModel reference(m.model->file(), m.model->config());
+    // Up to 15 tokens a forward: the dequantize-then-f32 path, exact dequantization, f32 sums (the
+    // tolerance of q8_0 above). 24 tokens at once: the prefill path (oneDNN where built in, with
+    // weights and activations rounded to bf16: bf16's tolerance).
+    for (int n : {10, 24}) {
+      const auto tokens = random_tokens(rng, n, m.n_vocab());
+      auto cache = m.cache();
+      const auto got = run_chunks(m, *cache, tokens, {n});
+      const auto want = reference.forward(tokens);
+      const double tol = n < 16 ? 2e-5 : 4e-2;
+      double worst = 0;
+      for (size_t t = 0; t < tokens.size(); ++t) {
+        for (int v = 0; v < m.n_vocab(); ++v) {
+          const double g = got[t * m.n_vocab() + v], w = want[t][v];
+          worst = std::max(worst, std::abs(g - w) / (1.0 + std::abs(w)));
+        }
+      }
+      INFO(n << " tokens: worst relative error " << worst);
+      CHECK(worst < tol);
+    }
+    // Decoding token by token gives the one-shot forward's logits (same path, same sums).
+    const auto tokens = random_tokens(rng, 8, m.n_vocab());
+    auto a = m.cache(), b = m.cache();
+    CHECK(run_chunks(m, *a, tokens, {8}) == run_chunks(m, *b, tokens, {1, 1, 1, 1, 1, 1, 1, 1}));
+  }
+}
+
+TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[model][quant]") {
+  RunnerOptions ro;
+  ro.batch_invariant = true;
+  TinyModel m(ModelFile{std::string(COMBS_TEST_DATA_DIR) + "/models/" + kQuantizedModels[0]}, ro);
+  Rng rng(test_seed());
+  std::vector<std::vector<int32_t>> prompts;
+  for (int s = 0; s < 5; ++s) prompts.push_back(random_tokens(rng, 3 + 4 * s, m.n_vocab()));
+  std::vector<std::vector<float>> alone;
+  for (const auto& p : prompts) {
+    auto c = m.cache();
+    const auto all = run_chunks(m, *c, p, {static_cast<int>(p.size())});
+    alone.emplace_back(all.end() - m.n_vocab(), all.end());
+  }
+  std::vector<std::unique_ptr<PagedKVCache>> caches;
+  std::vector<SequenceInput> batch;
+  for (const auto& p : prompts) {
+    caches.push_back(m.cache());
+    batch.push_back({caches.back().get(), {p.data(), p.size()}});
+  }
+  std::vector<float> together(prompts.size() * m.n_vocab());
+  REQUIRE(m.runner->forward(batch, together.data()).ok());
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    INFO("session " << s);
+    CHECK(std::equal(alone[s].begin(), alone[s].end(), together.begin() + s * m.n_vocab()));
+  }
+}
 
 TEST_CASE("runner logits agree with the float64 reference in every weight dtype", "[model]") {
   Rng rng(test_seed());

@@ -15,6 +15,11 @@
 
 namespace combs::testing {
 
+// A model file of the test data (tests/data/models), for TinyModel.
+struct ModelFile {
+  std::string path;
+};
+
 struct TinyModel {
   TinyModel(const std::string& shape, DType dtype, uint64_t seed = 7, RunnerOptions ro = {})
       : backend({2}) {
@@ -24,13 +29,9 @@ struct TinyModel {
     o.seed = seed;
     path = dir.file(shape + ".gguf");
     REQUIRE(write_random_model(o, path).ok());
-    auto m = Model::load(path);
-    REQUIRE(m.ok());
-    model = std::move(m).value();
-    runner = std::move(Runner::create(*model, backend, ro)).value();
-    PagePoolOptions po{model->config().kv_geometry(DType::kF32), 16, 256};
-    pool = std::move(PagePool::create(backend, po)).value();
+    load(ro);
   }
+  explicit TinyModel(ModelFile file, RunnerOptions ro = {}) : path(std::move(file.path)), backend({2}) { load(ro); }
   std::unique_ptr<PagedKVCache> cache(int64_t max_len = 1024) {
     return std::move(PagedKVCache::create(*pool, max_len)).value();
   }
@@ -42,6 +43,17 @@ struct TinyModel {
   std::unique_ptr<Model> model;
   std::unique_ptr<Runner> runner;
   std::unique_ptr<PagePool> pool;
+
+ private:
+  void load(RunnerOptions ro) {
+    auto m = Model::load(path);
+    INFO(path << ": " << (m.ok() ? "" : m.status().to_string()));
+    REQUIRE(m.ok());
+    model = std::move(m).value();
+    runner = std::move(Runner::create(*model, backend, ro)).value();
+    PagePoolOptions po{model->config().kv_geometry(DType::kF32), 16, 256};
+    pool = std::move(PagePool::create(backend, po)).value();
+  }
 };
 
 }  // namespace combs::testing

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "combs/backend/quant.h"
 #include "combs/model/gguf.h"
 #include "combs/model/model.h"
 
@@ -113,6 +114,15 @@ class ReferenceModel {
             w = half_to_double(d) * static_cast<int8_t>(blk[2 + idx % 32]);
             break;
           }
+          default: {  // the other block types: their dequantized values, exact as the NumPy
+                      // reference's (tests/backend/quant_test.cc checks them bit for bit)
+            const QuantFormat* f = quant_format(t->dtype);
+            if (idx % f->block_elems == 0) {
+              f->dequantize(bytes + idx / f->block_elems * f->block_bytes, block_.data(), 1);
+            }
+            w = block_[idx % f->block_elems];
+            break;
+          }
         }
         m[o][i] = w;
       }
@@ -120,6 +130,7 @@ class ReferenceModel {
     return m;
   }
   std::vector<double> vec(const std::string& name) const { return matrix(name)[0]; }
+  mutable std::vector<float> block_ = std::vector<float>(256);  // one dequantized block
 
   static double half_to_double(uint16_t h) {
     const int exp = (h >> 10) & 0x1f, mant = h & 0x3ff;

@@ -1,8 +1,10 @@
 // Element types of tensors, and the scalar conversions between them.
 //
 // f16 is IEEE 754 binary16; bf16 is the upper half of an IEEE binary32 (round to nearest even on
-// the way down). Both are stored as uint16_t bit patterns. q8_0 (weights only) is llama.cpp's
-// block format: blocks of 32 values, each an f16 scale d and 32 int8 q, value = d * q.
+// the way down). Both are stored as uint16_t bit patterns. The block types (weights only) are
+// llama.cpp's block-quantized formats (combs/backend/quant.h): q8_0, blocks of 32 values, each an
+// f16 scale d and 32 int8 q, value = d * q; the legacy q4_0..q5_1, the K-quants q2_k..q6_k (256
+// values a block), iq4_nl, iq4_xs and mxfp4.
 #pragma once
 
 #include <cstddef>
@@ -12,7 +14,11 @@
 
 namespace combs {
 
-enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0 };
+enum class DType : uint8_t {
+  kF32, kF16, kBF16,
+  // Block types from here on (is_block_quant).
+  kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS, kMXFP4,
+};
 
 struct BlockQ8_0 {
   uint16_t d;  // f16 scale
@@ -20,19 +26,47 @@ struct BlockQ8_0 {
 };
 static_assert(sizeof(BlockQ8_0) == 34);
 
-// Elements per block (32 for q8_0, else 1) and bytes per block.
-constexpr int64_t dtype_block_elems(DType t) { return t == DType::kQ8_0 ? 32 : 1; }
-constexpr size_t dtype_block_bytes(DType t) {
-  return t == DType::kF32 ? 4 : t == DType::kQ8_0 ? sizeof(BlockQ8_0) : 2;
+constexpr bool is_block_quant(DType t) { return t >= DType::kQ8_0; }
+
+// Elements per block (1 for the element types) and bytes per block.
+constexpr int64_t dtype_block_elems(DType t) {
+  switch (t) {
+    case DType::kF32: case DType::kF16: case DType::kBF16: return 1;
+    case DType::kQ2_K: case DType::kQ3_K: case DType::kQ4_K: case DType::kQ5_K: case DType::kQ6_K:
+    case DType::kIQ4_XS: return 256;
+    default: return 32;
+  }
 }
-// Bytes per element of an element type (not q8_0, whose elements come in blocks).
+constexpr size_t dtype_block_bytes(DType t) {
+  switch (t) {
+    case DType::kF32: return 4;
+    case DType::kF16: case DType::kBF16: return 2;
+    case DType::kQ8_0: return sizeof(BlockQ8_0);
+    case DType::kQ4_0: case DType::kIQ4_NL: return 18;
+    case DType::kQ4_1: return 20;
+    case DType::kQ5_0: return 22;
+    case DType::kQ5_1: return 24;
+    case DType::kQ2_K: return 84;
+    case DType::kQ3_K: return 110;
+    case DType::kQ4_K: return 144;
+    case DType::kQ5_K: return 176;
+    case DType::kQ6_K: return 210;
+    case DType::kIQ4_XS: return 136;
+    case DType::kMXFP4: return 17;
+  }
+  return 0;
+}
+// Bytes per element of an element type (not of the block types, whose elements come in blocks).
 constexpr size_t dtype_size(DType t) { return dtype_block_bytes(t); }
 // Bytes of `numel` elements; numel must be a multiple of the block size.
 constexpr size_t nbytes_for(DType t, int64_t numel) {
   return static_cast<size_t>(numel / dtype_block_elems(t)) * dtype_block_bytes(t);
 }
-std::string_view dtype_name(DType t);  // "f32", "f16", "bf16", "q8_0"
-// Parses "f32" / "f16" / "bf16" / "q8_0"; false on anything else.
+// The types combs can write (cpu::quantize_row, combs-mkmodel): the element types and q8_0. The
+// other block types are read from files that llama.cpp's llama-quantize made.
+constexpr bool can_quantize(DType t) { return t <= DType::kQ8_0; }
+std::string_view dtype_name(DType t);  // "f32", "f16", "bf16", "q8_0", "q4_k", "iq4_xs", ...
+// Parses dtype_name's names; false on anything else.
 bool parse_dtype(std::string_view name, DType* out);
 
 inline float bf16_to_f32(uint16_t h) {

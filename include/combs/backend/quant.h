@@ -6,7 +6,7 @@
 // dequantize_row_* performs, in the same order (quant.cc is compiled without FMA contraction), so
 // it equals llama.cpp's and an independent NumPy reference bit for bit
 // (tests/reference/dequant_ref.py). These are the reference and the fallback for every kernel
-// that reads quantized weights; the kernels themselves come with the types' DType support.
+// that reads quantized weights.
 #pragma once
 
 #include <cstdint>
@@ -14,12 +14,15 @@
 #include <string_view>
 #include <vector>
 
+#include "combs/backend/dtype.h"
+
 namespace combs {
 
 // Dequantizes `n_blocks` consecutive blocks at `blocks` into n_blocks * block_elems floats.
 using DequantizeFn = void (*)(const void* blocks, float* out, int64_t n_blocks);
 
 struct QuantFormat {
+  DType dtype;            // combs' name for it
   uint32_t ggml_type;     // GGUF's tensor type id
   std::string_view name;  // ggml's name, e.g. "Q4_K"
   int block_elems;        // elements per block (32 or 256)
@@ -34,6 +37,9 @@ const std::vector<QuantFormat>& quant_formats();
 // The format of a ggml type id; nullptr when combs has none for it (F32/F16/BF16 are element
 // types, not block formats; IQ1/IQ2/IQ3, TQ, NVFP4 and the removed repacked types are refused).
 const QuantFormat* quant_format(uint32_t ggml_type);
+
+// The format of a block type (is_block_quant(t)); nullptr for the element types.
+const QuantFormat* quant_format(DType t);
 
 // ggml's name of any type id it has defined ("IQ2_XXS", "Q4_0_4_4 (removed)", ...), for errors;
 // "ggml type N" for an id it never defined.

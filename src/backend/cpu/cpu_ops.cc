@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 
+#include "combs/backend/quant.h"
 #include "kernels/matmul_kernels.h"
 #include "onednn_matmul.h"
 #include "vec_math.h"
@@ -47,6 +48,37 @@ constexpr int64_t kOneDnnMinTokens = 16;
 
 std::string_view matmul_isa() { return onednn::available() ? "avx512bf16+onednn" : isa().name; }
 
+namespace {
+
+// The block types without a kernel of their own (all but q8_0): each task dequantizes its weight
+// rows one at a time (bit-exact, quant.h) and multiplies every token by it in f32. Each output is
+// one row's dot product summed in the same order whatever the number of tokens, so a token's
+// result does not depend on its neighbours (batch invariance). The weights stay quantized: a row
+// lives dequantized only in the task's buffer.
+void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
+                        const float* bias) {
+  const int64_t in = w.dim(1), out = w.dim(0);
+  const size_t row_bytes = nbytes_for(w.dtype(), in);
+  const int64_t rows_per_task = 16;
+  backend.parallel_for((out + rows_per_task - 1) / rows_per_task, [&](int64_t task) {
+    thread_local std::vector<float> row;
+    if (row.size() < static_cast<size_t>(in)) row.resize(in);
+    float* wr = row.data();
+    for (int64_t r = task * rows_per_task; r < std::min(out, (task + 1) * rows_per_task); ++r) {
+      dequantize_row(static_cast<const char*>(w.data()) + r * row_bytes, w.dtype(), wr, in);
+      for (int64_t t = 0; t < n_tokens; ++t) {
+        const float* xt = x + t * in;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < in; ++i) s += wr[i] * xt[i];
+        y[t * out + r] = bias ? s + bias[r] : s;
+      }
+    }
+  });
+}
+
+}  // namespace
+
 void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
             const float* bias, MatmulPolicy policy) {
   const Isa& chosen = isa();
@@ -54,8 +86,11 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
   // Prefill of BF16 weights goes to oneDNN; so does that of Q8_0 weights, dequantized to BF16
   // first (a pass over the weights, repaid many times over by the faster products).
   const bool use_onednn = policy == MatmulPolicy::kFastest &&
-                          (w.dtype() == DType::kBF16 || w.dtype() == DType::kQ8_0) &&
+                          (w.dtype() == DType::kBF16 || is_block_quant(w.dtype())) &&
                           n_tokens >= kOneDnnMinTokens && onednn::available();
+  if (is_block_quant(w.dtype()) && w.dtype() != DType::kQ8_0 && !use_onednn) {
+    return matmul_dequantized(backend, w, x, n_tokens, y, bias);
+  }
   thread_local std::vector<uint16_t> x_bf16, w_bf16;  // grow to the largest call, then stay
   if ((w.dtype() == DType::kBF16 && chosen.name == "avx512bf16") || use_onednn) {
     if (x_bf16.size() < static_cast<size_t>(n_tokens * k.in)) x_bf16.resize(n_tokens * k.in);
@@ -82,6 +117,17 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
         }
       });
       wb = dst;
+    } else if (is_block_quant(w.dtype())) {  // the other block types, through their dequantizer
+      if (w_bf16.size() < static_cast<size_t>(k.out * k.in)) w_bf16.resize(k.out * k.in);
+      uint16_t* dst = w_bf16.data();
+      const size_t row_bytes = nbytes_for(w.dtype(), k.in);
+      backend.parallel_for(k.out, [&](int64_t r) {
+        thread_local std::vector<float> row;
+        if (row.size() < static_cast<size_t>(k.in)) row.resize(k.in);
+        dequantize_row(static_cast<const char*>(k.w) + r * row_bytes, w.dtype(), row.data(), k.in);
+        f32_to_bf16_row(row.data(), dst + r * k.in, k.in);
+      });
+      wb = dst;
     }
     if (onednn::matmul_bf16(k.x_bf16, wb, y, n_tokens, k.out, k.in, backend.num_threads())) {
       if (bias) {
@@ -90,6 +136,9 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
       }
       return;
     }
+  }
+  if (is_block_quant(w.dtype()) && w.dtype() != DType::kQ8_0) {  // oneDNN declined the call
+    return matmul_dequantized(backend, w, x, n_tokens, y, bias);
   }
   // Small tasks for decode (spread the weight stream over the threads), larger ones for prefill
   // (a task's rows stay in L2 while every token passes).
@@ -189,6 +238,11 @@ void dequantize_row(const void* src, DType dtype, float* dst, int64_t n) {
       }
       return;
     }
+    default: {
+      const QuantFormat* f = quant_format(dtype);
+      f->dequantize(src, dst, n / f->block_elems);
+      return;
+    }
   }
 }
 
@@ -216,6 +270,7 @@ void quantize_row(const float* src, DType dtype, void* dst, int64_t n) {
       }
       return;
     }
+    default: return;  // no writer for the other block types (can_quantize)
   }
 }
 

@@ -469,7 +469,7 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
     case DType::kF32: return flash_fast<NV, DType::kF32>(pb, it, sc);
     case DType::kBF16: return flash_fast<NV, DType::kBF16>(pb, it, sc);
     case DType::kF16: return flash_fast<NV, DType::kF16>(pb, it, sc);
-    case DType::kQ8_0: return;  // rejected by validate_kv_geometry
+    default: return;  // block types: rejected by validate_kv_geometry
   }
 }
 

@@ -158,12 +158,13 @@ struct CudaRunner::Impl {
 namespace {
 
 // Host weights stacked by rows into one device tensor (all parts or none defined; one part: a
-// plain device copy). The first part's dtype is kept (Q8_0 becomes BF16); a part of another dtype
+// plain device copy). The first part's dtype is kept (a block type becomes BF16: the CUDA kernels
+// for the block types are still to come); a part of another dtype
 // is converted on the host; the others are copied to their rows directly.
 StatusOr<Tensor> upload(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
   const Tensor& first = **parts.begin();
   if (!first.defined()) return Tensor();
-  const DType dt = first.dtype() == DType::kQ8_0 ? DType::kBF16 : first.dtype();
+  const DType dt = is_block_quant(first.dtype()) ? DType::kBF16 : first.dtype();
   int64_t rows = 0;
   for (const Tensor* t : parts) rows += t->dim(0);
   const Shape shape = first.rank() == 2 ? Shape{rows, first.dim(1)} : Shape{rows};

@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   DType kv_dtype;
-  if (!parse_dtype(flags.str("kv-dtype"), &kv_dtype) || kv_dtype == DType::kQ8_0) {
+  if (!parse_dtype(flags.str("kv-dtype"), &kv_dtype) || is_block_quant(kv_dtype)) {
     return std::fprintf(stderr, "combs-generate: --kv-dtype must be f32, f16 or bf16\n"), 2;
   }
   std::vector<long long> prompt_ll;

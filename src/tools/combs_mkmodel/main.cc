@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.shape = *shape;
-  if (!parse_dtype(flags.str("dtype"), &o.dtype)) {
+  if (!parse_dtype(flags.str("dtype"), &o.dtype) || !can_quantize(o.dtype)) {
     std::fprintf(stderr, "combs-mkmodel: --dtype must be f32, f16, bf16 or q8_0\n");
     return 2;
   }

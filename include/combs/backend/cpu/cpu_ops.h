@@ -17,7 +17,8 @@ namespace combs::cpu {
 enum class MatmulPolicy : uint8_t { kFastest, kBatchInvariant };
 
 // y[t, o] = sum_i w[o, i] * x[t, i] (+ bias[o]) for t < n_tokens. x: [n_tokens, in], y: [n_tokens,
-// out]; w: [out, in]. `in` must be a multiple of 32 for q8_0 weights.
+// out]; w: [out, in] in any dtype (`in` a multiple of its block size). The block types other than
+// q8_0 have no kernel of their own yet: a row is dequantized, then multiplied in f32.
 void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
             const float* bias = nullptr, MatmulPolicy policy = MatmulPolicy::kFastest);
 
@@ -46,10 +47,12 @@ void silu_mul(float* gate, const float* up, int64_t n);
 // out[i, :] = table[ids[i], :] as f32. table: [n_rows, dim] in any weight dtype.
 void embedding(const Tensor& table, const int32_t* ids, int64_t n, float* out);
 
-// n elements of `src` (a row of `dtype`; n a multiple of 32 for q8_0) as f32.
+// n elements of `src` (a row of `dtype`; n a multiple of its block size) as f32: the block types
+// as ggml's reference dequantizes them, bit for bit (combs/backend/quant.h).
 void dequantize_row(const void* src, DType dtype, float* dst, int64_t n);
-// The reverse: n f32 values stored as `dtype` (round to nearest even; q8_0: per block of 32,
-// d = max|x| / 127 and q = round(x / d)).
+// The reverse, for the types can_quantize(dtype) names: n f32 values stored as `dtype` (round to
+// nearest even; q8_0: per block of 32, d = max|x| / 127 and q = round(x / d)). The other block
+// types have no writer here (callers check can_quantize): dst is left as it is.
 void quantize_row(const float* src, DType dtype, void* dst, int64_t n);
 
 }  // namespace combs::cpu
