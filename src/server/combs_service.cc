@@ -1,8 +1,12 @@
 #include "combs_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
+#include <map>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "log.h"
 
@@ -431,6 +435,20 @@ grpc::ServerUnaryReactor* CombsService::GetModelInfo(grpc::CallbackServerContext
   resp->set_n_kv_heads(c.n_kv_heads);
   resp->set_context_length(c.context_length);
   resp->set_weight_dtype(std::string(dtype_name(m.layers[0].wq.dtype())));
+  std::map<DType, std::pair<int32_t, int64_t>> mix;  // tensors and bytes of each type
+  for (const gguf::TensorInfo& t : m.file().tensors()) {
+    auto& [tensors, bytes] = mix[t.dtype];
+    ++tensors;
+    bytes += static_cast<int64_t>(t.nbytes);
+  }
+  std::vector<std::pair<DType, std::pair<int32_t, int64_t>>> shares(mix.begin(), mix.end());
+  std::sort(shares.begin(), shares.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+  for (const auto& [dtype, count] : shares) {
+    v1::TensorTypeShare* s = resp->add_tensor_types();
+    s->set_dtype(std::string(dtype_name(dtype)));
+    s->set_tensors(count.first);
+    s->set_bytes(count.second);
+  }
   resp->set_bos_id(tokenizer_ ? tokenizer_->bos_id() : -1);
   resp->set_eos_id(tokenizer_ ? tokenizer_->eos_id() : -1);
   const EngineStats st = engine_->stats();

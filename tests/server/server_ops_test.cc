@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <thread>
 
 #include "support/server_process.h"
@@ -89,6 +90,11 @@ TEST_CASE("every rpc answers its happy path", "[server]") {
     CHECK(m.architecture() == "llama");
     CHECK(m.n_vocab() == 128256);
     CHECK(m.bos_id() == 128000);
+    // The default model: bf16 matrices and f32 norms, the larger share first.
+    REQUIRE(m.tensor_types_size() == 2);
+    CHECK(m.tensor_types(0).dtype() == "bf16");
+    CHECK(m.tensor_types(1).dtype() == "f32");
+    CHECK(m.tensor_types(0).bytes() > m.tensor_types(1).bytes());
     CHECK(m.kv_pages_total() > 0);
   }
   const std::string b = create(*stub);
@@ -365,6 +371,40 @@ TEST_CASE("the default vocabulary is found beside the binary in the build tree a
                                  " --vocab " + prefix.file("missing.gguf"));
   CHECK(code == 2);
   CHECK(out.find("missing.gguf: no such file") != std::string::npos);
+}
+
+TEST_CASE("a block-quantized model serves sessions: generate and rollback and its type mix", "[server][quant]") {
+  ServerProcess server({"--model", std::string(COMBS_TEST_DATA_DIR) + "/models/tiny-mix-a.gguf"}, false);
+  auto stub = server.stub();
+  {
+    grpc::ClientContext ctx;
+    ModelInfo m;
+    REQUIRE(stub->GetModelInfo(&ctx, GetModelInfoRequest(), &m).ok());
+    std::map<std::string, int> tensors;
+    for (const auto& t : m.tensor_types()) tensors[t.dtype()] = t.tensors();
+    CHECK(tensors.size() == 10);  // f32 norms and nine block types (tests/data/models/README.md)
+    CHECK(tensors["q6_k"] == 1);   // output.weight
+    CHECK(tensors["q2_k"] == 2);   // ffn_gate of both layers
+  }
+  const std::string s = create(*stub);
+  Streamed first = generate(*stub, greedy(s, {1, 5, 9, 200, 17}, 12));
+  REQUIRE(first.status.ok());
+  REQUIRE(first.tokens.size() == 12);
+  // Rolled back by 6 and generated again: the same 6 tokens (greedy).
+  {
+    grpc::ClientContext ctx;
+    RollbackRequest r;
+    r.set_session_id(s);
+    r.set_n(6);
+    RollbackResponse out;
+    REQUIRE(stub->Rollback(&ctx, r, &out).ok());
+    CHECK(out.length() == 5 + 6);
+  }
+  GenerateRequest again = greedy(s, {}, 6);
+  Streamed replay = generate(*stub, again);
+  REQUIRE(replay.status.ok());
+  CHECK(replay.tokens == std::vector<int32_t>(first.tokens.begin() + 6, first.tokens.end()));
+  CHECK(server.stop() == 0);
 }
 
 TEST_CASE("SIGTERM drains: health NOT_SERVING then running streams finish or end UNAVAILABLE and exit 0",
