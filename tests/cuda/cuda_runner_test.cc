@@ -65,6 +65,45 @@ TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[
   }
 }
 
+TEST_CASE("the cuda runner follows the cpu on block-quantized files under teacher forcing", "[cuda][quant]") {
+  if (!have_gpu()) return;
+  // The block types reach the GPU as BF16 (cuda_runner.cc's upload), the CPU multiplies exactly
+  // dequantized weights in f32: logits within bf16's tolerance, the same argmax nearly everywhere
+  // (a random model's top two can be closer than the rounding). Both are fed the CPU's tokens.
+  for (const char* file : {"tiny-mix-a.gguf", "qwen2-tiny-mix-b.gguf"}) {
+    INFO(file);
+    testing::TinyModel cpu_model(testing::ModelFile{std::string(COMBS_TEST_DATA_DIR) + "/models/" + file});
+    auto gpu_runner = CudaRunner::create(*cpu_model.model);
+    REQUIRE(gpu_runner.ok());
+    CudaRunner& gpu = **gpu_runner;
+    auto gpu_pool = PagePool::create(gpu.backend(), {cpu_model.model->config().kv_geometry(DType::kF32), 16, 256}).value();
+    auto cpu_cache = cpu_model.cache();
+    auto gpu_cache = PagedKVCache::create(*gpu_pool, 1024).value();
+    const int V = cpu_model.n_vocab();
+    std::vector<float> lc(V), lg(V);
+    std::vector<int32_t> next;
+    for (int i = 0; i < 20; ++i) next.push_back((i * 37 + 11) % V);
+    double worst = 0;
+    int agree = 0;
+    for (int step = 0; step < 48; ++step) {
+      SequenceInput ci{cpu_cache.get(), next}, gi{gpu_cache.get(), next};
+      REQUIRE(cpu_model.runner->forward({&ci, 1}, lc.data()).ok());
+      REQUIRE(gpu.forward({&gi, 1}, lg.data()).ok());
+      double diff = 0, scale = 1e-6;
+      for (int i = 0; i < V; ++i) {
+        diff = std::max(diff, std::abs(double(lg[i]) - lc[i]));
+        scale = std::max(scale, std::abs(double(lc[i])));
+      }
+      worst = std::max(worst, diff / scale);
+      agree += argmax(lc.data(), V) == argmax(lg.data(), V);
+      next = {argmax(lc.data(), V)};
+    }
+    INFO("worst " << worst << ", argmax agrees at " << agree << " of 48");
+    CHECK(worst < 2e-2);
+    CHECK(agree >= 44);
+  }
+}
+
 TEST_CASE("a batch on the cuda runner equals its sequences run alone and errors change nothing", "[cuda]") {
   if (!have_gpu()) return;
   testing::TinyModel m("tiny", DType::kBF16);
