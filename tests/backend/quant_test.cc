@@ -15,6 +15,7 @@
 
 #include "combs/backend/dtype.h"
 #include "combs/backend/quant.h"
+#include "kernels/quant_dot.h"
 #include "support/temp_dir.h"
 
 using namespace combs;
@@ -151,4 +152,45 @@ TEST_CASE("block formats know their geometry and refuse rows that are not whole 
   CHECK(ggml_type_name(33) == "Q4_0_8_8 (removed)");
   CHECK(ggml_type_name(39) == "MXFP4");
   CHECK(ggml_type_name(1000) == "ggml type 1000");
+}
+
+TEST_CASE("the int8 dot products of q4_k and q6_k rows equal the exact sums over the rounded activations",
+          "[backend][quant]") {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl")) {
+    WARN("skipped: this CPU has no AVX-512 VNNI");
+    return;
+  }
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (DType t : {DType::kQ4_K, DType::kQ6_K}) {
+    const QuantFormat& f = *quant_format(t);
+    INFO(f.name);
+    // Rows of 4 super-blocks: llama-quantize's blocks, then random ones.
+    std::vector<uint8_t> blocks = read_bytes(std::string(COMBS_TEST_DATA_DIR) + "/quant/" + std::string(f.name) + ".bin");
+    const std::vector<uint8_t> more = random_blocks(f, 16, 9);
+    blocks.insert(blocks.end(), more.begin(), more.end());
+    const int64_t n = 4 * 256, row_bytes = 4 * f.block_bytes;
+    for (size_t r = 0; (r + 1) * row_bytes <= blocks.size(); ++r) {
+      const uint8_t* row = blocks.data() + r * row_bytes;
+      std::vector<float> x(n), w(n);
+      for (float& v : x) v = normal(rng) * (r % 3 == 0 ? 100.0f : 1.0f);
+      std::vector<cpu::BlockQ8Act> xq(4);
+      cpu::avx512vnni::quantize_act(x.data(), n, xq.data());
+      f.dequantize(row, w.data(), 4);
+      double exact = 0, magnitude = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double a = double(xq[i / 256].d) * xq[i / 256].q[i % 256];
+        CHECK(std::abs(a - x[i]) <= 0.5 * xq[i / 256].d * 1.0001);  // rounded to the nearest step
+        exact += double(w[i]) * a;
+        magnitude += std::abs(double(w[i]) * a);
+      }
+      const float got = t == DType::kQ4_K ? cpu::avx512vnni::dot_q4_k(row, xq.data(), 4)
+                                          : cpu::avx512vnni::dot_q6_k(row, xq.data(), 4);
+      INFO("row " << r << ": " << got << " vs " << exact);
+      // Integer sums are exact; the float scales round a few times per super-block.
+      CHECK(std::abs(got - exact) <= 1e-5 * magnitude + 1e-30);
+    }
+  }
 }

@@ -66,15 +66,21 @@ TEST_CASE("runner logits on block-quantized files agree with the float64 referen
     for (const auto& t : m.model->file().tensors()) types.insert(t.dtype);
     CHECK(types.size() >= 6);  // the mix is really in the file (f32 norms and 5 or 9 block types)
     const ReferenceModel reference(m.model->file(), m.model->config());
-    // Up to 15 tokens a forward: the dequantize-then-f32 path, exact dequantization, f32 sums (the
-    // tolerance of q8_0 above). 24 tokens at once: the prefill path (oneDNN where built in, with
-    // weights and activations rounded to bf16: bf16's tolerance).
+    // Up to 15 tokens a forward: the decode path. Where the CPU has AVX-512 VNNI, q4_k and q6_k
+    // rows multiply activations rounded to 8 bits per 256 (their kernels are exact on the rounded
+    // values: tests/backend/quant_test.cc), which moves these logits by up to ~3% (measured 2.3e-2
+    // and 3.2e-2); the other types multiply exactly dequantized weights by f32 activations (q8_0's
+    // tolerance above). 24 tokens at once: the prefill path (oneDNN where built in, weights and
+    // activations rounded to bf16: bf16's tolerance).
+    __builtin_cpu_init();
+    const bool int8_activations = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                                  __builtin_cpu_supports("avx512vl");
     for (int n : {10, 24}) {
       const auto tokens = random_tokens(rng, n, m.n_vocab());
       auto cache = m.cache();
       const auto got = run_chunks(m, *cache, tokens, {n});
       const auto want = reference.forward(tokens);
-      const double tol = n < 16 ? 2e-5 : 4e-2;
+      const double tol = n >= 16 ? 4e-2 : int8_activations ? 6e-2 : 2e-5;
       double worst = 0;
       for (size_t t = 0; t < tokens.size(); ++t) {
         for (int v = 0; v < m.n_vocab(); ++v) {

@@ -11,6 +11,7 @@
 
 #include "combs/backend/quant.h"
 #include "kernels/matmul_kernels.h"
+#include "kernels/quant_dot.h"
 #include "onednn_matmul.h"
 #include "vec_math.h"
 
@@ -55,11 +56,47 @@ namespace {
 // one row's dot product summed in the same order whatever the number of tokens, so a token's
 // result does not depend on its neighbours (batch invariance). The weights stay quantized: a row
 // lives dequantized only in the task's buffer.
+// The block types with int8 dot products on this CPU (AVX-512 VNNI): a row's dot product with
+// activations rounded to 8 bits per 256 (quant_dot.h); nullptr where there is none.
+using QuantDot = float (*)(const void* row, const BlockQ8Act* x, int64_t n_blocks);
+QuantDot quant_dot(DType t, int64_t in) {
+#if defined(__x86_64__)
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }();
+  if (vnni && in % 256 == 0) {
+    if (t == DType::kQ4_K) return avx512vnni::dot_q4_k;
+    if (t == DType::kQ6_K) return avx512vnni::dot_q6_k;
+  }
+#endif
+  (void)t, (void)in;
+  return nullptr;
+}
+
 void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
                         const float* bias) {
   const int64_t in = w.dim(1), out = w.dim(0);
   const size_t row_bytes = nbytes_for(w.dtype(), in);
   const int64_t rows_per_task = 16;
+  if (const QuantDot dot = quant_dot(w.dtype(), in)) {
+    const int64_t nb = in / 256;
+    thread_local std::vector<BlockQ8Act> xq;  // every token's activations, rounded once per call
+    if (xq.size() < static_cast<size_t>(n_tokens * nb)) xq.resize(n_tokens * nb);
+    for (int64_t t = 0; t < n_tokens; ++t) avx512vnni::quantize_act(x + t * in, in, xq.data() + t * nb);
+    const BlockQ8Act* xs = xq.data();
+    backend.parallel_for((out + rows_per_task - 1) / rows_per_task, [&](int64_t task) {
+      for (int64_t r = task * rows_per_task; r < std::min(out, (task + 1) * rows_per_task); ++r) {
+        const void* wr = static_cast<const char*>(w.data()) + r * row_bytes;
+        for (int64_t t = 0; t < n_tokens; ++t) {
+          const float s = dot(wr, xs + t * nb, nb);
+          y[t * out + r] = bias ? s + bias[r] : s;
+        }
+      }
+    });
+    return;
+  }
   backend.parallel_for((out + rows_per_task - 1) / rows_per_task, [&](int64_t task) {
     thread_local std::vector<float> row;
     if (row.size() < static_cast<size_t>(in)) row.resize(in);

@@ -1,0 +1,27 @@
+// Dot products of block-quantized weight rows with activations rounded to 8 bits, for decoding:
+// a row is read once, its blocks widened in registers and multiplied by int8 dot products (AVX-512
+// VNNI), as llama.cpp does. Internal to the CPU backend; cpu_ops.cc picks them where the CPU has
+// the instructions, else dequantizes rows (quant.h).
+#pragma once
+
+#include <cstdint>
+
+namespace combs::cpu {
+
+// 256 activations rounded to 8 bits: value = d * q, d = max|x| / 127, and the sums of each 16 q
+// (for the formats' offsets and minimums).
+struct BlockQ8Act {
+  float d;
+  int8_t q[256];
+  int16_t sums[16];
+};
+
+namespace avx512vnni {
+// x[0, n) (n a multiple of 256) as n / 256 blocks.
+void quantize_act(const float* x, int64_t n, BlockQ8Act* out);
+// One row of n / 256 Q4_K (Q6_K) super-blocks against n / 256 activation blocks.
+float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
+float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
+}  // namespace avx512vnni
+
+}  // namespace combs::cpu
