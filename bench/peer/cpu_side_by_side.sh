@@ -1,5 +1,6 @@
 #!/bin/bash
 # usage: bench/peer/cpu_side_by_side.sh [ROUNDS] [THREADS] [SHAPE] [DTYPES]   (default 3 2 llama-1b bf16,q8_0)
+#        MODELS=a.gguf,b.gguf bench/peer/cpu_side_by_side.sh [ROUNDS] [THREADS]  (given files instead)
 # combs and the peer (llama.cpp, bench/peer/build.sh cpu) on this CPU, on the same GGUF files
 # (random weights, Llama 3's 128,256-token vocabulary, written by combs-bench), interleaved:
 # each round runs, per weight type, combs then the peer.
@@ -16,10 +17,20 @@ out=${OUT:-/tmp/cpu-side-by-side}; mkdir -p "$out"
 dir=/tmp/combs-bench-models
 [ -x "$combs" ] && [ -x "$peer" ] || { echo "need $combs and $peer (bench/peer/build.sh cpu)" >&2; exit 1; }
 lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-400 > "$out/cpu.txt"
+# MODELS (comma-separated GGUF files, e.g. llama-quantize's) are measured instead of SHAPE's DTYPES.
+jobs=()
+if [ -n "${MODELS:-}" ]; then
+  for m in ${MODELS//,/ }; do jobs+=("$(basename "$m" .gguf)=--models $m"); done
+else
+  for d in ${DTYPES//,/ }; do jobs+=("$d=--shapes $SHAPE --dtypes $d --dir $dir"); done
+fi
+labels=$(for j in "${jobs[@]}"; do printf '%s,' "${j%%=*}"; done)
 for r in $(seq "$ROUNDS"); do
-  for d in ${DTYPES//,/ }; do
+  for j in "${jobs[@]}"; do
+    d=${j%%=*}
     echo "# round $r $d: combs"
-    "$combs" model --shapes "$SHAPE" --dtypes "$d" --threads "$THREADS" --prompt 512 --gen 128 --reps 3 --dir "$dir" \
+    # shellcheck disable=SC2086  # the job's flags split on purpose
+    "$combs" model ${j#*=} --threads "$THREADS" --prompt 512 --gen 128 --reps 3 \
       > "$out/combs-$d-$r.md" 2> "$out/combs-$d-$r.log" || { cat "$out/combs-$d-$r.log"; exit 1; }
     m=$(sed -n 's/^combs-bench model: //p' "$out/combs-$d-$r.log" | head -n1)
     echo "# round $r $d: peer on $m"
@@ -27,4 +38,4 @@ for r in $(seq "$ROUNDS"); do
     "$peer" -m "$m" -t "$THREADS" -p 0 -n 128 -d 512 -r 3 -o json > "$out/peer-decode-$d-$r.json" 2> "$out/peer-decode-$d-$r.log"
   done
 done
-python3 "$here/side_by_side.py" --cpu "$out" "$SHAPE" "$DTYPES" "$ROUNDS" | tee "$out/table.md"
+python3 "$here/side_by_side.py" --cpu "$out" "${labels%,}" "$ROUNDS" | tee "$out/table.md"

@@ -3,12 +3,12 @@
 on the same files, medians over the rounds, from the raw outputs in OUT.
 
 usage: side_by_side.py OUT SHAPES ROUNDS               (GPU)
-       side_by_side.py --cpu OUT SHAPE DTYPES ROUNDS   (CPU)
+       side_by_side.py --cpu OUT LABELS ROUNDS         (CPU; a label per weight type or file)
 GPU: OUT/combs-SHAPE-R.md, the row of `combs-bench gpu`; the peer: OUT/peer-decode-SHAPE-R.json and
 OUT/peer-prefill-SHAPE-R.json (llama-bench -o json), OUT/peer-sessions-SHAPE-R.{jsonl,log}
 (llama-batched-bench --output-format jsonl).
-CPU: OUT/combs-DTYPE-R.md, the row of `combs-bench model`; OUT/peer-prompt-DTYPE-R.json and
-OUT/peer-decode-DTYPE-R.json (llama-bench -o json).
+CPU: OUT/combs-LABEL-R.md, the row of `combs-bench model`; OUT/peer-prompt-LABEL-R.json and
+OUT/peer-decode-LABEL-R.json (llama-bench -o json).
 """
 import json
 import statistics
@@ -44,17 +44,17 @@ def batched_tg(paths):
     raise ValueError(f"no batched-bench result in {paths}")
 
 
-def cpu_main(out, shape, dtypes, rounds):
+def cpu_main(out, labels, rounds):
     print("| model | weights | workload | combs tok/s | peer tok/s | combs / peer | combs / bound | peer / bound |\n"
           "|---|---|---|---|---|---|---|---|")
-    for d in dtypes:
-        prompt, decode, ratio = ([], []), ([], []), []
+    for d in labels:
+        prompt, decode, ratio, shape = ([], []), ([], []), [], "?"
         for r in range(1, rounds + 1):
             try:
                 row = None
                 for line in open(f"{out}/combs-{d}-{r}.md"):
                     cells = [c.strip() for c in line.strip().strip("|").split("|")]
-                    if len(cells) >= 9 and cells[0] == shape and cells[1] == d:
+                    if len(cells) >= 9 and cells[0] not in ("model", "---") and not cells[0].startswith("-"):
                         row = cells
                 if row is None:
                     raise ValueError(f"combs-{d}-{r}.md: no row")
@@ -64,6 +64,7 @@ def cpu_main(out, shape, dtypes, rounds):
                 print(f"<!-- round {r} {d}: {e} -->")
                 continue
             bound = float(row[7])  # decode bound tok/s, from the read bandwidth measured in the same run
+            shape = row[0]
             prompt[0].append(float(row[4]))
             prompt[1].append(max(v for (n, g, _), v in pp.items() if n == 512 and g == 0))
             decode[0].append(float(row[5]))
@@ -75,13 +76,13 @@ def cpu_main(out, shape, dtypes, rounds):
         for name, (cv, pv), br in (("prompt 512", prompt, None), ("decode 128 after 512", decode, ratio)):
             cm, pm = med(cv), med(pv)
             tail = f"{med(b[0] for b in br):.2f} | {med(b[1] for b in br):.2f} |" if br else "- | - |"
-            print(f"| {shape} | {d} | {name} | {cm:,.2f} | {pm:,.2f} | {cm / pm:.2f} | {tail}")
+            print(f"| {shape} | {row[1]} | {name} | {cm:,.2f} | {pm:,.2f} | {cm / pm:.2f} | {tail}")
     print(f"\n(medians over {rounds} interleaved rounds; each round: per weight type combs, then the peer, same file)")
 
 
 def main():
     if sys.argv[1] == "--cpu":
-        return cpu_main(sys.argv[2], sys.argv[3], sys.argv[4].split(","), int(sys.argv[5]))
+        return cpu_main(sys.argv[2], sys.argv[3].split(","), int(sys.argv[4]))
     out, shapes, rounds = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
     print("| model | workload | combs tok/s | peer tok/s | combs / peer | bound tok/s | combs / bound | "
           "peer / bound |\n|---|---|---|---|---|---|---|---|")

@@ -1,6 +1,7 @@
 // combs-bench model: prompt processing and decode tokens/s of random-weight models, with the
 // decode bound (measured read bandwidth / bytes of weights read per token) from the same run.
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -60,8 +61,9 @@ int run_model(int argc, char** argv) {
   tools::Flags flags("combs-bench model",
                      {{"shapes", "tiny,llama-1b"}, {"dtypes", "bf16,q8_0"}, {"prompt", "512"},
                       {"gen", "128"}, {"threads", "0"}, {"reps", "3"}, {"bandwidth-mib", "512"},
-                      {"dir", "/tmp/combs-bench-models"}, {"vocab", tools::default_vocab()}});
-  flags.describe({{"vocab", kVocabHelp}});
+                      {"dir", "/tmp/combs-bench-models"}, {"vocab", tools::default_vocab()}, {"models", ""}});
+  flags.describe({{"vocab", kVocabHelp},
+                  {"models", "GGUF files to measure instead of --shapes x --dtypes (e.g. llama-quantize's)"}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
     flags.print_usage("[flags]   (models are written once into --dir and reused)");
@@ -82,25 +84,34 @@ int run_model(int argc, char** argv) {
               vocab->empty() ? "built-in (259 tokens)" : vocab->c_str());
   std::printf("| model | dtype | vocabulary | weights read/token | prompt tok/s | decode tok/s | bandwidth GB/s "
               "| decode bound tok/s | decode / bound |\n|---|---|---|---|---|---|---|---|---|\n");
-  for (const std::string& shape_name : split_list(flags.str("shapes"))) {
+  // (model label, weights label, file): --models' files, else the random models of each shape and type.
+  struct Job {
+    std::string model, weights, path;
+  };
+  std::vector<Job> jobs;
+  for (const std::string& file : split_list(flags.str("models"))) {
+    jobs.push_back({std::filesystem::path(file).stem().string(), "", file});
+  }
+  for (const std::string& shape_name : jobs.empty() ? split_list(flags.str("shapes")) : std::vector<std::string>()) {
     for (const std::string& dtype_str : split_list(flags.str("dtypes"))) {
       auto path = bench_model(flags.str("dir"), shape_name, dtype_str, *vocab);
       if (!path.ok()) return std::fprintf(stderr, "combs-bench model: %s\n", path.status().message().c_str()), 1;
-      std::fprintf(stderr, "combs-bench model: %s\n", path->c_str());
-      auto model = Model::load(*path);
-      if (!model.ok()) {
-        std::fprintf(stderr, "combs-bench: %s\n", model.status().to_string().c_str());
-        return 1;
-      }
-      auto runner = Runner::create(**model, backend);
+      jobs.push_back({shape_name, dtype_str, *path});
+    }
+  }
+  for (const Job& job : jobs) {
+    {
+      std::fprintf(stderr, "combs-bench model: %s\n", job.path.c_str());
+      auto model = Model::load(job.path);      auto runner = Runner::create(**model, backend);
       const double bytes = double((*model)->weight_bytes_per_token());
       auto f = measure(**runner, backend, int(prompt), int(gen), int(reps), bw_mib << 20, bytes);
       if (!f.ok()) {
         std::fprintf(stderr, "combs-bench: %s\n", f.status().to_string().c_str());
         return 1;
       }
-      std::printf("| %s | %s | %d | %.1f MB | %.1f | %.2f | %.1f | %.2f | %.0f%% |\n", shape_name.c_str(),
-                  dtype_str.c_str(), (*model)->config().n_vocab, bytes / 1e6, f->prompt_tps, f->decode_tps, f->bandwidth_gbs,
+      const std::string weights = job.weights.empty() ? std::string(dtype_name((*model)->layers[0].wq.dtype())) : job.weights;
+      std::printf("| %s | %s | %d | %.1f MB | %.1f | %.2f | %.1f | %.2f | %.0f%% |\n", job.model.c_str(),
+                  weights.c_str(), (*model)->config().n_vocab, bytes / 1e6, f->prompt_tps, f->decode_tps, f->bandwidth_gbs,
                   f->bandwidth_gbs * 1e9 / bytes, 100.0 * f->decode_over_bound);
       std::fflush(stdout);
     }

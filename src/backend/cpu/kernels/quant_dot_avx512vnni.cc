@@ -14,6 +14,7 @@
 // GCC 12's AVX-512 intrinsics fill lanes from _mm*_undefined_*(), which -Wmaybe-uninitialized
 // reports wherever they are inlined (a false positive: every lane used here is written).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace combs::cpu::avx512vnni {
 namespace {
@@ -24,11 +25,10 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-inline int hsum(__m512i v) { return _mm512_reduce_add_epi32(v); }
-
-// 16 int32 lanes: four each of a[0], a[1], a[2], a[3].
-inline __m512i four_each(int a0, int a1, int a2, int a3) {
-  return _mm512_set_epi32(a3, a3, a3, a3, a2, a2, a2, a2, a1, a1, a1, a1, a0, a0, a0, a0);
+// A row is one sequential stream, but a short one (a few KB): the cache lines of the super-block
+// 2 KB ahead are requested while this one is computed (as the BF16 decode kernel does).
+inline void prefetch_ahead(const uint8_t* block, int bytes) {
+  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + 2048 + off, _MM_HINT_T0);
 }
 
 }  // namespace
@@ -54,72 +54,98 @@ void quantize_act(const float* x, int64_t n, BlockQ8Act* out) {
 // Q4_K (quant.cc): per super-block d, dmin, eight 6-bit (scale, min) pairs, 4-bit quants; each 64
 // elements are 32 bytes whose low nibbles are group 2k and high nibbles group 2k + 1. A group's
 // weights are d * sc * q - dmin * m: its dot product is d * sc * sum(q * a) - dmin * m * sum(a).
+// Per 64 elements: vpmaddubsw (pairs of q * a, in int16: at most 2 * 15 * 127) then vpmaddwd by the
+// groups' scales (int32), summed over the super-block; the scales and mins are unpacked from their
+// 12 bytes with 32-bit masks. Int32 sums are exact; a super-block's floats are one multiply-add.
 float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   const uint8_t* b = static_cast<const uint8_t*>(row);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  float sum = 0.0f;
+  // int16 lanes 0-15 take scale 2k, lanes 16-31 scale 2k + 1 (of eight int16 scales).
+  __m512i pick[4];
+  for (int k = 0; k < 4; ++k) {
+    pick[k] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi16(static_cast<short>(2 * k))),
+                                 _mm256_set1_epi16(static_cast<short>(2 * k + 1)), 1);
+  }
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  __m512 acc = _mm512_setzero_ps();
+  __m256 acc_min = _mm256_setzero_ps();
   for (int64_t i = 0; i < n_blocks; ++i, b += 144, ++x) {
+    prefetch_ahead(b, 144);
     const float d = half(b), dmin = half(b + 2);
-    const uint8_t* s = b + 4;
-    int sc[8], mn[8];
-    for (int j = 0; j < 4; ++j) {
-      sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
-      sc[j + 4] = (s[j + 8] & 0xF) | (s[j] >> 6) << 4;
-      mn[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
-    }
-    int msum = 0;
-    for (int g = 0; g < 8; ++g) msum += mn[g] * (x->sums[2 * g] + x->sums[2 * g + 1]);
-    __m512i acc = _mm512_setzero_si512();
+    uint32_t u[3];
+    std::memcpy(u, b + 4, 12);
+    // bytes: scales 0-3 | 4-7, mins 0-3 | 4-7 (the layout of k4_scale_min in quant.cc)
+    const uint32_t sc_lo = u[0] & 0x3f3f3f3f, mn_lo = u[1] & 0x3f3f3f3f;
+    const uint32_t sc_hi = (u[2] & 0x0f0f0f0f) | ((u[0] >> 6) & 0x03030303) << 4;
+    const uint32_t mn_hi = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 6) & 0x03030303) << 4;
+    const __m128i sc8 = _mm_cvtsi64_si128(static_cast<int64_t>(uint64_t{sc_hi} << 32 | sc_lo));
+    const __m128i mn8 = _mm_cvtsi64_si128(static_cast<int64_t>(uint64_t{mn_hi} << 32 | mn_lo));
+    const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sc8));
+    __m512i isum = _mm512_setzero_si512();
     const uint8_t* qs = b + 16;
     for (int k = 0; k < 4; ++k) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * k));
       const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
       const __m512i w = _mm512_inserti64x4(_mm512_zextsi256_si512(lo), hi, 1);
-      const __m512i a = _mm512_loadu_si512(x->q + 64 * k);
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);  // lanes 0-7: group 2k
-      const __m512i scale = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi32(sc[2 * k])),
-                                               _mm256_set1_epi32(sc[2 * k + 1]), 1);
-      acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot, scale));
+      const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512(x->q + 64 * k));
+      isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[k], sc16)));
     }
-    sum += x->d * (d * static_cast<float>(hsum(acc)) - dmin * static_cast<float>(msum));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(x->d * d), acc);
+    // sum over groups of m_g * (sums[2g] + sums[2g + 1])
+    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mn8, pairs));
+    const __m256i msum = _mm256_madd_epi16(m16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums)));
+    acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(x->d * dmin), acc_min);
   }
-  return sum;
+  __m256 m = acc_min;
+  m = _mm256_add_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_hadd_ps(m, m);
+  m = _mm256_hadd_ps(m, m);
+  return _mm512_reduce_add_ps(acc) - _mm256_cvtss_f32(m);
 }
 
 // Q6_K (quant.cc): per half of 128 elements 64 bytes of low nibbles and 32 of 2-bit high parts;
 // element l + 32 s has nibble s / 2 of low byte l + 32 (s % 2) and bits 2s of high byte l, minus
 // 32, scale sc[l / 16 + 2 s] of the half's eight. The dot product is d * sum_j sc_j * (sum(q_u * a)
-// - 32 * sum(a)) over the sixteen 16-element groups j, q_u = q + 32 in [0, 63].
+// - 32 * sum(a)) over the sixteen 16-element groups j, q_u = q + 32 in [0, 63]: vpmaddubsw of q_u
+// and a (at most 2 * 63 * 127 in int16), vpmaddwd by the groups' int8 scales widened to int16.
 float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   const uint8_t* b = static_cast<const uint8_t*>(row);
   const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
-  float sum = 0.0f;
+  // int16 lanes 8j..8j+7 (j = 0..3) take scale 4c + j of the sixteen, for c = 0..3.
+  __m512i pick[4];
+  for (int c = 0; c < 4; ++c) {
+    alignas(64) int16_t idx[32];
+    for (int l = 0; l < 32; ++l) idx[l] = static_cast<int16_t>(4 * c + l / 8);
+    pick[c] = _mm512_load_si512(idx);
+  }
+  __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n_blocks; ++i, b += 210, ++x) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    prefetch_ahead(b, 210);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    const __m512i scales = _mm512_zextsi256_si512(sc16);
     const float d = half(b + 208);
-    int corr = 0;
-    for (int j = 0; j < 16; ++j) corr += sc[j] * x->sums[j];
-    __m512i acc = _mm512_setzero_si512();
+    // 32 * sum_j sc_j * sums_j, subtracted from lanes 0-7
+    const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums)));
+    __m512i isum = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5)));
     for (int h = 0; h < 2; ++h) {
       const __m512i ql = _mm512_loadu_si512(b + 64 * h);  // [l] and [l + 32]
       const __m256i qh256 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
       const __m512i qh = _mm512_inserti64x4(_mm512_zextsi256_si512(qh256), qh256, 1);
       // s = 0 | 1: low nibbles, high bits 0-1 | 2-3; s = 2 | 3: high nibbles, bits 4-5 | 6-7.
-      const __m512i hi01 = _mm512_and_si512(
-          _mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2)), two);
-      const __m512i hi23 = _mm512_and_si512(
-          _mm512_mask_blend_epi64(0xF0, _mm512_srli_epi16(qh, 4), _mm512_srli_epi16(qh, 6)), two);
+      const __m512i hi01 = _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2)), two);
+      const __m512i hi23 =
+          _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, _mm512_srli_epi16(qh, 4), _mm512_srli_epi16(qh, 6)), two);
       const __m512i q01 = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(hi01, 4));
-      const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), _mm512_slli_epi16(hi23, 4));
-      const int8_t* s8 = sc + 8 * h;
-      const __m512i d01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q01, _mm512_loadu_si512(x->q + 128 * h));
-      const __m512i d23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q23, _mm512_loadu_si512(x->q + 128 * h + 64));
-      acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(d01, four_each(s8[0], s8[1], s8[2], s8[3])));
-      acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(d23, four_each(s8[4], s8[5], s8[6], s8[7])));
+      const __m512i q23 =
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), _mm512_slli_epi16(hi23, 4));
+      const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(x->q + 128 * h));
+      const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(x->q + 128 * h + 64));
+      isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p01, _mm512_permutexvar_epi16(pick[2 * h], scales)));
+      isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p23, _mm512_permutexvar_epi16(pick[2 * h + 1], scales)));
     }
-    sum += x->d * d * static_cast<float>(hsum(acc) - 32 * corr);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(x->d * d), acc);
   }
-  return sum;
+  return _mm512_reduce_add_ps(acc);
 }
 
 }  // namespace combs::cpu::avx512vnni
