@@ -286,6 +286,13 @@ StatusOr<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
   return f;
 }
 
+void GgufFile::drop_pages(const TensorInfo& t) const {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(t.data) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(t.data) + t.nbytes) / page * page;
+  if (begin < end) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 GgufFile::~GgufFile() {
   if (map_ != nullptr) munmap(map_, map_size_);
 }

@@ -202,6 +202,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     Shape shape = t->dims.size() == 1 ? Shape{t->dims[0]} : Shape{t->dims[1], t->dims[0]};
     char* dst = m->memory_.get() + used;
     std::memcpy(dst, t->data, t->nbytes);
+    m->file_->drop_pages(*t);  // the copy is the weight now: resident once, not twice
     used += (t->nbytes + 63) / 64 * 64;
     *slot(spec.name) = Tensor::wrap(dst, shape, t->dtype);
   }

@@ -162,3 +162,38 @@ TEST_CASE("model files with a wrong architecture or missing or misshapen tensors
   CHECK_THAT(shape.message(), Catch::Contains("shape") && Catch::Contains("ffn_gate"));
   CHECK(Model::load(dir.file("does-not-exist.gguf")).status().code() == StatusCode::kNotFound);
 }
+
+namespace {
+// A field of /proc/self/status (VmRSS, RssFile, ...), in bytes.
+int64_t status_bytes(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
+  }
+  return -1;
+}
+}  // namespace
+
+TEST_CASE("a loaded model's weights are resident once and not beside the file's pages", "[model]") {
+  // A model of ~140 MB (the tiny shape with Llama 3's vocabulary: its embedding and output are most
+  // of it). The weights are copied into one buffer and the mapping's pages of each copied tensor
+  // given back: the file's resident pages grow by its metadata only, not by the tensor bytes.
+  combs::testing::TempDir dir;
+  RandomModelOptions o;
+  o.shape = named_shape("tiny").value();
+  o.vocab_path = std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf";
+  const std::string path = dir.file("m.gguf");
+  REQUIRE(write_random_model(o, path).ok());
+  const int64_t file_before = status_bytes("RssFile"), anon_before = status_bytes("RssAnon");
+  REQUIRE(file_before >= 0);
+  auto m = Model::load(path);
+  REQUIRE(m.ok());
+  int64_t tensor_bytes = 0;
+  for (const auto& t : (*m)->file().tensors()) tensor_bytes += static_cast<int64_t>(t.nbytes);
+  const int64_t file_grown = status_bytes("RssFile") - file_before, anon_grown = status_bytes("RssAnon") - anon_before;
+  INFO("tensor bytes " << tensor_bytes << "; file pages grew by " << file_grown << ", anonymous by " << anon_grown);
+  CHECK(tensor_bytes > 100'000'000);
+  CHECK(file_grown < tensor_bytes / 8);  // metadata (the vocabulary: ~8 MB of this file), not the weights (without
+                                        // the pages given back: 141 MB)
+  CHECK(anon_grown >= tensor_bytes);      // the copies
+}

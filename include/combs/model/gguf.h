@@ -82,6 +82,11 @@ class GgufFile {
   uint32_t version() const { return version_; }
   const std::map<std::string, Value>& metadata() const { return metadata_; }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  // Gives the mapping's pages of a tensor's data back (MADV_DONTNEED; the whole pages inside it):
+  // once a model has copied a tensor, the file's pages would otherwise stay resident beside the
+  // copy (twice the model's size). The data stays readable: it is read from the file again where
+  // touched.
+  void drop_pages(const TensorInfo& t) const;
   const Value* find(std::string_view key) const;
   const TensorInfo* find_tensor(std::string_view name) const;
 
