@@ -116,6 +116,12 @@ TEST_CASE("gguf with bad tensor offsets types or dims is rejected", "[model]") {
   const Status t = patch(b + 4 + 16, &unknown_type, 4);
   CHECK(t.code() == StatusCode::kUnimplemented);
   CHECK_THAT(t.message(), Catch::Contains("type") && Catch::Contains("'b'") && Catch::Contains("(IQ2_XXS)") && Catch::Contains("Q4_K, Q5_K"));
+  // A block type whose rows are not whole blocks (tensor b's rows are 32 long, a q4_k block 256):
+  // refused by name before anything is read. (Data that runs past the end: the offset check above.)
+  const uint32_t q4_k = 12;
+  const Status blocks = patch(b + 4 + 16, &q4_k, 4);
+  CHECK(blocks.code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(blocks.message(), Catch::Contains("'b'") && Catch::Contains("not a multiple of the q4_k block size"));
   CHECK_THAT(patch(b, &five_dims, 4).message(), Catch::Contains("n_dims"));
   CHECK_THAT(patch(b, &zero_dims, 4).message(), Catch::Contains("n_dims"));
   CHECK_THAT(patch(b + 4, &zero, 8).message(), Catch::Contains("dims"));
