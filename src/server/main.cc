@@ -206,6 +206,10 @@ int main(int argc, char** argv) {
     ssl.pem_key_cert_pairs.push_back(std::move(pair));
     creds = grpc::SslServerCredentials(ssl);
   }
+  // The drain's signals are caught before the server is up: a SIGTERM right after "serving" (a
+  // supervisor, a test) must drain, not kill (it did when the handlers came after the line).
+  std::signal(SIGTERM, on_signal);
+  std::signal(SIGINT, on_signal);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(flags.str("listen"), creds, &port);
@@ -225,8 +229,6 @@ int main(int argc, char** argv) {
   std::printf("combs-server: serving %s on %s:%d\n", path.c_str(), host.c_str(), port);
   std::fflush(stdout);
 
-  std::signal(SIGTERM, on_signal);
-  std::signal(SIGINT, on_signal);
   while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   // Graceful: health NOT_SERVING and no new work (UNAVAILABLE: clients retry elsewhere); running
   // streams get the grace period, then end UNAVAILABLE; then the server stops.

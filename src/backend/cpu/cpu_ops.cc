@@ -68,6 +68,7 @@ QuantDot quant_dot(DType t, int64_t in) {
   }();
   if (vnni && in % 256 == 0) {
     if (t == DType::kQ4_K) return avx512vnni::dot_q4_k;
+    if (t == DType::kQ5_K) return avx512vnni::dot_q5_k;
     if (t == DType::kQ6_K) return avx512vnni::dot_q6_k;
   }
 #endif

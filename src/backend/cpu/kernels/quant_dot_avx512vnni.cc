@@ -57,8 +57,14 @@ void quantize_act(const float* x, int64_t n, BlockQ8Act* out) {
 // Per 64 elements: vpmaddubsw (pairs of q * a, in int16: at most 2 * 15 * 127) then vpmaddwd by the
 // groups' scales (int32), summed over the super-block; the scales and mins are unpacked from their
 // 12 bytes with 32-bit masks. Int32 sums are exact; a super-block's floats are one multiply-add.
-float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+// Q5_K is Q4_K with 32 bytes of fifth bits between the scales and the quants: element l of group g
+// adds 16 where bit g of byte l is set (quant.cc); one template reads both.
+namespace {
+template <bool kFifthBit>
+float dot_k4(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  constexpr int kBlockBytes = kFifthBit ? 176 : 144, kQuants = kFifthBit ? 48 : 16;
   const uint8_t* b = static_cast<const uint8_t*>(row);
+  const __m256i one = _mm256_set1_epi8(1);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // int16 lanes 0-15 take scale 2k, lanes 16-31 scale 2k + 1 (of eight int16 scales).
   __m512i pick[4];
@@ -69,8 +75,8 @@ float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   __m512 acc = _mm512_setzero_ps();
   __m256 acc_min = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n_blocks; ++i, b += 144, ++x) {
-    prefetch_ahead(b, 144);
+  for (int64_t i = 0; i < n_blocks; ++i, b += kBlockBytes, ++x) {
+    prefetch_ahead(b, kBlockBytes);
     const float d = half(b), dmin = half(b + 2);
     uint32_t u[3];
     std::memcpy(u, b + 4, 12);
@@ -82,10 +88,15 @@ float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
     const __m128i mn8 = _mm_cvtsi64_si128(static_cast<int64_t>(uint64_t{mn_hi} << 32 | mn_lo));
     const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sc8));
     __m512i isum = _mm512_setzero_si512();
-    const uint8_t* qs = b + 16;
+    const uint8_t* qs = b + kQuants;
+    [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     for (int k = 0; k < 4; ++k) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * k));
-      const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      if constexpr (kFifthBit) {  // bits 2k and 2k + 1 of each byte, as 16
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 1), one), 4));
+      }
       const __m512i w = _mm512_inserti64x4(_mm512_zextsi256_si512(lo), hi, 1);
       const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512(x->q + 64 * k));
       isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[k], sc16)));
@@ -102,6 +113,10 @@ float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   m = _mm256_hadd_ps(m, m);
   return _mm512_reduce_add_ps(acc) - _mm256_cvtss_f32(m);
 }
+}  // namespace
+
+float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k4<false>(row, x, n_blocks); }
+float dot_q5_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k4<true>(row, x, n_blocks); }
 
 // Q6_K (quant.cc): per half of 128 elements 64 bytes of low nibbles and 32 of 2-bit high parts;
 // element l + 32 s has nibble s / 2 of low byte l + 32 (s % 2) and bits 2s of high byte l, minus
