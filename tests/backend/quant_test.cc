@@ -154,7 +154,7 @@ TEST_CASE("block formats know their geometry and refuse rows that are not whole 
   CHECK(ggml_type_name(1000) == "ggml type 1000");
 }
 
-TEST_CASE("the int8 dot products of q4_k q5_k and q6_k rows equal the exact sums over the rounded activations",
+TEST_CASE("the int8 dot products of q4_k q5_k q6_k and iq4_xs rows equal the exact sums over the rounded activations",
           "[backend][quant]") {
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw") ||
@@ -164,7 +164,7 @@ TEST_CASE("the int8 dot products of q4_k q5_k and q6_k rows equal the exact sums
   }
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (DType t : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
+  for (DType t : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_XS}) {
     const QuantFormat& f = *quant_format(t);
     INFO(f.name);
     // Rows of 4 super-blocks: llama-quantize's blocks, then random ones.
@@ -188,7 +188,8 @@ TEST_CASE("the int8 dot products of q4_k q5_k and q6_k rows equal the exact sums
       }
       const float got = t == DType::kQ4_K   ? cpu::avx512vnni::dot_q4_k(row, xq.data(), 4)
                         : t == DType::kQ5_K ? cpu::avx512vnni::dot_q5_k(row, xq.data(), 4)
-                                            : cpu::avx512vnni::dot_q6_k(row, xq.data(), 4);
+                        : t == DType::kQ6_K ? cpu::avx512vnni::dot_q6_k(row, xq.data(), 4)
+                                            : cpu::avx512vnni::dot_iq4_xs(row, xq.data(), 4);
       INFO("row " << r << ": " << got << " vs " << exact);
       // Integer sums are exact; the float scales round a few times per super-block.
       CHECK(std::abs(got - exact) <= 1e-5 * magnitude + 1e-30);

@@ -67,9 +67,11 @@ TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[
 
 TEST_CASE("the cuda runner follows the cpu on block-quantized files under teacher forcing", "[cuda][quant]") {
   if (!have_gpu()) return;
-  // The block types reach the GPU as BF16 (cuda_runner.cc's upload), the CPU multiplies exactly
-  // dequantized weights in f32: logits within bf16's tolerance, the same argmax nearly everywhere
-  // (a random model's top two can be closer than the rounding). Both are fed the CPU's tokens.
+  // The block types reach the GPU as BF16 (cuda_runner.cc's upload); the CPU multiplies exactly
+  // dequantized weights in f32, or (q4_k, q5_k, q6_k, iq4_xs where it has AVX-512 VNNI) rounds the
+  // activations to 8 bits: logits within 5e-2 of the largest (measured on the H200's host: 1.4e-2
+  // and 2.2e-2), the same argmax nearly everywhere (46 and 47 of 48; a random model's top two can
+  // be closer than the rounding). Both are fed the CPU's tokens.
   for (const char* file : {"tiny-mix-a.gguf", "qwen2-tiny-mix-b.gguf"}) {
     INFO(file);
     testing::TinyModel cpu_model(testing::ModelFile{std::string(COMBS_TEST_DATA_DIR) + "/models/" + file});
@@ -99,7 +101,7 @@ TEST_CASE("the cuda runner follows the cpu on block-quantized files under teache
       next = {argmax(lc.data(), V)};
     }
     INFO("worst " << worst << ", argmax agrees at " << agree << " of 48");
-    CHECK(worst < 2e-2);
+    CHECK(worst < 5e-2);
     CHECK(agree >= 44);
   }
 }

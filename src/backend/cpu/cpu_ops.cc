@@ -70,6 +70,7 @@ QuantDot quant_dot(DType t, int64_t in) {
     if (t == DType::kQ4_K) return avx512vnni::dot_q4_k;
     if (t == DType::kQ5_K) return avx512vnni::dot_q5_k;
     if (t == DType::kQ6_K) return avx512vnni::dot_q6_k;
+    if (t == DType::kIQ4_XS) return avx512vnni::dot_iq4_xs;
   }
 #endif
   (void)t, (void)in;

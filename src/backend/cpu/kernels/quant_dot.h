@@ -19,10 +19,11 @@ struct BlockQ8Act {
 namespace avx512vnni {
 // x[0, n) (n a multiple of 256) as n / 256 blocks.
 void quantize_act(const float* x, int64_t n, BlockQ8Act* out);
-// One row of n / 256 Q4_K (Q5_K, Q6_K) super-blocks against n / 256 activation blocks.
+// One row of n / 256 Q4_K (Q5_K, Q6_K, IQ4_XS) super-blocks against n / 256 activation blocks.
 float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q5_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
+float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 }  // namespace avx512vnni
 
 }  // namespace combs::cpu

@@ -163,4 +163,45 @@ float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// IQ4_XS (quant.cc): per super-block d, 2 + 4 bits of eight 6-bit group scales (minus 32), and per
+// 32-element group 16 bytes of indices into the IQ4 levels: low nibbles are elements 0-15, high
+// nibbles 16-31. The indices become signed levels by a byte shuffle of the table; their signs move
+// onto the activations (|w| * sign(w) a) for vpmaddubsw (at most 2 * 127 * 127 in int16), then
+// vpmaddwd by the groups' scales.
+float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m512i levels = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+  __m512i pick[4];  // int16 lanes 0-15: scale 2k, 16-31: scale 2k + 1
+  for (int k = 0; k < 4; ++k) {
+    pick[k] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi16(static_cast<short>(2 * k))),
+                                 _mm256_set1_epi16(static_cast<short>(2 * k + 1)), 1);
+  }
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n_blocks; ++i, b += 136, ++x) {
+    prefetch_ahead(b, 136);
+    const float d = half(b);
+    const int scales_h = b[2] | b[3] << 8;
+    alignas(16) int16_t ls[8];
+    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>((((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | ((scales_h >> (2 * g)) & 3) << 4) - 32);
+    const __m512i sc16 = _mm512_zextsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(ls)));
+    __m512i isum = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 + 32 * k));
+      const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      // element order: group 2k's low then high nibbles, then group 2k + 1's
+      const __m512i idx = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                             _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+      const __m512i w = _mm512_shuffle_epi8(levels, idx);
+      const __m512i a = _mm512_loadu_si512(x->q + 64 * k);
+      const __m512i sa = _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(w), _mm512_setzero_si512(), a);
+      const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(w), sa);
+      isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[k], sc16)));
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(x->d * d), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
 }  // namespace combs::cpu::avx512vnni
