@@ -59,36 +59,31 @@ inline uint32_t high_bits(const uint8_t* p) {
 }
 
 // Q5_0, 32 in 22: f16 d; 4 bytes of fifth bits; nibbles as Q4_0; value (q - 16) * d.
-void dq_q5_0(const void* src, float* y, int64_t nb) {
-  const uint8_t* b = static_cast<const uint8_t*>(src);
-  for (int64_t i = 0; i < nb; ++i, b += 22, y += 32) {
-    const float d = half(b);
-    const uint32_t qh = high_bits(b + 2);
-    const uint8_t* qs = b + 6;
-    for (int j = 0; j < 16; ++j) {
-      const int lo = (qs[j] & 0x0F) | static_cast<int>((qh >> j) & 1) << 4;
-      const int hi = (qs[j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1) << 4;
-      y[j] = static_cast<float>(lo - 16) * d;
-      y[j + 16] = static_cast<float>(hi - 16) * d;
-    }
-  }
-}
-
 // Q5_1, 32 in 24: f16 d, f16 m; fifth bits; nibbles; value q * d + m.
-void dq_q5_1(const void* src, float* y, int64_t nb) {
+template <bool kMin>
+void dq_q5(const void* src, float* y, int64_t nb) {
+  constexpr int kHeader = kMin ? 4 : 2, kBytes = kHeader + 4 + 16;
   const uint8_t* b = static_cast<const uint8_t*>(src);
-  for (int64_t i = 0; i < nb; ++i, b += 24, y += 32) {
-    const float d = half(b), m = half(b + 2);
-    const uint32_t qh = high_bits(b + 4);
-    const uint8_t* qs = b + 8;
+  for (int64_t i = 0; i < nb; ++i, b += kBytes, y += 32) {
+    const float d = half(b);
+    [[maybe_unused]] const float m = kMin ? half(b + 2) : 0.0f;
+    const uint32_t qh = high_bits(b + kHeader);
+    const uint8_t* qs = b + kHeader + 4;
     for (int j = 0; j < 16; ++j) {
       const int lo = (qs[j] & 0x0F) | static_cast<int>((qh >> j) & 1) << 4;
       const int hi = (qs[j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1) << 4;
-      y[j] = static_cast<float>(lo) * d + m;
-      y[j + 16] = static_cast<float>(hi) * d + m;
+      if constexpr (kMin) {
+        y[j] = static_cast<float>(lo) * d + m;
+        y[j + 16] = static_cast<float>(hi) * d + m;
+      } else {
+        y[j] = static_cast<float>(lo - 16) * d;
+        y[j + 16] = static_cast<float>(hi - 16) * d;
+      }
     }
   }
 }
+void dq_q5_0(const void* src, float* y, int64_t nb) { dq_q5<false>(src, y, nb); }
+void dq_q5_1(const void* src, float* y, int64_t nb) { dq_q5<true>(src, y, nb); }
 
 // Q8_0, 32 in 34: f16 d; 32 int8; value q * d.
 void dq_q8_0(const void* src, float* y, int64_t nb) {

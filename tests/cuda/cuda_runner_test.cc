@@ -22,6 +22,16 @@ namespace {
 
 int32_t argmax(const float* v, int n) { return static_cast<int32_t>(std::max_element(v, v + n) - v); }
 
+// max |gpu - cpu| over max |cpu| of one token's logits.
+double relative_diff(const std::vector<float>& gpu, const std::vector<float>& cpu) {
+  double diff = 0, scale = 1e-6;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    diff = std::max(diff, std::abs(double(gpu[i]) - cpu[i]));
+    scale = std::max(scale, std::abs(double(cpu[i])));
+  }
+  return diff / scale;
+}
+
 }  // namespace
 
 TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[cuda]") {
@@ -48,12 +58,7 @@ TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[
       SequenceInput ci{cpu_cache.get(), next_c}, gi{gpu_cache.get(), next_g};
       REQUIRE(cpu_model.runner->forward({&ci, 1}, lc.data()).ok());
       REQUIRE(gpu.forward({&gi, 1}, lg.data()).ok());
-      double diff = 0, scale = 1e-6;
-      for (int i = 0; i < V; ++i) {
-        diff = std::max(diff, std::abs(double(lg[i]) - lc[i]));
-        scale = std::max(scale, std::abs(double(lc[i])));
-      }
-      if (cpu_tokens == gpu_tokens) worst = std::max(worst, diff / scale);  // same inputs so far
+      if (cpu_tokens == gpu_tokens) worst = std::max(worst, relative_diff(lg, lc));  // same inputs so far
       cpu_tokens.push_back(argmax(lc.data(), V));
       gpu_tokens.push_back(argmax(lg.data(), V));
       next_c = {cpu_tokens.back()};
@@ -91,12 +96,7 @@ TEST_CASE("the cuda runner follows the cpu on block-quantized files under teache
       SequenceInput ci{cpu_cache.get(), next}, gi{gpu_cache.get(), next};
       REQUIRE(cpu_model.runner->forward({&ci, 1}, lc.data()).ok());
       REQUIRE(gpu.forward({&gi, 1}, lg.data()).ok());
-      double diff = 0, scale = 1e-6;
-      for (int i = 0; i < V; ++i) {
-        diff = std::max(diff, std::abs(double(lg[i]) - lc[i]));
-        scale = std::max(scale, std::abs(double(lc[i])));
-      }
-      worst = std::max(worst, diff / scale);
+      worst = std::max(worst, relative_diff(lg, lc));
       agree += argmax(lc.data(), V) == argmax(lg.data(), V);
       next = {argmax(lc.data(), V)};
     }

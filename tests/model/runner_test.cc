@@ -25,6 +25,18 @@ std::string id_list(const std::vector<int32_t>& v) {
   return s;
 }
 
+// The largest |got - want| / (1 + |want|) over every token's logits.
+double worst_relative_error(const std::vector<float>& got, const std::vector<std::vector<double>>& want, int n_vocab) {
+  double worst = 0;
+  for (size_t t = 0; t < want.size(); ++t) {
+    for (int v = 0; v < n_vocab; ++v) {
+      const double g = got[t * n_vocab + v], w = want[t][v];
+      worst = std::max(worst, std::abs(g - w) / (1.0 + std::abs(w)));
+    }
+  }
+  return worst;
+}
+
 std::vector<int32_t> random_tokens(Rng& rng, int n, int n_vocab) {
   std::vector<int32_t> t(n);
   for (auto& x : t) x = static_cast<int32_t>(rng.integer(0, n_vocab - 1));
@@ -82,13 +94,7 @@ TEST_CASE("runner logits on block-quantized files agree with the float64 referen
       const auto got = run_chunks(m, *cache, tokens, {n});
       const auto want = reference.forward(tokens);
       const double tol = n >= 16 ? 4e-2 : int8_activations ? 1e-1 : 2e-5;
-      double worst = 0;
-      for (size_t t = 0; t < tokens.size(); ++t) {
-        for (int v = 0; v < m.n_vocab(); ++v) {
-          const double g = got[t * m.n_vocab() + v], w = want[t][v];
-          worst = std::max(worst, std::abs(g - w) / (1.0 + std::abs(w)));
-        }
-      }
+      const double worst = worst_relative_error(got, want, m.n_vocab());
       INFO(n << " tokens: worst relative error " << worst);
       CHECK(worst < tol);
     }
@@ -182,13 +188,7 @@ TEST_CASE("runner logits agree with the float64 reference in every weight dtype"
       // bf16 weights multiply activations rounded to bf16 (native bf16 dot products); the other
       // dtypes multiply f32 activations by the exactly dequantized weights.
       const double tol = dtype == DType::kBF16 ? 4e-2 : 2e-5;
-      double worst = 0;
-      for (size_t t = 0; t < tokens.size(); ++t) {
-        for (int v = 0; v < m.n_vocab(); ++v) {
-          const double g = got[t * m.n_vocab() + v], w = want[t][v];
-          worst = std::max(worst, std::abs(g - w) / (1.0 + std::abs(w)));
-        }
-      }
+      const double worst = worst_relative_error(got, want, m.n_vocab());
       INFO("worst relative error " << worst);
       CHECK(worst < tol);
     }

@@ -51,11 +51,6 @@ std::string_view matmul_isa() { return onednn::available() ? "avx512bf16+onednn"
 
 namespace {
 
-// The block types without a kernel of their own (all but q8_0): each task dequantizes its weight
-// rows one at a time (bit-exact, quant.h) and multiplies every token by it in f32. Each output is
-// one row's dot product summed in the same order whatever the number of tokens, so a token's
-// result does not depend on its neighbours (batch invariance). The weights stay quantized: a row
-// lives dequantized only in the task's buffer.
 // The block types with int8 dot products on this CPU (AVX-512 VNNI): a row's dot product with
 // activations rounded to 8 bits per 256 (quant_dot.h); nullptr where there is none.
 using QuantDot = float (*)(const void* row, const BlockQ8Act* x, int64_t n_blocks);
@@ -77,6 +72,12 @@ QuantDot quant_dot(DType t, int64_t in) {
   return nullptr;
 }
 
+// The block types without a kernel of the f32 family (all but q8_0): rows by their int8 dot
+// products where quant_dot has one, else each task dequantizes its weight rows one at a time
+// (bit-exact, quant.h) and multiplies every token by it in f32. Each output is one row's dot
+// product summed in the same order whatever the number of tokens, so a token's result does not
+// depend on its neighbours (batch invariance). The weights stay quantized: a row lives
+// dequantized only in the task's buffer.
 void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
                         const float* bias) {
   const int64_t in = w.dim(1), out = w.dim(0);
@@ -127,9 +128,9 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
   const bool use_onednn = policy == MatmulPolicy::kFastest &&
                           (w.dtype() == DType::kBF16 || is_block_quant(w.dtype())) &&
                           n_tokens >= kOneDnnMinTokens && onednn::available();
-  if (is_block_quant(w.dtype()) && w.dtype() != DType::kQ8_0 && !use_onednn) {
-    return matmul_dequantized(backend, w, x, n_tokens, y, bias);
-  }
+  // The block types but q8_0 go to matmul_dequantized unless oneDNN takes the call.
+  const bool dequantized = is_block_quant(w.dtype()) && w.dtype() != DType::kQ8_0;
+  if (dequantized && !use_onednn) return matmul_dequantized(backend, w, x, n_tokens, y, bias);
   thread_local std::vector<uint16_t> x_bf16, w_bf16;  // grow to the largest call, then stay
   if ((w.dtype() == DType::kBF16 && chosen.name == "avx512bf16") || use_onednn) {
     if (x_bf16.size() < static_cast<size_t>(n_tokens * k.in)) x_bf16.resize(n_tokens * k.in);
@@ -143,20 +144,7 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
   }
   if (use_onednn) {
     const uint16_t* wb = static_cast<const uint16_t*>(k.w);
-    if (w.dtype() == DType::kQ8_0) {
-      if (w_bf16.size() < static_cast<size_t>(k.out * k.in)) w_bf16.resize(k.out * k.in);
-      uint16_t* dst = w_bf16.data();
-      const size_t row_bytes = nbytes_for(DType::kQ8_0, k.in);
-      backend.parallel_for(k.out, [&](int64_t r) {
-        const auto* b = reinterpret_cast<const BlockQ8_0*>(static_cast<const char*>(k.w) + r * row_bytes);
-        uint16_t* o = dst + r * k.in;
-        for (int64_t blk = 0; blk < k.in / 32; ++blk) {
-          const float d = f16_to_f32(b[blk].d);
-          for (int j = 0; j < 32; ++j) o[blk * 32 + j] = f32_to_bf16(d * static_cast<float>(b[blk].qs[j]));
-        }
-      });
-      wb = dst;
-    } else if (is_block_quant(w.dtype())) {  // the other block types, through their dequantizer
+    if (is_block_quant(w.dtype())) {  // rows through their dequantizer, rounded to bf16
       if (w_bf16.size() < static_cast<size_t>(k.out * k.in)) w_bf16.resize(k.out * k.in);
       uint16_t* dst = w_bf16.data();
       const size_t row_bytes = nbytes_for(w.dtype(), k.in);
@@ -176,9 +164,7 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
       return;
     }
   }
-  if (is_block_quant(w.dtype()) && w.dtype() != DType::kQ8_0) {  // oneDNN declined the call
-    return matmul_dequantized(backend, w, x, n_tokens, y, bias);
-  }
+  if (dequantized) return matmul_dequantized(backend, w, x, n_tokens, y, bias);  // oneDNN declined
   // Small tasks for decode (spread the weight stream over the threads), larger ones for prefill
   // (a task's rows stay in L2 while every token passes).
   const int64_t rows_per_task = n_tokens <= 4 ? 16 : 64;

@@ -31,6 +31,15 @@ inline void prefetch_ahead(const uint8_t* block, int bytes) {
   for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + 2048 + off, _MM_HINT_T0);
 }
 
+// For the kernels whose 64 elements k (k = 0..3) are groups 2k and 2k + 1 of 32: permutexvar
+// indices giving int16 lanes 0-15 scale 2k and lanes 16-31 scale 2k + 1 of eight int16 scales.
+inline void group_pair_indices(__m512i pick[4]) {
+  for (int k = 0; k < 4; ++k) {
+    pick[k] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi16(static_cast<short>(2 * k))),
+                                 _mm256_set1_epi16(static_cast<short>(2 * k + 1)), 1);
+  }
+}
+
 }  // namespace
 
 void quantize_act(const float* x, int64_t n, BlockQ8Act* out) {
@@ -66,12 +75,8 @@ float dot_k4(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   const uint8_t* b = static_cast<const uint8_t*>(row);
   const __m256i one = _mm256_set1_epi8(1);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  // int16 lanes 0-15 take scale 2k, lanes 16-31 scale 2k + 1 (of eight int16 scales).
   __m512i pick[4];
-  for (int k = 0; k < 4; ++k) {
-    pick[k] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi16(static_cast<short>(2 * k))),
-                                 _mm256_set1_epi16(static_cast<short>(2 * k + 1)), 1);
-  }
+  group_pair_indices(pick);
   const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   __m512 acc = _mm512_setzero_ps();
   __m256 acc_min = _mm256_setzero_ps();
@@ -173,11 +178,8 @@ float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m512i levels = _mm512_broadcast_i32x4(
       _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-  __m512i pick[4];  // int16 lanes 0-15: scale 2k, 16-31: scale 2k + 1
-  for (int k = 0; k < 4; ++k) {
-    pick[k] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi16(static_cast<short>(2 * k))),
-                                 _mm256_set1_epi16(static_cast<short>(2 * k + 1)), 1);
-  }
+  __m512i pick[4];
+  group_pair_indices(pick);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n_blocks; ++i, b += 136, ++x) {
     prefetch_ahead(b, 136);
