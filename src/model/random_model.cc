@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 
 #include "combs/backend/cpu/cpu_ops.h"
@@ -163,6 +164,15 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
     });
   }
   return w.write(path);
+}
+
+Status write_random_model_once(const RandomModelOptions& options, const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) return ok_status();
+  COMBS_RETURN_IF_ERROR(write_random_model(options, path + ".tmp"));
+  std::filesystem::rename(path + ".tmp", path, ec);
+  if (ec) return internal_error("renaming " + path + ".tmp: " + ec.message());
+  return ok_status();
 }
 
 }  // namespace combs

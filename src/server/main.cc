@@ -102,14 +102,11 @@ int main(int argc, char** argv) {
           .warn();
     }
     path = dir + "/default-tiny" + (vocab.empty() ? "" : "-" + std::filesystem::path(vocab).stem().string()) + ".gguf";
-    if (!std::filesystem::exists(path)) {
-      RandomModelOptions o;
-      o.shape = std::move(named_shape("tiny")).value();
-      o.vocab_path = vocab;
-      if (Status s = write_random_model(o, path + ".tmp"); !s.ok()) {
-        return std::fprintf(stderr, "combs-server: %s\n", s.to_string().c_str()), 1;
-      }
-      std::filesystem::rename(path + ".tmp", path, ec);
+    RandomModelOptions o;
+    o.shape = std::move(named_shape("tiny")).value();
+    o.vocab_path = vocab;
+    if (Status s = write_random_model_once(o, path); !s.ok()) {
+      return std::fprintf(stderr, "combs-server: %s\n", s.to_string().c_str()), 1;
     }
   }
   auto model = Model::load(path);

@@ -37,4 +37,9 @@ struct RandomModelOptions {
 
 Status write_random_model(const RandomModelOptions& options, const std::string& path);
 
+// The same, written once: nothing when `path` exists, else written to path + ".tmp" and renamed,
+// so that an interrupted write leaves no partial file where a later run would reuse it (the
+// server's default model, the benchmarks' models).
+Status write_random_model_once(const RandomModelOptions& options, const std::string& path);
+
 }  // namespace combs

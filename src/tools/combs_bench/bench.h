@@ -36,8 +36,8 @@ inline constexpr const char* kVocabHelp =
 StatusOr<std::string> bench_vocab(const std::string& flag);
 
 // The random-weight model DIR/SHAPE-DTYPE-VOCAB.gguf (VOCAB: the vocabulary file's stem, or
-// "v259" for the built-in one), written there once (through a temporary file, so an interrupted
-// write leaves none) and reused by later runs and by the peer, which reads the same files.
+// "v259" for the built-in one), written there once (write_random_model_once) and reused by later
+// runs and by the peer, which reads the same files.
 StatusOr<std::string> bench_model(const std::string& dir, const std::string& shape, const std::string& dtype,
                                   const std::string& vocab_path);
 

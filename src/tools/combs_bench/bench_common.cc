@@ -68,11 +68,8 @@ StatusOr<std::string> bench_model(const std::string& dir, const std::string& sha
   const std::string stem = vocab_path.empty() ? "v259" : std::filesystem::path(vocab_path).stem().string();
   const std::string path = dir + "/" + shape + "-" + dtype + "-" + stem + ".gguf";
   std::error_code ec;
-  if (std::filesystem::exists(path, ec)) return path;
   std::filesystem::create_directories(dir, ec);
-  COMBS_RETURN_IF_ERROR(write_random_model(o, path + ".tmp"));
-  std::filesystem::rename(path + ".tmp", path, ec);
-  if (ec) return internal_error("renaming " + path + ".tmp: " + ec.message());
+  COMBS_RETURN_IF_ERROR(write_random_model_once(o, path));
   return path;
 }
 
