@@ -288,14 +288,18 @@ void dq_mxfp4(const void* src, float* y, int64_t nb) {
 }  // namespace
 
 const std::vector<QuantFormat>& quant_formats() {
+  // Geometry from dtype.h's constexpr tables, the one place it is written.
+  auto format = [](DType t, uint32_t ggml_type, std::string_view name, DequantizeFn fn) {
+    return QuantFormat{t, ggml_type, name, static_cast<int>(dtype_block_elems(t)), static_cast<int>(dtype_block_bytes(t)), fn};
+  };
   static const std::vector<QuantFormat> formats = {
-      {DType::kQ4_0, 2, "Q4_0", 32, 18, dq_q4_0},        {DType::kQ4_1, 3, "Q4_1", 32, 20, dq_q4_1},
-      {DType::kQ5_0, 6, "Q5_0", 32, 22, dq_q5_0},        {DType::kQ5_1, 7, "Q5_1", 32, 24, dq_q5_1},
-      {DType::kQ8_0, 8, "Q8_0", 32, 34, dq_q8_0},        {DType::kQ2_K, 10, "Q2_K", 256, 84, dq_q2_k},
-      {DType::kQ3_K, 11, "Q3_K", 256, 110, dq_q3_k},     {DType::kQ4_K, 12, "Q4_K", 256, 144, dq_q4_k},
-      {DType::kQ5_K, 13, "Q5_K", 256, 176, dq_q5_k},     {DType::kQ6_K, 14, "Q6_K", 256, 210, dq_q6_k},
-      {DType::kIQ4_NL, 20, "IQ4_NL", 32, 18, dq_iq4_nl}, {DType::kIQ4_XS, 23, "IQ4_XS", 256, 136, dq_iq4_xs},
-      {DType::kMXFP4, 39, "MXFP4", 32, 17, dq_mxfp4},
+      format(DType::kQ4_0, 2, "Q4_0", dq_q4_0),        format(DType::kQ4_1, 3, "Q4_1", dq_q4_1),
+      format(DType::kQ5_0, 6, "Q5_0", dq_q5_0),        format(DType::kQ5_1, 7, "Q5_1", dq_q5_1),
+      format(DType::kQ8_0, 8, "Q8_0", dq_q8_0),        format(DType::kQ2_K, 10, "Q2_K", dq_q2_k),
+      format(DType::kQ3_K, 11, "Q3_K", dq_q3_k),       format(DType::kQ4_K, 12, "Q4_K", dq_q4_k),
+      format(DType::kQ5_K, 13, "Q5_K", dq_q5_k),       format(DType::kQ6_K, 14, "Q6_K", dq_q6_k),
+      format(DType::kIQ4_NL, 20, "IQ4_NL", dq_iq4_nl), format(DType::kIQ4_XS, 23, "IQ4_XS", dq_iq4_xs),
+      format(DType::kMXFP4, 39, "MXFP4", dq_mxfp4),
   };
   return formats;
 }
