@@ -1,8 +1,11 @@
 #!/bin/bash
 # usage (on the GPU machine, through the device tool with carry [".gpu"]):
-#   bench/gpu/side_by_side.sh [ROUNDS] [SHAPES] [VARIANT]     e.g. bench/gpu/side_by_side.sh 2 llama-1b,llama-8b main
+#   bench/gpu/side_by_side.sh [ROUNDS] [SHAPES] [VARIANT] [TYPE]
+#   e.g. bench/gpu/side_by_side.sh 2 llama-1b,llama-8b main Q4_K_M
 # combs and the peer (llama.cpp, built there from node-llama-cpp's bundled source) on the same GGUF
-# files (random BF16 weights, Llama 3's 128,256-token vocabulary), in one run of one machine:
+# files (random BF16 weights, Llama 3's 128,256-token vocabulary; with TYPE, those files quantized
+# by the peer's llama-quantize to TYPE, e.g. Q4_K_M, its own per-tensor mix), in one run of one
+# machine (FIRST_ROUND=K in the environment resumes at round K on a warm machine):
 #   one session's decode   combs: 256 new after a 128-token prompt   llama-bench -p 0 -n 256 -d 128
 #   prefill of 2,048       combs: one 2,048-token prompt             llama-bench -p 2048 -n 0, fastest -ub
 #   64 sessions            combs: 64 x 1,024-token prompts, 128 new  llama-batched-bench -npp 1024 -ntg 128 -npl 64
@@ -14,7 +17,7 @@
 # packed into $OUT/side-by-side-raw.tar.gz at the end (the device tool brings back few files); the
 # table (medians over rounds; ratio = combs / peer) is printed last and kept as $OUT/table.md.
 set -u
-ROUNDS=${1:-2}; SHAPES=${2:-llama-1b,llama-8b}; V=${3:-main}
+ROUNDS=${1:-2}; SHAPES=${2:-llama-1b,llama-8b}; V=${3:-main}; TYPE=${4:-BF16}
 here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd)
 out=/tmp/side-by-side; mkdir -p "$out"
 export PEER_DIR=$repo/build/peer
@@ -38,12 +41,28 @@ echo "# models written after $(( $(date +%s) - t0 )) s: $(awk '{print $2}' "$out
 if [ -n "${build_pid:-}" ]; then wait "$build_pid"; tail -n 3 "$out/peer-build.log"; fi
 [ -x "$peer_bin/llama-batched-bench" ] || { echo "the peer did not build: $out/peer-build.log"; exit 1; }
 
+# The files measured, one label each: the BF16 models, or their TYPE quantizations.
+labels=""; rm -f "$out/files.txt.tmp"
+while read -r s m; do
+  if [ "$TYPE" != BF16 ]; then
+    q=$models/$s.$TYPE.gguf
+    if [ ! -s "$q" ]; then
+      "$peer_bin/llama-quantize" "$m" "$q.tmp" "$TYPE" 16 > "$out/quantize-$s.log" 2>&1 && mv "$q.tmp" "$q" ||
+        { echo "llama-quantize $s $TYPE failed: $(tail -n 3 "$out/quantize-$s.log")"; exit 1; }
+      echo "# $s quantized to $TYPE after $(( $(date +%s) - t0 )) s: $(du -h "$q" | cut -f1)"
+    fi
+    s=$s.$TYPE; m=$q
+  fi
+  echo "$s $m" >> "$out/files.txt.tmp"; labels=$labels${labels:+,}$s
+done < "$out/models.txt"
+mv "$out/files.txt.tmp" "$out/files.txt"
+
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > "$out/gpu.txt"
-for r in $(seq "$ROUNDS"); do
-  for s in ${SHAPES//,/ }; do
-    m=$(awk -v s="$s" '$1 == s { print $2 }' "$out/models.txt")
+for r in $(seq "${FIRST_ROUND:-1}" "$ROUNDS"); do
+  for s in ${labels//,/ }; do
+    m=$(awk -v s="$s" '$1 == s { print $2 }' "$out/files.txt")
     echo "# round $r $s: combs ($(( $(date +%s) - t0 )) s)"
-    "$combs" gpu --shapes "$s" --dir "$models" --vocab "$vocab" --reps 3 --sessions 64 --attention-contexts "" \
+    "$combs" gpu --models "$m" --vocab "$vocab" --reps 3 --sessions 64 --attention-contexts "" \
       > "$out/combs-$s-$r.md" 2>&1
     echo "# round $r $s: peer ($(( $(date +%s) - t0 )) s)"
     "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 256 -d 128 -r 3 -o json > "$out/peer-decode-$s-$r.json" 2> "$out/peer-decode-$s-$r.log"
@@ -54,7 +73,7 @@ for r in $(seq "$ROUNDS"); do
   done
 done
 echo "# done after $(( $(date +%s) - t0 )) s"
-python3 "$here/../peer/side_by_side.py" "$out" "$SHAPES" "$ROUNDS" | tee "$out/table.md"
+python3 "$here/../peer/side_by_side.py" "$out" "$labels" "$ROUNDS" | tee "$out/table.md"
 if [ -n "${OUT:-}" ]; then
   tar czf "$OUT/side-by-side-raw.tar.gz" -C "$out" . && cp "$out/table.md" "$OUT/table.md"
 fi

@@ -161,8 +161,10 @@ TEST_CASE("cuda errors come back as status", "[cuda]") {
   CHECK(cuda::matmul_split(*gpu, w16, nullptr, 1, all_rows).code() == StatusCode::kInvalidArgument);
   CHECK(cuda::matmul_rounded(*gpu, w16, nullptr, 1, nullptr).code() == StatusCode::kInvalidArgument);
   CHECK(cuda::matmul_gate_up_silu(*gpu, w16, nullptr, 1, nullptr, 1e-5f, nullptr).code() == StatusCode::kInvalidArgument);
-  Tensor q = gpu->alloc(Shape{8, 32}, DType::kQ8_0).value();
-  CHECK(cuda::matmul(*gpu, q, nullptr, 1, nullptr).code() == StatusCode::kUnimplemented);
+  // Block weights whose rows are not whole blocks (32 elements of Q4_K's 256): refused before a kernel runs.
+  Tensor q = gpu->alloc(Shape{8, 32}, DType::kQ4_K).value();
+  CHECK(cuda::matmul(*gpu, q, nullptr, 1, nullptr).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::matmul(*gpu, q, nullptr, 20, nullptr).code() == StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("cuda fused projections split outputs and fold swiglu into the down projection", "[cuda]") {

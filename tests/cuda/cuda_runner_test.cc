@@ -65,7 +65,9 @@ TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[
       next_g = {gpu_tokens.back()};
     }
     CHECK(gpu_tokens == cpu_tokens);
-    CHECK(worst < (dtype == DType::kF32 ? 1e-4 : 2e-2));
+    // Q8_0: the GPU rounds the activations to 8 bits (quant_matmul.h), the CPU multiplies them in
+    // f32: up to half a step of max|x| / 127 per element (measured 2.2e-2 on the H200).
+    CHECK(worst < (dtype == DType::kF32 ? 1e-4 : dtype == DType::kQ8_0 ? 5e-2 : 2e-2));
     CHECK(gpu_cache->seq_len() == 20 + 63);
   }
 }

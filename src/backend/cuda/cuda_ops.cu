@@ -8,7 +8,9 @@
 #include "combs/backend/cuda/cuda_ops.h"
 #include "cuda_check.h"
 #include "float_convert.h"
+#include "gemv_out.h"
 #include "pdl.h"
+#include "quant_matmul.h"
 
 namespace combs::cuda {
 
@@ -17,8 +19,6 @@ namespace {
 cudaStream_t stream_of(CudaBackend& b) { return static_cast<cudaStream_t>(b.stream()); }
 
 Status launched(const char* kernel) { return cuda_status(cudaGetLastError(), kernel); }
-
-__device__ inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 template <typename T>
 __global__ void convert_kernel(const float* __restrict__ x, T* __restrict__ y, int64_t n) {
@@ -124,19 +124,6 @@ __global__ void gather_rows_kernel(const float* __restrict__ src, const int32_t*
   float* d = dst + blockIdx.x * dim;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) d[i] = s[i];
 }
-
-// Up to three outputs of one small-batch matmul: rows [0, end[0]) go to y[0], [end[0], end[1])
-// to y[1], ... (a fused Q/K/V or gate/up projection). Gate/up pairs (PAIRS): one output of end[0]
-// rows, silu(gate) * up in the weights' dtype at y[0].
-struct GemvOut {
-  float* y[3];
-  const float* bias[3];
-  int64_t end[3];
-  int count;
-  bool accumulate;       // y += result (the residual stream) instead of y = result
-  const float* norm_w;   // when set: x is RMS-normalized with these weights as it is staged
-  float eps;
-};
 
 // The weights' 16-byte loads: read-only, and not kept in L1 (each is read once per step; measured
 // on the H200 against __ldg: llama-8b decode 232 vs 227-228 tok/s, llama-1b 1,145 vs 1,113-1,118).
@@ -423,6 +410,8 @@ void gemv(const Tensor& w, const void* x, const GemvOut& outs, int n, cudaStream
 }
 
 bool gemv_fits(const Tensor& w, int64_t n) {
+  // Block types: x is read from global memory as 8-bit values (quant_matmul.h), no staging limit.
+  if (is_block_quant(w.dtype())) return n <= kQuantGemvMaxRows && w.dim(1) % dtype_block_elems(w.dtype()) == 0;
   return n <= 8 && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16) &&
          static_cast<size_t>(n * w.dim(1)) * 2 <= kGemvMaxShared;
 }
@@ -451,14 +440,14 @@ __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t
 
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
-// Weights a GEMM takes: F32, F16 or BF16 (Q8_0 is converted at load).
+// Weights a GEMM takes directly: F32, F16 or BF16 (block types go through quant_gemm's tiles).
 cudaDataType_t cuda_dtype(const Tensor& w) {
   return w.dtype() == DType::kF32 ? CUDA_R_32F : w.dtype() == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
 }
 
 Status check_gemm_dtype(const Tensor& w) {
   if (w.dtype() == DType::kF32 || w.dtype() == DType::kF16 || w.dtype() == DType::kBF16) return ok_status();
-  return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " weights (convert Q8_0 to BF16 at load)");
+  return unimplemented_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " weights have no cuBLAS path");
 }
 
 // A projection's weight, for every entry point: 2-D, in device memory (op names the caller).
@@ -544,7 +533,81 @@ Status gemm_parts(CudaBackend& b, const Tensor& w, const void* xin, int64_t n, s
   return ok_status();
 }
 
+// Decode of block-quantized weights: x rounded to 8 bits once (RMS-normalized with norm_w first,
+// where set) into scratch slot 0, then one pass over the weights.
+Status quant_decode(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const GemvOut& outs, bool pairs) {
+  const int64_t in = w.dim(1);
+  if (!gemv_fits(w, n)) return invalid_argument_error("cuda matmul: " + w.shape().to_string() + " " + std::string(dtype_name(w.dtype())) + " weights for " + std::to_string(n) + " rows: not whole blocks, or more than 8 rows");
+  COMBS_ASSIGN_OR_RETURN(void* xq, b.scratch(activation_bytes(n, in)));
+  COMBS_RETURN_IF_ERROR(quantize_activations(stream_of(b), x, n, in, outs.norm_w, outs.eps, xq));
+  return quant_gemv(stream_of(b), w, xq, static_cast<int>(n), outs, pairs);
+}
+
+// Larger batches of block-quantized weights: x rounded to BF16 (scratch slot 0), each output's rows
+// dequantized to BF16 a tile at a time (kWeightTileSlot, at most kQuantTileBytes) and multiplied on
+// cuBLAS; the tiles are scratch, never a copy of the model.
+Status quant_gemm(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
+                  bool accumulate) {
+  const int64_t in = w.dim(1);
+  COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(n * in) * 2));
+  launch_pdl(convert_kernel<__nv_bfloat16>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x,
+             static_cast<__nv_bfloat16*>(xs), n * in);
+  COMBS_RETURN_IF_ERROR(launched("convert_kernel"));
+  int64_t largest = 0;
+  for (const MatmulOut& o : outs) largest = std::max(largest, o.rows);
+  const int64_t tile_rows = std::max<int64_t>(1, std::min<int64_t>(largest, static_cast<int64_t>(kQuantTileBytes) / (in * 2)));
+  COMBS_ASSIGN_OR_RETURN(void* tile, b.scratch(static_cast<size_t>(tile_rows * in) * 2, CudaBackend::kWeightTileSlot));
+  auto handle = static_cast<cublasHandle_t>(b.cublas());
+  const float one = 1.0f, zero = 0.0f;
+  int64_t begin = 0;
+  for (const MatmulOut& o : outs) {
+    for (int64_t r0 = 0; r0 < o.rows; r0 += tile_rows) {
+      const int64_t m = std::min(tile_rows, o.rows - r0);
+      COMBS_RETURN_IF_ERROR(dequantize_rows_bf16(stream_of(b), w, begin + r0, m, static_cast<__nv_bfloat16*>(tile)));
+      // Column-major view: y^T [rows, n] (this tile's m of them) = tile [in, m]^T . x^T [in, n].
+      COMBS_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n),
+                                                static_cast<int>(in), &one, tile, CUDA_R_16BF, static_cast<int>(in), xs,
+                                                CUDA_R_16BF, static_cast<int>(in), accumulate ? &one : &zero, o.y + r0,
+                                                CUDA_R_32F, static_cast<int>(o.rows), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    if (o.bias) {
+      add_bias_kernel<<<blocks(n * o.rows, 256), 256, 0, stream_of(b)>>>(o.y, o.bias, n, o.rows);
+      COMBS_RETURN_IF_ERROR(launched("add_bias_kernel"));
+    }
+    begin += o.rows;
+  }
+  return ok_status();
+}
+
+// A projection of block-quantized weights into outs, any n.
+Status quant_matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
+                    bool accumulate, const float* norm_weight, float eps) {
+  if (w.dim(1) % dtype_block_elems(w.dtype()) != 0) {  // checked before any kernel reads a row
+    return invalid_argument_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " rows of " +
+                                  std::to_string(w.dim(1)) + " elements are not whole blocks");
+  }
+  if (gemv_fits(w, n)) {
+    GemvOut g{};
+    int64_t end = 0;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      end += outs[i].rows;
+      g.y[i] = outs[i].y, g.bias[i] = outs[i].bias, g.end[i] = end;
+    }
+    g.count = static_cast<int>(outs.size());
+    g.accumulate = accumulate;
+    g.norm_w = norm_weight;
+    g.eps = eps;
+    return quant_decode(b, w, x, n, g, false);
+  }
+  if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
+  return quant_gemm(b, w, x, n, outs, accumulate);
+}
+
 }  // namespace
+
+DType input_dtype(const Tensor& w) {
+  return w.dtype() == DType::kF16 || w.dtype() == DType::kBF16 ? w.dtype() : DType::kF32;
+}
 
 bool decode_fused(const Tensor& w, int64_t n) { return gemv_fits(w, n); }
 
@@ -552,6 +615,10 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
   COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul"));
   const int64_t out = w.dim(0), in = w.dim(1);
   if (n == 0) return ok_status();
+  if (is_block_quant(w.dtype())) {
+    const MatmulOut o[] = {{y, out, bias}};
+    return quant_matmul(b, w, x, n, o, accumulate, nullptr, 0.0f);
+  }
   // Decode-sized batches of 16-bit weights: the bandwidth-bound kernel above (in: whole 16-byte
   // chunks; every model dimension is a multiple of 8).
   if (gemv_fits(w, n)) {
@@ -567,6 +634,7 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
                     const float* norm_weight, float eps) {
   COMBS_RETURN_IF_ERROR(check_split(w, outs));
   if (n == 0) return ok_status();
+  if (is_block_quant(w.dtype())) return quant_matmul(b, w, x, n, outs, false, norm_weight, eps);
   if (gemv_fits(w, n)) {
     GemvOut g{};
     int64_t end = 0;
@@ -588,6 +656,9 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
 
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs) {
   COMBS_RETURN_IF_ERROR(check_split(w, outs));
+  if (is_block_quant(w.dtype())) {
+    return n == 0 ? ok_status() : quant_matmul(b, w, static_cast<const float*>(x), n, outs, false, nullptr, 0.0f);
+  }
   COMBS_RETURN_IF_ERROR(check_gemm_dtype(w));
   return n == 0 ? ok_status() : gemm_parts(b, w, x, n, outs);
 }
@@ -602,15 +673,14 @@ Status matmul_gate_up_silu(CudaBackend& b, const Tensor& w, const float* x, int6
   if (n == 0) return ok_status();
   if (!gemv_fits(w, n)) return invalid_argument_error("cuda matmul_gate_up_silu: needs decode_fused(w, n)");
   GemvOut g{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false, norm_weight, eps};
+  if (is_block_quant(w.dtype())) return quant_decode(b, w, x, n, g, /*pairs=*/true);
   gemv</*XT=*/false, /*PAIRS=*/true>(w, x, g, static_cast<int>(n), stream_of(b));
   return launched("gemv_kernel");
 }
 
 Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, float* y, bool accumulate) {
   COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul"));
-  if (w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
-    return invalid_argument_error("cuda matmul_rounded: 16-bit weights only, not " + std::string(dtype_name(w.dtype())));
-  }
+  if (input_dtype(w) == DType::kF32) return matmul(b, w, static_cast<const float*>(x), n, y, nullptr, accumulate);
   if (n == 0) return ok_status();
   if (gemv_fits(w, n) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // staged by 16-byte copies
     GemvOut g{{y, nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0), 0, 0}, 1, accumulate, nullptr, 0.0f};
@@ -646,6 +716,9 @@ Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_
   }
   if (n == 0) return ok_status();
   const int64_t dim = table.dim(1);
+  if (is_block_quant(table.dtype())) {
+    return dequantize_rows_f32(stream_of(b), table, ids, n, out);
+  }
   switch (table.dtype()) {
     case DType::kF32:
       embedding_kernel<<<static_cast<unsigned>(n), 256, 0, stream_of(b)>>>(table.data_as<float>(), ids, out, dim);

@@ -870,7 +870,7 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
   const size_t manual_bytes = attend && impl == AttentionImpl::kManual ? static_cast<size_t>(tokens_ * n_q * max_ctx_) * 4 : 0;
   // Slot 2 of the scratch (this plan's alone): the partials or the reference's scores.
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
-  COMBS_ASSIGN_OR_RETURN(void* scratch, b_.scratch(align(part_o_bytes) + align(part_ml_bytes) + manual_bytes + 256, 2));
+  COMBS_ASSIGN_OR_RETURN(void* scratch, b_.scratch(align(part_o_bytes) + align(part_ml_bytes) + manual_bytes + 256, CudaBackend::kAttentionSlot));
   part_o_ = static_cast<float*>(scratch);
   part_ml_ = reinterpret_cast<float*>(reinterpret_cast<char*>(part_o_) + align(part_o_bytes));
   scores_ = reinterpret_cast<float*>(reinterpret_cast<char*>(part_ml_) + align(part_ml_bytes));
@@ -882,7 +882,7 @@ Status CudaAttentionPlan::upload_meta() {
   blob_.resize(sd_bytes + int_bytes);
   std::memcpy(blob_.data(), sd_.data(), sd_bytes);
   std::memcpy(blob_.data() + sd_bytes, ints_.data(), int_bytes);
-  COMBS_ASSIGN_OR_RETURN(void* meta, b_.upload(1, blob_.data(), blob_.size()));
+  COMBS_ASSIGN_OR_RETURN(void* meta, b_.upload(CudaBackend::kAttentionMetaSlot, blob_.data(), blob_.size()));
   M_.seqs = static_cast<const SeqDev*>(meta);
   M_.tok_seq = reinterpret_cast<const int32_t*>(static_cast<char*>(meta) + sd_bytes);
   d_tiles_ = M_.tok_seq + tokens_;

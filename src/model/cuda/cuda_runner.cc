@@ -8,6 +8,7 @@
 #include <functional>
 #include <string>
 #include <initializer_list>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -128,10 +129,19 @@ void pack_sampling(std::span<const RowSampling> rows, std::vector<char>* out) {
   }
 }
 
+// A projection's weights stacked by rows on the device: one tensor per run of parts of one dtype
+// (a Q4_K_M file's attn_v may be Q6_K beside Q4_K attn_q and attn_k), each covering whole outputs.
+struct WeightStack {
+  std::vector<Tensor> parts;
+  std::vector<size_t> outputs;  // how many of the projection's outputs each part covers
+  const Tensor& first() const { return parts.front(); }
+};
+
 struct CudaRunner::Impl {
   std::unique_ptr<CudaBackend> backend;
   struct Layer {
-    Tensor attn_norm, wqkv, bqkv, wo, ffn_norm, w_gate_up, w_down;  // Q/K/V and gate/up fused by rows
+    Tensor attn_norm, bqkv, wo, ffn_norm, w_down;
+    WeightStack wqkv, w_gate_up;  // Q/K/V and gate/up fused by rows
   };
   Tensor tok_embd, output_norm, output, inv_freq;
   std::vector<Layer> layers;
@@ -157,33 +167,77 @@ struct CudaRunner::Impl {
 
 namespace {
 
-// Host weights stacked by rows into one device tensor (all parts or none defined; one part: a
-// plain device copy). The first part's dtype is kept (a block type becomes BF16: the CUDA kernels
-// for the block types are still to come); a part of another dtype
-// is converted on the host; the others are copied to their rows directly.
-StatusOr<Tensor> upload(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
-  const Tensor& first = **parts.begin();
+// Host tensors of one dtype stacked by rows into one device tensor, copied as they are (block
+// types stay in their blocks: no dequantized copy; all parts or none defined).
+StatusOr<Tensor> upload(CudaBackend& b, std::span<const Tensor* const> parts) {
+  const Tensor& first = *parts.front();
   if (!first.defined()) return Tensor();
-  const DType dt = is_block_quant(first.dtype()) ? DType::kBF16 : first.dtype();
   int64_t rows = 0;
-  for (const Tensor* t : parts) rows += t->dim(0);
+  for (const Tensor* t : parts) {
+    if (t->dtype() != first.dtype()) return internal_error("cuda upload: parts of one stack differ in dtype");
+    rows += t->dim(0);
+  }
   const Shape shape = first.rank() == 2 ? Shape{rows, first.dim(1)} : Shape{rows};
-  COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc(shape, dt));
+  COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc(shape, first.dtype()));
   int64_t row = 0;
   for (const Tensor* t : parts) {
-    const Tensor dst = d.rows(row, row + t->dim(0));
-    if (t->dtype() == dt) {
-      COMBS_RETURN_IF_ERROR(b.copy(*t, dst));
-    } else {
-      std::vector<float> f(static_cast<size_t>(t->numel()));
-      cpu::dequantize_row(t->data(), t->dtype(), f.data(), t->numel());
-      std::vector<uint8_t> host(nbytes_for(dt, t->numel()));
-      cpu::quantize_row(f.data(), dt, host.data(), t->numel());
-      COMBS_RETURN_IF_ERROR(b.copy(Tensor::wrap(host.data(), t->shape(), dt), dst));
-    }
+    COMBS_RETURN_IF_ERROR(b.copy(*t, d.rows(row, row + t->dim(0))));
     row += t->dim(0);
   }
   return d;
+}
+StatusOr<Tensor> upload(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
+  return upload(b, std::span<const Tensor* const>(parts.begin(), parts.size()));
+}
+
+// A projection's parts (in output order) as a WeightStack: consecutive parts of one dtype share a
+// device tensor.
+StatusOr<WeightStack> upload_stack(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
+  WeightStack s;
+  std::vector<const Tensor*> run;
+  auto flush = [&]() -> Status {
+    if (run.empty()) return ok_status();
+    COMBS_ASSIGN_OR_RETURN(Tensor t, upload(b, run));
+    s.parts.push_back(std::move(t));
+    s.outputs.push_back(run.size());
+    run.clear();
+    return ok_status();
+  };
+  for (const Tensor* t : parts) {
+    if (!run.empty() && run.front()->dtype() != t->dtype()) COMBS_RETURN_IF_ERROR(flush());
+    run.push_back(t);
+  }
+  COMBS_RETURN_IF_ERROR(flush());
+  return s;
+}
+
+bool decode_fused(const WeightStack& w, int64_t n) {
+  for (const Tensor& p : w.parts)
+    if (!cuda::decode_fused(p, n)) return false;
+  return true;
+}
+
+// The dtype x takes for every part of w (cuda::input_dtype), or F32 where the parts differ (each
+// then rounds x itself, from f32).
+DType input_dtype(const WeightStack& w) {
+  const DType dt = cuda::input_dtype(w.first());
+  for (const Tensor& p : w.parts)
+    if (cuda::input_dtype(p) != dt) return DType::kF32;
+  return dt;
+}
+
+// cuda::matmul_split over each part of w with its outputs (rounded: x is in input_dtype(w)).
+Status matmul_split(CudaBackend& b, const WeightStack& w, const void* x, int64_t n, std::span<const cuda::MatmulOut> outs,
+                    bool rounded, const float* norm_weight = nullptr, float eps = 0.0f) {
+  size_t at = 0;
+  for (size_t i = 0; i < w.parts.size(); ++i) {
+    const auto part_outs = outs.subspan(at, w.outputs[i]);
+    at += w.outputs[i];
+    COMBS_RETURN_IF_ERROR(rounded ? cuda::matmul_split_rounded(b, w.parts[i], x, n, part_outs)
+                                  : cuda::matmul_split(b, w.parts[i], static_cast<const float*>(x), n, part_outs,
+                                                       norm_weight, eps));
+  }
+  return ok_status();
 }
 
 }  // namespace
@@ -209,11 +263,11 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
   for (const LayerWeights& w : model.layers) {
     Impl::Layer l;
     COMBS_ASSIGN_OR_RETURN(l.attn_norm, upload(b, {&w.attn_norm}));
-    COMBS_ASSIGN_OR_RETURN(l.wqkv, upload(b, {&w.wq, &w.wk, &w.wv}));
+    COMBS_ASSIGN_OR_RETURN(l.wqkv, upload_stack(b, {&w.wq, &w.wk, &w.wv}));
     COMBS_ASSIGN_OR_RETURN(l.bqkv, upload(b, {&w.bq, &w.bk, &w.bv}));
     COMBS_ASSIGN_OR_RETURN(l.wo, upload(b, {&w.wo}));
     COMBS_ASSIGN_OR_RETURN(l.ffn_norm, upload(b, {&w.ffn_norm}));
-    COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload(b, {&w.w_gate, &w.w_up}));
+    COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload_stack(b, {&w.w_gate, &w.w_up}));
     COMBS_ASSIGN_OR_RETURN(l.w_down, upload(b, {&w.w_down}));
     impl->layers.push_back(std::move(l));
   }
@@ -309,7 +363,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   const cuda::SampleAdjustDev* d_sample_adjust = nullptr;
   if (sampling) {
     pack_sampling(options.sampling, &I.sampling);
-    auto dev = b.upload(3, I.sampling.data(), I.sampling.size());
+    auto dev = b.upload(CudaBackend::kSamplingSlot, I.sampling.data(), I.sampling.size());
     if (!dev.ok()) return fail(dev.status());
     d_sample_params = static_cast<const cuda::SampleParamsDev*>(*dev);
     d_sample_adjust = reinterpret_cast<const cuda::SampleAdjustDev*>(d_sample_params + n_out);
@@ -335,19 +389,25 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     auto bias = [](const Tensor& t) { return t.defined() ? t.data_as<float>() : nullptr; };
     COMBS_RETURN_IF_ERROR(cuda::embedding(b, I.tok_embd, d_tokens, total, x));
-    // Decode-sized steps with 16-bit weights fold the norms into the projections' input and the
-    // residual adds into their output (x += W a): no separate norm or add kernels.
-    const bool fused = cuda::decode_fused(I.layers[0].wqkv, total) && cuda::decode_fused(I.layers[0].w_gate_up, total) &&
-                       cuda::decode_fused(I.layers[0].wo, total) && cuda::decode_fused(I.layers[0].w_down, total);
+    // Decode-sized steps fold the norms into the projections' input and the residual adds into
+    // their output (x += W a): no separate norm or add kernels. (Every layer's projections: a
+    // mixed file's layers differ in their types.) The gate/up pair must be one tensor whose
+    // output the down projection takes as it is.
+    bool fused = true;
+    for (const Impl::Layer& w : I.layers) {
+      fused = fused && decode_fused(w.wqkv, total) && decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 &&
+              cuda::decode_fused(w.wo, total) && cuda::decode_fused(w.w_down, total) &&
+              cuda::input_dtype(w.w_gate_up.first()) == cuda::input_dtype(w.w_down);
+    }
     // Otherwise: add delta (if any) to the residual and normalize it with norm_w, then project the
     // norm by wt into outs. The norm's output is rounded for the projection's GEMM (in h, which
     // has room for it) or, where this projection alone takes the decode kernel, stays f32 for it.
-    auto norm_then_split = [&](const float* add, const Tensor& norm_w, const Tensor& wt,
+    auto norm_then_split = [&](const float* add, const Tensor& norm_w, const WeightStack& wt,
                                std::span<const cuda::MatmulOut> outs) -> Status {
-      const bool gemv = cuda::decode_fused(wt, total);
-      COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, add, norm_w.data_as<float>(), h, gemv ? DType::kF32 : wt.dtype(),
-                                               total, e, c.rms_eps));
-      return gemv ? cuda::matmul_split(b, wt, h, total, outs) : cuda::matmul_split_rounded(b, wt, h, total, outs);
+      const bool gemv = decode_fused(wt, total);
+      const DType dt = gemv ? DType::kF32 : input_dtype(wt);
+      COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, add, norm_w.data_as<float>(), h, dt, total, e, c.rms_eps));
+      return matmul_split(b, wt, h, total, outs, /*rounded=*/dt != DType::kF32);
     };
     for (int l = 0; l < c.n_layers; ++l) {
       const Impl::Layer& w = I.layers[static_cast<size_t>(l)];
@@ -356,7 +416,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
                                      {v, nkv * hd, bqkv ? bqkv + (nq + nkv) * hd : nullptr}};
       const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
       if (fused) {
-        COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, w.wqkv, x, total, qkv, w.attn_norm.data_as<float>(), c.rms_eps));
+        COMBS_RETURN_IF_ERROR(matmul_split(b, w.wqkv, x, total, qkv, false, w.attn_norm.data_as<float>(), c.rms_eps));
       } else {
         // The previous layer's MLP output joins the residual here, fused with this layer's norm.
         COMBS_RETURN_IF_ERROR(norm_then_split(l == 0 ? nullptr : delta, w.attn_norm, w.wqkv, qkv));
@@ -365,7 +425,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       if (fused) {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));
         // silu(gate) * up in the weights' dtype, over the gate buffer (half its bytes).
-        COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up_silu(b, w.w_gate_up, x, total, w.ffn_norm.data_as<float>(), c.rms_eps, I.gate.data()));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up_silu(b, w.w_gate_up.first(), x, total, w.ffn_norm.data_as<float>(), c.rms_eps, I.gate.data()));
         COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, x, /*accumulate=*/true));
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta));

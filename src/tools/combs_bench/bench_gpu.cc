@@ -161,11 +161,13 @@ StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, i
 int run_gpu(int argc, char** argv) {
   tools::Flags flags("combs-bench gpu", {{"shapes", "llama-1b"}, {"dir", "/tmp/combs-bench-models"}, {"reps", "3"},
                                          {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"},
-                                         {"only", ""}, {"vocab", tools::default_vocab()}});
-  flags.describe({{"vocab", kVocabHelp}});
+                                         {"only", ""}, {"vocab", tools::default_vocab()}, {"models", ""}, {"dtypes", "bf16"}});
+  flags.describe({{"vocab", kVocabHelp},
+                  {"dtypes", "weight types of the random models of --shapes (bf16, f16, q8_0; llama-quantize's files: --models)"},
+                  {"models", "GGUF files to measure instead of --shapes (e.g. llama-quantize's); a row is labelled by the file's name"}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
-    flags.print_usage("[--shapes llama-1b,llama-8b] [--dir DIR] [--reps N] [--sessions N] [--only decode|prefill|sessions|attention|models] [--vocab PATH|none]");
+    flags.print_usage("[--shapes llama-1b,llama-8b | --models FILE,...] [--dir DIR] [--reps N] [--sessions N] [--only decode|prefill|sessions|attention|models] [--vocab PATH|none]");
     return 0;
   }
   long long reps, sessions;
@@ -209,10 +211,24 @@ int run_gpu(int argc, char** argv) {
                 "\n|---|---|---|---|---|---|---|---|---|\n",
                 sessions);
   }
-  for (const std::string& shape : only == "attention" ? std::vector<std::string>() : split_list(flags.str("shapes"))) {
-    auto path = bench_model(flags.str("dir"), shape, "bf16", *vocab);
-    if (!path.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", path.status().message().c_str()), 2;
-    auto model = Model::load(*path);
+  // (label, file): --models as they are, else a random BF16 model of each shape.
+  std::vector<std::pair<std::string, std::string>> measured;
+  for (const std::string& file : split_list(flags.str("models"))) {
+    std::string label = file.substr(file.find_last_of('/') + 1);
+    if (label.size() > 5 && label.ends_with(".gguf")) label.resize(label.size() - 5);
+    measured.emplace_back(label, file);
+  }
+  if (measured.empty() && only != "attention") {
+    for (const std::string& shape : split_list(flags.str("shapes"))) {
+      for (const std::string& dtype : split_list(flags.str("dtypes"))) {
+        auto path = bench_model(flags.str("dir"), shape, dtype, *vocab);
+        if (!path.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", path.status().message().c_str()), 2;
+        measured.emplace_back(dtype == "bf16" ? shape : shape + "-" + dtype, *path);
+      }
+    }
+  }
+  for (const auto& [shape, file] : measured) {
+    auto model = Model::load(file);
     if (!model.ok()) return std::fprintf(stderr, "%s\n", model.status().to_string().c_str()), 1;
     // --only decode / sessions also times the device's part of a step (two events per forward).
     auto runner = CudaRunner::create(**model, {.time_device = !only.empty() && only != "prefill"});

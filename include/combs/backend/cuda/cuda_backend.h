@@ -37,11 +37,16 @@ class CudaBackend final : public Backend {
 
   void* stream() const;         // cudaStream_t
   void* cublas() const;         // cublasHandle_t
-  // Device scratch of at least `bytes`, reused between calls on the stream (grows, never shrinks).
-  // Slot 0: the ops' transient buffers; slot 1: attention metadata (see upload()); slot 2:
-  // attention partial results; slot 3: sampling parameters. Growing waits for the stream (the old
-  // buffer may be in use), so it fails while the stream is being captured into a CUDA graph.
-  static constexpr int kScratchSlots = 4;
+  // Device scratch of at least `bytes`, reused between calls on the stream (grows, never shrinks),
+  // one buffer per user that may hold its data across the others' calls (the slots below). Growing
+  // waits for the stream (the old buffer may be in use), so it fails while the stream is being
+  // captured into a CUDA graph.
+  static constexpr int kOpsSlot = 0;            // the ops' transient buffers (x rounded for a GEMM, ...)
+  static constexpr int kAttentionMetaSlot = 1;  // a step's attention metadata, valid for all its layers (upload())
+  static constexpr int kAttentionSlot = 2;      // attention partial results
+  static constexpr int kSamplingSlot = 3;       // sampling parameters (upload())
+  static constexpr int kWeightTileSlot = 4;     // block-quantized weights dequantized for a GEMM, a tile at a time
+  static constexpr int kScratchSlots = 5;
   StatusOr<void*> scratch(size_t bytes, int slot = 0);
   // Bumped whenever a scratch buffer moves: launches captured before hold stale pointers.
   uint64_t scratch_generation() const;

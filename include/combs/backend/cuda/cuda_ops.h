@@ -1,6 +1,7 @@
 // Device ops of the CUDA backend, on device pointers, queued on the backend's stream (they
 // return when queued; errors of the launch come back at once, errors of the kernel at the next
-// synchronize()). Activations are f32; weights keep their dtype (F32, F16, BF16).
+// synchronize()). Activations are f32; weights keep their dtype (F32, F16, BF16, or any block type
+// of combs/backend/quant.h, kept in its blocks: see src/backend/cuda/quant_matmul.h).
 #pragma once
 
 #include <cstdint>
@@ -11,9 +12,11 @@
 
 namespace combs::cuda {
 
-// y[t, :] = x[t, :] @ w^T (+ bias): w [out, in] on the device (F32, F16 or BF16), x [n, in] f32,
-// y [n, out] f32. F16/BF16 weights: x rounded to the weight's dtype, f32 accumulation; n <= 8
-// (decode) a bandwidth-bound kernel, larger n cuBLAS on tensor cores. F32 weights: cuBLAS SGEMM.
+// y[t, :] = x[t, :] @ w^T (+ bias): w [out, in] on the device, x [n, in] f32, y [n, out] f32.
+// F16/BF16 weights: x rounded to the weight's dtype, f32 accumulation; n <= 8 (decode) a
+// bandwidth-bound kernel, larger n cuBLAS on tensor cores. F32 weights: cuBLAS SGEMM. Block types:
+// n <= 8 x rounded to 8 bits and int8 dot products over the blocks, larger n the blocks
+// dequantized to BF16 a tile at a time for cuBLAS.
 // accumulate: y += the product (a residual add folded into the projection).
 Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float* y, const float* bias = nullptr,
               bool accumulate = false);
@@ -35,18 +38,23 @@ struct MatmulOut {
 Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
                     const float* norm_weight = nullptr, float eps = 0.0f);
 
-// matmul_split of x [n, in] already in w's dtype (add_rms_norm's y_dtype output), on cuBLAS for
-// any n.
+// matmul_split of x [n, in] already in input_dtype(w) (add_rms_norm's y_dtype output), on cuBLAS
+// for any n (block types: as matmul).
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs);
 
 // The MLP's first half for decode (only where decode_fused(w, n)): w [2 ff, in] holds the gate rows,
 // then the up rows; h [n, ff] = silu(norm(x) gate^T) * (norm(x) up^T) in w's dtype (the down
-// projection's input, for matmul_rounded), one pass over the weights. norm_weight as matmul_split's.
+// projection's input, for matmul_rounded; f32 for block types), one pass over the weights.
+// norm_weight as matmul_split's.
 Status matmul_gate_up_silu(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
                            float eps, void* h);
 
-// y (+)= x @ w^T for x [n, in] already in w's dtype (16-bit weights only): matmul_gate_up_silu's
-// output, or add_rms_norm's y_dtype output.
+// The dtype x takes for matmul_rounded / matmul_split_rounded / matmul_gate_up_silu's output: w's
+// own for F16/BF16, f32 for F32 and the block types.
+DType input_dtype(const Tensor& w);
+
+// y (+)= x @ w^T for x [n, in] already in input_dtype(w): matmul_gate_up_silu's output, or
+// add_rms_norm's y_dtype output.
 Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, float* y, bool accumulate = false);
 
 // y = (silu(gate) * up) @ w^T, the MLP's down projection: the product formed first, rounded to w's
@@ -54,7 +62,8 @@ Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n,
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
                      bool accumulate = false);
 
-// out[i, :] = table[ids[i], :] as f32; table [n_rows, dim] on the device (F32, F16, BF16).
+// out[i, :] = table[ids[i], :] as f32; table [n_rows, dim] on the device (any weight dtype; block
+// rows dequantized exactly as the CPU does).
 // Ids outside [0, n_rows) are the caller's to exclude (the runner validates them).
 Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_t n, float* out);
 

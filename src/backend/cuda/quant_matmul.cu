@@ -1,0 +1,495 @@
+// Block-quantized weights on the GPU (see quant_matmul.h). Every format is read 32 weights (a
+// "unit") at a time: decode<T> widens one unit of a block into 32 integer levels (int8, four to an
+// int) with one scale and one offset per 16, value = d * q - m, d and m formed as quant.cc forms
+// them (so dequantize_rows_* equal the CPU's values bit for bit: no FMA contraction, __fmul_rn).
+// The block layouts are described beside each dequantizer in src/backend/quant.cc.
+#include "quant_matmul.h"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include "combs/backend/dtype.h"
+#include "cuda_check.h"
+#include "pdl.h"
+
+namespace combs::cuda {
+namespace {
+
+struct Unit {
+  uint32_t q[8];     // levels of elements 4k .. 4k + 3 in q[k] (int8 each)
+  float d[2], m[2];  // element e: d[e / 16] * q - m[e / 16]
+};
+
+// Loads through the read-only path; p's alignment is named (a block's fields are 1, 2, 4 or 16
+// byte aligned by the format's block size).
+__device__ __forceinline__ float f16_at(const uint8_t* p) {
+  return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+}
+__device__ __forceinline__ uint32_t u32_a1(const uint8_t* p) {
+  return uint32_t{__ldg(p)} | uint32_t{__ldg(p + 1)} << 8 | uint32_t{__ldg(p + 2)} << 16 | uint32_t{__ldg(p + 3)} << 24;
+}
+__device__ __forceinline__ uint32_t u32_a2(const uint8_t* p) {
+  const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+  return uint32_t{__ldg(h)} | uint32_t{__ldg(h + 1)} << 16;
+}
+__device__ __forceinline__ uint32_t u32_a4(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+// Eight consecutive uint32 at a 16-byte aligned p.
+__device__ __forceinline__ void u32x8_a16(const uint8_t* p, uint32_t v[8]) {
+  const uint4 a = __ldg(reinterpret_cast<const uint4*>(p)), b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// Bits 0..3 of b to bit 4 of bytes 0..3 (the fifth bits of Q5_0/Q5_1).
+__device__ __forceinline__ uint32_t spread4(uint32_t b) {
+  return (b & 1) << 4 | (b & 2) << 11 | (b & 4) << 18 | (b & 8) << 25;
+}
+
+// A 16-entry int8 table as four little-endian words.
+struct Levels {
+  uint32_t t[4];
+};
+constexpr Levels pack_levels(const int8_t (&v)[16]) {
+  Levels l{};
+  for (int i = 0; i < 16; ++i) l.t[i / 4] |= uint32_t{static_cast<uint8_t>(v[i])} << (8 * (i % 4));
+  return l;
+}
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr Levels kIQ4 = pack_levels(kIQ4Values), kFP4 = pack_levels(kFP4Values);
+
+// Four indices (bytes of v, each < 16) to their levels (IQ4's, or FP4's): two byte permutes
+// (entries 0-7, 8-15), picked per byte by the index's bit 3.
+template <bool kFP4Table>
+__device__ __forceinline__ uint32_t lookup4(uint32_t v) {
+  constexpr Levels l = kFP4Table ? kFP4 : kIQ4;
+  constexpr uint32_t t0 = l.t[0], t1 = l.t[1], t2 = l.t[2], t3 = l.t[3];
+  const uint32_t sel = (v & 0xF) | ((v >> 4) & 0xF0) | ((v >> 8) & 0xF00) | ((v >> 12) & 0xF000);
+  const uint32_t lo = __byte_perm(t0, t1, sel & 0x7777), hi = __byte_perm(t2, t3, sel & 0x7777);
+  const uint32_t high = ((v & 0x08080808) >> 3) * 0xFF;
+  return (hi & high) | (lo & ~high);
+}
+
+constexpr uint32_t kLow4 = 0x0F0F0F0F;
+
+// Unit u (0 .. block elements / 32) of the block at b.
+template <DType T>
+__device__ __forceinline__ Unit decode(const uint8_t* b, int u) {
+  Unit U;
+  U.m[0] = U.m[1] = 0.0f;
+  if constexpr (T == DType::kQ4_0 || T == DType::kIQ4_NL) {  // f16 d, 16 bytes of nibbles
+    U.d[0] = U.d[1] = f16_at(b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t v = u32_a2(b + 2 + 4 * k);
+      if constexpr (T == DType::kQ4_0) {
+        U.q[k] = __vsub4(v & kLow4, 0x08080808), U.q[k + 4] = __vsub4((v >> 4) & kLow4, 0x08080808);
+      } else {
+        U.q[k] = lookup4<false>(v & kLow4), U.q[k + 4] = lookup4<false>((v >> 4) & kLow4);
+      }
+    }
+  } else if constexpr (T == DType::kQ4_1) {  // f16 d, f16 m, nibbles; value q d + m
+    U.d[0] = U.d[1] = f16_at(b);
+    U.m[0] = U.m[1] = -f16_at(b + 2);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t v = u32_a4(b + 4 + 4 * k);
+      U.q[k] = v & kLow4, U.q[k + 4] = (v >> 4) & kLow4;
+    }
+  } else if constexpr (T == DType::kQ5_0 || T == DType::kQ5_1) {  // d (, m), fifth bits, nibbles
+    constexpr int kHeader = T == DType::kQ5_1 ? 4 : 2;
+    U.d[0] = U.d[1] = f16_at(b);
+    if constexpr (T == DType::kQ5_1) U.m[0] = U.m[1] = -f16_at(b + 2);
+    const uint32_t qh = T == DType::kQ5_1 ? u32_a4(b + kHeader) : u32_a2(b + kHeader);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t v = T == DType::kQ5_1 ? u32_a4(b + kHeader + 4 + 4 * k) : u32_a2(b + kHeader + 4 + 4 * k);
+      const uint32_t lo = (v & kLow4) | spread4(qh >> (4 * k)), hi = ((v >> 4) & kLow4) | spread4(qh >> (16 + 4 * k));
+      if constexpr (T == DType::kQ5_0) {
+        U.q[k] = __vsub4(lo, 0x10101010), U.q[k + 4] = __vsub4(hi, 0x10101010);
+      } else {
+        U.q[k] = lo, U.q[k + 4] = hi;
+      }
+    }
+  } else if constexpr (T == DType::kQ8_0) {  // f16 d, 32 int8
+    U.d[0] = U.d[1] = f16_at(b);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) U.q[k] = u32_a2(b + 2 + 4 * k);
+  } else if constexpr (T == DType::kMXFP4) {  // E8M0 exponent, nibbles of FP4 levels
+    const uint32_t e = __ldg(b);
+    U.d[0] = U.d[1] = __uint_as_float(e < 2 ? uint32_t{0x00200000} << e : (e - 1) << 23);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t v = u32_a1(b + 1 + 4 * k);
+      U.q[k] = lookup4<true>(v & kLow4), U.q[k + 4] = lookup4<true>((v >> 4) & kLow4);
+    }
+  } else if constexpr (T == DType::kQ2_K) {  // 16 scale|min bytes, 64 bytes of 2-bit quants, d, dmin
+    const int half = u >> 2, shift = 2 * (u & 3);
+    const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t sc = __ldg(b + 2 * u + h);
+      U.d[h] = __fmul_rn(d, static_cast<float>(sc & 0xF));
+      U.m[h] = __fmul_rn(dmin, static_cast<float>(sc >> 4));
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) U.q[k] = (u32_a4(b + 16 + 32 * half + 4 * k) >> shift) & 0x03030303;
+  } else if constexpr (T == DType::kQ3_K) {  // hmask 32, quants 64, scales 12, d
+    const int half = u >> 2, shift = 2 * (u & 3);
+    const uint8_t* p = b + 96;
+    const float d = f16_at(b + 108);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int s = 2 * u + h;
+      const int low = s < 8 ? __ldg(p + s) & 0xF : __ldg(p + s - 8) >> 4;
+      const int top = (__ldg(p + 8 + s % 4) >> (2 * (s / 4))) & 3;
+      U.d[h] = __fmul_rn(d, static_cast<float>((low | top << 4) - 32));
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t q = (u32_a2(b + 32 + 32 * half + 4 * k) >> shift) & 0x03030303;
+      const uint32_t clear = ~(u32_a2(b + 4 * k) >> u) & 0x01010101;  // hmask bit u clear: minus 4
+      U.q[k] = __vsub4(q, clear << 2);
+    }
+  } else if constexpr (T == DType::kQ4_K || T == DType::kQ5_K) {  // d, dmin, 12 scale bytes, (qh,) nibbles
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t* sp = b + 4;
+    int sc, mn;
+    if (u < 4) {
+      sc = __ldg(sp + u) & 63, mn = __ldg(sp + u + 4) & 63;
+    } else {
+      sc = (__ldg(sp + u + 4) & 0xF) | (__ldg(sp + u - 4) >> 6) << 4;
+      mn = (__ldg(sp + u + 4) >> 4) | (__ldg(sp + u) >> 6) << 4;
+    }
+    U.d[0] = U.d[1] = __fmul_rn(d, static_cast<float>(sc));
+    U.m[0] = U.m[1] = __fmul_rn(dmin, static_cast<float>(mn));
+    constexpr int kQs = T == DType::kQ5_K ? 48 : 16;
+    uint32_t v[8];
+    u32x8_a16(b + kQs + 32 * (u >> 1), v);
+    const int shift = 4 * (u & 1);
+    if constexpr (T == DType::kQ5_K) {
+      uint32_t qh[8];
+      u32x8_a16(b + 16, qh);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) U.q[k] = ((v[k] >> shift) & kLow4) | ((qh[k] >> u) & 0x01010101) << 4;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) U.q[k] = (v[k] >> shift) & kLow4;
+    }
+  } else if constexpr (T == DType::kQ6_K) {  // ql 128, qh 64, int8 scales 16, d
+    const int half = u >> 2, s = u & 3;
+    const float d = f16_at(b + 208);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      U.d[h] = __fmul_rn(d, static_cast<float>(static_cast<int8_t>(__ldg(b + 192 + 8 * half + 2 * s + h))));
+    }
+    const uint8_t* ql = b + 64 * half + 32 * (s & 1);
+    const uint8_t* qh = b + 128 + 32 * half;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t lo = (u32_a2(ql + 4 * k) >> (4 * (s >> 1))) & kLow4;
+      const uint32_t hi = (u32_a2(qh + 4 * k) >> (2 * s)) & 0x03030303;
+      U.q[k] = __vsub4(lo | hi << 4, 0x20202020);
+    }
+  } else if constexpr (T == DType::kIQ4_XS) {  // d, scales_h u16, scales_l 4, nibbles 128
+    const float d = f16_at(b);
+    const uint32_t sh = __ldg(reinterpret_cast<const unsigned short*>(b + 2));
+    const int ls = ((__ldg(b + 4 + u / 2) >> (4 * (u & 1))) & 0xF) | ((sh >> (2 * u)) & 3) << 4;
+    U.d[0] = U.d[1] = __fmul_rn(d, static_cast<float>(ls - 32));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t v = u32_a4(b + 8 + 16 * u + 4 * k);
+      U.q[k] = lookup4<false>(v & kLow4), U.q[k + 4] = lookup4<false>((v >> 4) & kLow4);
+    }
+  }
+  return U;
+}
+
+// The formats whose values carry an offset (m != 0): their dot products need the sums of x.
+template <DType T>
+constexpr bool kHasOffset = T == DType::kQ4_1 || T == DType::kQ5_1 || T == DType::kQ2_K || T == DType::kQ4_K || T == DType::kQ5_K;
+
+// sum over the unit of (d q - m) * xq, for xq the unit's 32 int8 activations (xv).
+template <DType T>
+__device__ __forceinline__ float unit_dot(const Unit& U, const int (&xv)[8]) {
+  int s0 = 0, s1 = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    s0 = __dp4a(static_cast<int>(U.q[k]), xv[k], s0);
+    s1 = __dp4a(static_cast<int>(U.q[k + 4]), xv[k + 4], s1);
+  }
+  float r = U.d[0] * static_cast<float>(s0) + U.d[1] * static_cast<float>(s1);
+  if constexpr (kHasOffset<T>) {
+    int a0 = 0, a1 = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) a0 = __dp4a(xv[k], 0x01010101, a0), a1 = __dp4a(xv[k + 4], 0x01010101, a1);
+    r -= U.m[0] * static_cast<float>(a0) + U.m[1] * static_cast<float>(a1);
+  }
+  return r;
+}
+
+// Element e of a unit, as quant.cc computes it.
+__device__ __forceinline__ float unit_value(const Unit& U, int e) {
+  const int q = static_cast<int8_t>(U.q[e / 4] >> (8 * (e % 4)));
+  return __fsub_rn(__fmul_rn(U.d[e / 16], static_cast<float>(q)), U.m[e / 16]);
+}
+
+template <DType T>
+constexpr int kUnits = static_cast<int>(dtype_block_elems(T) / 32);  // units per block
+template <DType T>
+constexpr int kBlockBytes = static_cast<int>(dtype_block_bytes(T));
+
+template <DType T>
+__device__ __forceinline__ const uint8_t* unit_block(const uint8_t* row, int64_t gu) {
+  return row + (gu / kUnits<T>) * kBlockBytes<T>;
+}
+
+// x rows to 8 bits (quant_matmul.h): one block per row; each warp takes 256 elements at a time,
+// eight per lane; a group's max over 4 lanes (32) or the warp (256). The rounding is the CPU's
+// (quantize_act in quant_dot_avx512vnni.cc): d = max / 127, q = nearest(x * (127 / max)).
+__global__ void quantize_act_kernel(const float* __restrict__ x, int64_t in, const float* __restrict__ norm_w, float eps,
+                                    int8_t* __restrict__ xq, float* __restrict__ xd, int group) {
+  const float* xr = x + blockIdx.x * in;
+  int8_t* qr = xq + blockIdx.x * in;
+  float* dr = xd + blockIdx.x * (in / group);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  pdl_launch_dependents();
+  pdl_wait();
+  float scale = 1.0f;
+  if (norm_w) {
+    __shared__ float sums[32];
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < in; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    if (lane == 0) sums[warp] = ss;
+    __syncthreads();
+    float t = 0.0f;
+    for (int w = 0; w < warps; ++w) t += sums[w];
+    scale = rsqrtf(t / static_cast<float>(in) + eps);
+  }
+  const int lanes_per_group = group / 8;
+  for (int64_t c = static_cast<int64_t>(warp) * 256; c < in; c += static_cast<int64_t>(warps) * 256) {
+    const int64_t i = c + lane * 8;
+    const bool live = i < in;  // (in is whole groups of 32: a live lane's eight are all in the row)
+    float v[8] = {};
+    if (live) {
+      const float4 a = *reinterpret_cast<const float4*>(xr + i), b = *reinterpret_cast<const float4*>(xr + i + 4);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+      if (norm_w) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(__fmul_rn(v[e], scale), norm_w[i + e]);
+      }
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+    for (int o = 1; o < lanes_per_group; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if (!live) continue;
+    const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    uint32_t packed[2] = {0, 0};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int q = min(127, max(-127, __float2int_rn(__fmul_rn(v[e], inv))));
+      packed[e / 4] |= static_cast<uint32_t>(q & 0xFF) << (8 * (e % 4));
+    }
+    *reinterpret_cast<uint2*>(qr + i) = make_uint2(packed[0], packed[1]);
+    if (lane % lanes_per_group == 0) dr[i / group] = __fdiv_rn(amax, 127.0f);
+  }
+}
+
+constexpr int kWarps = 4;  // warps (rows) per block of the decode kernel
+
+// outs (+)= w x for up to N rows of x (quant_matmul.h): one warp per weight row (PAIRS: a gate row
+// and its up row), its lanes over the row's units, 32 apart; each unit's 32 levels against the 32
+// int8 activations of each x row. Before the wait for the kernel that wrote x, the warp asks L2
+// for its row's bytes.
+template <DType T, int N, bool PAIRS>
+__global__ void __launch_bounds__(kWarps * 32)
+    quant_gemv_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                      GemvOut outs, int n, int64_t in, int gshift) {
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>, groups = in >> (5 + gshift);
+  const uint8_t* wr = w + row * row_bytes;
+  const uint8_t* wu = PAIRS ? w + (row + rows) * row_bytes : wr;  // the up row
+  pdl_launch_dependents();
+  if (row < rows) {
+    for (int64_t off = lane * 128; off < row_bytes; off += 32 * 128) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + off));
+      if (PAIRS) asm volatile("prefetch.global.L2 [%0];" ::"l"(wu + off));
+    }
+  }
+  pdl_wait();
+  if (row >= rows) return;
+  float acc[N], acc_up[PAIRS ? N : 1];
+#pragma unroll
+  for (int r = 0; r < N; ++r) acc[r] = 0.0f;
+  if constexpr (PAIRS) {
+#pragma unroll
+    for (int r = 0; r < N; ++r) acc_up[r] = 0.0f;
+  }
+#pragma unroll 2
+  for (int64_t gu = lane; gu < units; gu += 32) {
+    const int u = static_cast<int>(gu % kUnits<T>);
+    const Unit U = decode<T>(unit_block<T>(wr, gu), u);
+    Unit V;
+    if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, gu), u);
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      if (r >= n) break;
+      const int4* xp = reinterpret_cast<const int4*>(xq + r * in + gu * 32);
+      const int4 a = __ldg(xp), b = __ldg(xp + 1);
+      const int xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      const float s = __ldg(xd + r * groups + (gu >> gshift));
+      acc[r] += s * unit_dot<T>(U, xv);
+      if constexpr (PAIRS) acc_up[r] += s * unit_dot<T>(V, xv);
+    }
+  }
+  // Sum over the warp, then lane 0 writes (as the BF16 kernel's outputs, cuda_ops.cu).
+  const int seg = row < outs.end[0] ? 0 : row < outs.end[1] ? 1 : 2;
+  const int64_t begin = seg == 0 ? 0 : seg == 1 ? outs.end[0] : outs.end[1];
+  const int64_t seg_rows = (seg == 0 ? outs.end[0] : seg == 1 ? outs.end[1] : outs.end[2]) - begin, rr = row - begin;
+  float* const y = seg == 0 ? outs.y[0] : seg == 1 ? outs.y[1] : outs.y[2];
+  const float* const bias = seg == 0 ? outs.bias[0] : seg == 1 ? outs.bias[1] : outs.bias[2];
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    float v = acc[r];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    if constexpr (PAIRS) {
+      float up = acc_up[r];
+      for (int o = 16; o > 0; o >>= 1) up += __shfl_xor_sync(0xffffffff, up, o);
+      if (lane == 0 && r < n) outs.y[0][r * rows + row] = silu(v) * up;
+    } else if (lane == 0 && r < n) {
+      float* dst = y + r * seg_rows + rr;
+      *dst = (outs.accumulate ? *dst : 0.0f) + v + (bias ? bias[rr] : 0.0f);
+    }
+  }
+}
+
+// One thread per unit: rows of w (from `w`, row_bytes apart, or ids[r] where ids is set) to out
+// [rows, in] in OutT.
+template <DType T, typename OutT>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ w, int64_t row_bytes, const int32_t* __restrict__ ids,
+                                  int64_t units, int64_t total, OutT* __restrict__ out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= total) return;
+  const int64_t r = i / units, gu = i % units;
+  const int64_t src = ids ? ids[r] : r;
+  const Unit U = decode<T>(unit_block<T>(w + src * row_bytes, gu), static_cast<int>(gu % kUnits<T>));
+  OutT* o = out + r * units * 32 + gu * 32;
+  if constexpr (std::is_same_v<OutT, float>) {
+#pragma unroll
+    for (int e = 0; e < 32; e += 4) {
+      *reinterpret_cast<float4*>(o + e) = make_float4(unit_value(U, e), unit_value(U, e + 1), unit_value(U, e + 2), unit_value(U, e + 3));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 32; e += 8) {
+      uint32_t p[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(unit_value(U, e + 2 * k), unit_value(U, e + 2 * k + 1));
+        p[k] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      *reinterpret_cast<uint4*>(o + e) = make_uint4(p[0], p[1], p[2], p[3]);
+    }
+  }
+}
+
+// f(std::integral_constant<DType, T>) for w's block type T.
+template <typename F>
+Status for_block_type(DType t, F&& f) {
+  switch (t) {
+#define COMBS_BLOCK_TYPE(X) \
+  case DType::X: return f(std::integral_constant<DType, DType::X>{});
+    COMBS_BLOCK_TYPE(kQ4_0) COMBS_BLOCK_TYPE(kQ4_1) COMBS_BLOCK_TYPE(kQ5_0) COMBS_BLOCK_TYPE(kQ5_1)
+    COMBS_BLOCK_TYPE(kQ8_0) COMBS_BLOCK_TYPE(kQ2_K) COMBS_BLOCK_TYPE(kQ3_K) COMBS_BLOCK_TYPE(kQ4_K)
+    COMBS_BLOCK_TYPE(kQ5_K) COMBS_BLOCK_TYPE(kQ6_K) COMBS_BLOCK_TYPE(kIQ4_NL) COMBS_BLOCK_TYPE(kIQ4_XS)
+    COMBS_BLOCK_TYPE(kMXFP4)
+#undef COMBS_BLOCK_TYPE
+    default: return invalid_argument_error(std::string("cuda: ") + std::string(dtype_name(t)) + " is not a block type");
+  }
+}
+
+Status check_block_weight(const Tensor& w, const char* op) {
+  if (!is_block_quant(w.dtype()) || w.rank() != 2 || w.dim(1) % dtype_block_elems(w.dtype()) != 0) {
+    return invalid_argument_error(std::string(op) + ": a 2-D block-quantized weight of whole blocks per row, not " +
+                                  std::string(dtype_name(w.dtype())) + " " + w.shape().to_string());
+  }
+  return ok_status();
+}
+
+unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+}  // namespace
+
+Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t in, const float* norm_w, float eps,
+                            void* xq) {
+  if (in % 32 != 0) return invalid_argument_error("cuda quantize_activations: rows of " + std::to_string(in) + " (not whole groups of 32)");
+  if (n == 0) return ok_status();
+  int8_t* q = static_cast<int8_t*>(xq);
+  float* d = reinterpret_cast<float*>(q + ((n * in + 15) / 16) * 16);
+  launch_pdl(quantize_act_kernel, dim3(static_cast<unsigned>(n)), dim3(256), 0, st, x, in, norm_w, eps, q, d,
+             static_cast<int>(activation_group(in)));
+  return cuda_status(cudaGetLastError(), "quantize_act_kernel");
+}
+
+Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const GemvOut& outs, bool pairs) {
+  COMBS_RETURN_IF_ERROR(check_block_weight(w, "cuda quant_gemv"));
+  if (n < 1 || n > kQuantGemvMaxRows) return invalid_argument_error("cuda quant_gemv: 1 to 8 rows of x");
+  const int64_t in = w.dim(1);
+  const int8_t* q = static_cast<const int8_t*>(xq);
+  const float* d = reinterpret_cast<const float*>(q + ((n * in + 15) / 16) * 16);
+  const int gshift = activation_group(in) == 256 ? 3 : 0;
+  const int64_t rows = outs.end[outs.count - 1];
+  const dim3 grid(blocks_for(rows, kWarps)), block(kWarps * 32);
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data());
+  return for_block_type(w.dtype(), [&](auto tag) -> Status {
+    constexpr DType T = decltype(tag)::value;
+    auto launch = [&](auto kernel) {
+      launch_pdl(kernel, grid, block, 0, st, wp, q, d, outs, n, in, gshift);
+      return cuda_status(cudaGetLastError(), "quant_gemv_kernel");
+    };
+    if (pairs) {
+      if (n <= 1) return launch(quant_gemv_kernel<T, 1, true>);
+      if (n <= 2) return launch(quant_gemv_kernel<T, 2, true>);
+      if (n <= 4) return launch(quant_gemv_kernel<T, 4, true>);
+      return launch(quant_gemv_kernel<T, 8, true>);
+    }
+    if (n <= 1) return launch(quant_gemv_kernel<T, 1, false>);
+    if (n <= 2) return launch(quant_gemv_kernel<T, 2, false>);
+    if (n <= 4) return launch(quant_gemv_kernel<T, 4, false>);
+    return launch(quant_gemv_kernel<T, 8, false>);
+  });
+}
+
+Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows, __nv_bfloat16* out) {
+  COMBS_RETURN_IF_ERROR(check_block_weight(w, "cuda dequantize_rows_bf16"));
+  if (row0 < 0 || rows < 0 || row0 + rows > w.dim(0)) return invalid_argument_error("cuda dequantize_rows_bf16: rows out of range");
+  if (rows == 0) return ok_status();
+  const int64_t units = w.dim(1) / 32, row_bytes = static_cast<int64_t>(nbytes_for(w.dtype(), w.dim(1)));
+  const uint8_t* base = static_cast<const uint8_t*>(w.data()) + row0 * row_bytes;
+  return for_block_type(w.dtype(), [&](auto tag) -> Status {
+    constexpr DType T = decltype(tag)::value;
+    dequantize_kernel<T, __nv_bfloat16><<<blocks_for(rows * units, 256), 256, 0, st>>>(base, row_bytes, nullptr, units,
+                                                                                       rows * units, out);
+    return cuda_status(cudaGetLastError(), "dequantize_kernel");
+  });
+}
+
+Status dequantize_rows_f32(cudaStream_t st, const Tensor& w, const int32_t* ids, int64_t n, float* out) {
+  COMBS_RETURN_IF_ERROR(check_block_weight(w, "cuda dequantize_rows_f32"));
+  if (n == 0) return ok_status();
+  const int64_t units = w.dim(1) / 32, row_bytes = static_cast<int64_t>(nbytes_for(w.dtype(), w.dim(1)));
+  return for_block_type(w.dtype(), [&](auto tag) -> Status {
+    constexpr DType T = decltype(tag)::value;
+    dequantize_kernel<T, float><<<blocks_for(n * units, 256), 256, 0, st>>>(static_cast<const uint8_t*>(w.data()), row_bytes,
+                                                                            ids, units, n * units, out);
+    return cuda_status(cudaGetLastError(), "dequantize_kernel");
+  });
+}
+
+}  // namespace combs::cuda

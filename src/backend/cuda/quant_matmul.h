@@ -1,0 +1,55 @@
+// Block-quantized weights on the GPU (ggml's formats, combs/backend/quant.h): the weights stay in
+// their blocks in device memory and are widened only in registers (decode) or in a bounded scratch
+// tile (larger batches). Private to the CUDA backend: cuda_ops.cu's matmuls and embedding call these
+// for every block type.
+//
+// Decode (n <= kQuantGemvMaxRows rows of x): x is first rounded to 8 bits (quantize_activations),
+// as the CPU's int8 kernels round it (combs/backend/cpu/kernels/quant_dot.h: d = max|x| / 127 per
+// group of 256, or of 32 where the row is not whole groups of 256), then each warp reads one weight
+// row's blocks once and sums int8 products (dp4a) per 16 weights, scaled by the blocks' scales:
+// the bandwidth of the quantized bytes, and the CPU's rounding of x.
+// Larger batches: rows of the weights dequantized (exactly, as quant.cc does) to BF16 in a scratch
+// tile of at most kQuantTileBytes, one cuBLAS GEMM per tile.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "combs/base/status.h"
+#include "combs/backend/tensor.h"
+#include "gemv_out.h"
+
+namespace combs::cuda {
+
+constexpr int kQuantGemvMaxRows = 8;
+constexpr size_t kQuantTileBytes = size_t{64} << 20;
+
+// The activations' group: 256 where `in` is whole groups of 256, else 32 (every block row is whole
+// groups of 32).
+inline int64_t activation_group(int64_t in) { return in % 256 == 0 ? 256 : 32; }
+
+// Bytes quantize_activations writes for n rows of in: the int8 values, then one float per group.
+inline size_t activation_bytes(int64_t n, int64_t in) {
+  return static_cast<size_t>(n * in) + static_cast<size_t>(n * (in / activation_group(in))) * 4 + 16;
+}
+
+// x [n, in] f32 -> xq (activation_bytes(n, in)): int8 values [n, in], then float scales
+// [n, in / group] (16-byte aligned). norm_w: RMS-normalize each row first (eps), as add_rms_norm.
+Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t in, const float* norm_w, float eps,
+                            void* xq);
+
+// outs (+)= w x for w a block-quantized device tensor [rows, in] and xq from quantize_activations,
+// n <= kQuantGemvMaxRows. pairs: w holds gate rows then up rows; y[0] [n, rows / 2] =
+// silu(gate) * up in f32.
+Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const GemvOut& outs, bool pairs);
+
+// out [rows, in] = rows [row0, row0 + rows) of w dequantized to BF16.
+Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows, __nv_bfloat16* out);
+
+// out [n, in] = the rows ids[0..n) of w dequantized to f32, equal to quant.cc's values (an
+// embedding table).
+Status dequantize_rows_f32(cudaStream_t st, const Tensor& w, const int32_t* ids, int64_t n, float* out);
+
+}  // namespace combs::cuda

@@ -1,0 +1,335 @@
+// The CUDA kernels of the block-quantized formats (src/backend/cuda/quant_matmul.h) against float64
+// references over the weights' exact values (cpu::dequantize_row, itself bit-exact against a NumPy
+// reference in quant_test.cc), for every format: blocks llama-quantize made (tests/data/quant), and
+// random MXFP4 blocks. Outputs are poisoned (NaN) before each run. [cuda]: skipped without a GPU.
+//
+// The tolerances, derived:
+// - decode (n <= 8): x is rounded to 8 bits per group of G (256, or 32 where the row is not whole
+//   groups of 256): x^ = d q with d = max|x| / 127, q = nearest(x * 127 / max). The kernel's sums of
+//   level * q products are exact integers; what remains is float32 arithmetic over a few hundred
+//   terms. So against the float64 product with x^ (rounded here as the kernel rounds it):
+//   |y - ref(x^)| <= 1e-5 * sum |w x^|; and against the unrounded x, since |x - x^| <= d / 2:
+//   |y - ref(x)| <= sum_i |w_i| d_g(i) / 2 (* 1.001) + 1e-5 * sum |w x|.
+// - larger n: weights and x rounded to BF16 (relative 2^-9 each), cuBLAS with f32 accumulation: against
+//   the float64 product of the BF16 values, |y - ref| <= 1e-5 * sum |w x|; against the exact values
+//   |y - ref| <= (2^-8 + 2^-17) * sum |w x| + 1e-5 * sum |w x|.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+
+#include "combs/backend/cpu/cpu_ops.h"
+#include "combs/backend/cuda/cuda_ops.h"
+#include "combs/backend/quant.h"
+#include "support/cuda_helpers.h"
+
+using namespace combs;
+using combs::testing::download;
+using combs::testing::gpu_or_skip;
+using combs::testing::upload;
+
+namespace {
+
+std::vector<uint8_t> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Blocks of format f: llama-quantize's (tests/data/quant), or for MXFP4 random ones (exponents
+// near 1, random nibbles).
+std::vector<uint8_t> source_blocks(const QuantFormat& f) {
+  if (f.dtype == DType::kMXFP4) {
+    std::mt19937 rng(5);
+    std::vector<uint8_t> b(static_cast<size_t>(64) * f.block_bytes);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(i % 17 == 0 ? 120 + rng() % 10 : rng());
+    return b;
+  }
+  std::vector<uint8_t> b = read_bytes(std::string(COMBS_TEST_DATA_DIR) + "/quant/" + std::string(f.name) + ".bin");
+  REQUIRE(b.size() >= static_cast<size_t>(f.block_bytes));
+  return b;
+}
+
+// A weight matrix [out, in] of format f made of the source blocks in turn.
+std::vector<uint8_t> weight_bytes(const QuantFormat& f, int64_t out, int64_t in) {
+  const std::vector<uint8_t> src = source_blocks(f);
+  const size_t n_src = src.size() / f.block_bytes, blocks = static_cast<size_t>(out * in / f.block_elems);
+  std::vector<uint8_t> w(blocks * f.block_bytes);
+  for (size_t i = 0; i < blocks; ++i) std::memcpy(&w[i * f.block_bytes], &src[((i * 7) % n_src) * f.block_bytes], f.block_bytes);
+  return w;
+}
+
+Tensor upload_bytes(CudaBackend& b, const std::vector<uint8_t>& bytes, Shape shape, DType dt) {
+  Tensor t = b.alloc(shape, dt).value();
+  REQUIRE(b.copy(Tensor::wrap(const_cast<uint8_t*>(bytes.data()), shape, dt), t).ok());
+  return t;
+}
+
+std::vector<float> random_floats(std::mt19937& rng, size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// x rounded as the decode kernel rounds it, and each element's half step d / 2.
+void round_8bit(const std::vector<float>& x, int64_t in, std::vector<float>* xr, std::vector<double>* half_step) {
+  const int64_t g = in % 256 == 0 ? 256 : 32;
+  xr->resize(x.size());
+  half_step->resize(x.size());
+  for (size_t c = 0; c < x.size(); c += g) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < g; ++i) amax = std::max(amax, std::fabs(x[c + i]));
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t i = 0; i < g; ++i) {
+      const int q = std::clamp(static_cast<int>(std::nearbyint(x[c + i] * inv)), -127, 127);
+      (*xr)[c + i] = d * static_cast<float>(q);
+      (*half_step)[c + i] = d / 2.0;
+    }
+  }
+}
+
+float to_bf16_and_back(float v) {
+  const uint16_t h = f32_to_bf16(v);
+  return bf16_to_f32(h);
+}
+}  // namespace
+
+TEST_CASE("cuda block-quantized matmul of every format against float64 with derived tolerances", "[cuda][quant]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(3);
+  for (const QuantFormat& f : quant_formats()) {
+    for (const int64_t in : {int64_t{512}, int64_t{96}}) {
+      if (in % f.block_elems != 0) continue;
+      const int64_t out = 70;
+      const std::vector<uint8_t> wb = weight_bytes(f, out, in);
+      std::vector<float> w(static_cast<size_t>(out * in));
+      cpu::dequantize_row(wb.data(), f.dtype, w.data(), out * in);
+      const Tensor wd = upload_bytes(*gpu, wb, Shape{out, in}, f.dtype);
+      for (const int64_t n : {1, 3, 8, 9, 40}) {
+        INFO(f.name << " in " << in << " n " << n);
+        const auto x = random_floats(rng, static_cast<size_t>(n * in));
+        const auto bias = random_floats(rng, static_cast<size_t>(out));
+        const Tensor xd = upload(*gpu, x, Shape{n, in}), bd = upload(*gpu, bias, Shape{out});
+        const Tensor yd = upload(*gpu, std::vector<float>(static_cast<size_t>(n * out), std::nanf("")), Shape{n, out});
+        REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, yd.data_as<float>(), bd.data_as<float>()).ok());
+        const std::vector<float> y = download(*gpu, yd);
+        // The values the kernel multiplies: x rounded to 8 bits (decode), or both rounded to BF16.
+        const bool decode = n <= 8;
+        std::vector<float> xk, wk = w;
+        std::vector<double> half_step(x.size(), 0.0);
+        if (decode) {
+          round_8bit(x, in, &xk, &half_step);
+        } else {
+          xk = x;
+          for (auto& v : xk) v = to_bf16_and_back(v);
+          for (auto& v : wk) v = to_bf16_and_back(v);
+        }
+        double worst_tight = 0, worst_loose = 0;
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t o = 0; o < out; ++o) {
+            double ref_k = bias[o], ref = bias[o], mag_k = 0, mag = 0, step = 0;
+            for (int64_t i = 0; i < in; ++i) {
+              const double wi = w[o * in + i], xi = x[t * in + i];
+              ref_k += double(wk[o * in + i]) * xk[t * in + i];
+              mag_k += std::abs(double(wk[o * in + i]) * xk[t * in + i]);
+              ref += wi * xi;
+              mag += std::abs(wi * xi);
+              step += std::abs(wi) * half_step[t * in + i];
+            }
+            const double got = y[t * out + o];
+            REQUIRE(std::isfinite(got));
+            const double tight = 1e-5 * mag_k + 1e-6;
+            const double loose = (decode ? step * 1.001 : mag * (std::ldexp(1.0, -8) + std::ldexp(1.0, -17))) + 1e-5 * mag + 1e-6;
+            worst_tight = std::max(worst_tight, std::abs(got - ref_k) / tight);
+            worst_loose = std::max(worst_loose, std::abs(got - ref) / loose);
+          }
+        }
+        INFO("error / tight bound " << worst_tight << ", error / derived tolerance " << worst_loose);
+        CHECK(worst_tight <= 1.0);
+        CHECK(worst_loose <= 1.0);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda block-quantized embedding equals the cpu's values and fused projections follow float64", "[cuda][quant]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(9);
+  SECTION("embedding rows of every format, bit for bit") {
+    for (const QuantFormat& f : quant_formats()) {
+      INFO(f.name);
+      const int64_t vocab = 40, dim = 256;
+      const std::vector<uint8_t> tb = weight_bytes(f, vocab, dim);
+      std::vector<int32_t> ids = {0, 39, 7, 7, 21};
+      std::vector<float> want(ids.size() * dim);
+      cpu::embedding(Tensor::wrap(const_cast<uint8_t*>(tb.data()), Shape{vocab, dim}, f.dtype), ids.data(),
+                     static_cast<int64_t>(ids.size()), want.data());
+      const Tensor td = upload_bytes(*gpu, tb, Shape{vocab, dim}, f.dtype);
+      Tensor idd = gpu->alloc(Shape{static_cast<int64_t>(ids.size())}, DType::kF32).value();
+      REQUIRE(gpu->copy(Tensor::wrap(ids.data(), idd.shape(), DType::kF32), idd).ok());
+      const Tensor od = upload(*gpu, std::vector<float>(want.size(), std::nanf("")), Shape{static_cast<int64_t>(want.size())});
+      REQUIRE(cuda::embedding(*gpu, td, idd.data_as<int32_t>(), static_cast<int64_t>(ids.size()), od.data_as<float>()).ok());
+      const std::vector<float> got = download(*gpu, od);
+      CHECK(std::memcmp(got.data(), want.data(), want.size() * 4) == 0);
+    }
+  }
+  SECTION("q/k/v outputs with the norm folded in, the residual accumulated, and gate/up pairs") {
+    for (DType dt : {DType::kQ4_K, DType::kQ6_K, DType::kQ8_0}) {
+      const QuantFormat& f = *quant_format(dt);
+      INFO(f.name);
+      const int64_t in = 512, rows[3] = {64, 32, 32}, out = 128, n = 3;
+      const std::vector<uint8_t> wb = weight_bytes(f, out, in);
+      std::vector<float> w(static_cast<size_t>(out * in));
+      cpu::dequantize_row(wb.data(), dt, w.data(), out * in);
+      const Tensor wd = upload_bytes(*gpu, wb, Shape{out, in}, dt);
+      const auto x = random_floats(rng, n * in), nw = random_floats(rng, in), y0 = random_floats(rng, n * out);
+      std::vector<float> xn(x.size());
+      cpu::rms_norm(x.data(), nw.data(), xn.data(), n, in, 1e-5f);
+      std::vector<float> xr;
+      std::vector<double> half_step;
+      round_8bit(xn, in, &xr, &half_step);
+      // The reference product of row o with token t, and its derived tolerance (the norm's scale
+      // may differ from the CPU's in its last bit, moving a rounding: the loose bound).
+      auto ref = [&](int64_t o, int64_t t, double* tol) {
+        double s = 0, mag = 0, step = 0;
+        for (int64_t i = 0; i < in; ++i) {
+          s += double(w[o * in + i]) * xn[t * in + i];
+          mag += std::abs(double(w[o * in + i]) * xn[t * in + i]);
+          step += std::abs(double(w[o * in + i])) * half_step[t * in + i];
+        }
+        *tol = step * 1.001 + 2e-5 * mag + 1e-6;
+        return s;
+      };
+      const Tensor xd = upload(*gpu, x, Shape{n, in}), nwd = upload(*gpu, nw, Shape{in});
+      std::vector<Tensor> yd;
+      for (int p = 0; p < 3; ++p) {
+        yd.push_back(upload(*gpu, std::vector<float>(static_cast<size_t>(n * rows[p]), std::nanf("")), Shape{n, rows[p]}));
+      }
+      const cuda::MatmulOut outs[] = {{yd[0].data_as<float>(), rows[0]}, {yd[1].data_as<float>(), rows[1]},
+                                      {yd[2].data_as<float>(), rows[2]}};
+      REQUIRE(cuda::decode_fused(wd, n));
+      REQUIRE(cuda::matmul_split(*gpu, wd, xd.data_as<float>(), n, outs, nwd.data_as<float>(), 1e-5f).ok());
+      int64_t row0 = 0;
+      for (int p = 0; p < 3; ++p) {
+        const std::vector<float> got = download(*gpu, yd[p]);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t o = 0; o < rows[p]; ++o) {
+            double tol;
+            const double want = ref(row0 + o, t, &tol);
+            INFO("part " << p << " token " << t << " row " << o);
+            REQUIRE(std::abs(got[t * rows[p] + o] - want) <= tol);
+          }
+        }
+        row0 += rows[p];
+      }
+      // The residual stream: y (+)= W norm(x)... here y0 + W xn by accumulate, x already normalized.
+      const Tensor xnd = upload(*gpu, xn, Shape{n, in}), acc = upload(*gpu, y0, Shape{n, out});
+      REQUIRE(cuda::matmul(*gpu, wd, xnd.data_as<float>(), n, acc.data_as<float>(), nullptr, /*accumulate=*/true).ok());
+      const std::vector<float> got = download(*gpu, acc);
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t o = 0; o < out; ++o) {
+          double tol;
+          const double want = y0[t * out + o] + ref(o, t, &tol);
+          REQUIRE(std::abs(got[t * out + o] - want) <= tol + 1e-6 * std::abs(want));
+        }
+      }
+      // Gate rows 0..63, up rows 64..127: h = silu(gate) * up, f32.
+      const Tensor h = upload(*gpu, std::vector<float>(static_cast<size_t>(n * out / 2), std::nanf("")), Shape{n, out / 2});
+      REQUIRE(cuda::matmul_gate_up_silu(*gpu, wd, xd.data_as<float>(), n, nwd.data_as<float>(), 1e-5f, h.data()).ok());
+      const std::vector<float> hg = download(*gpu, h);
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t o = 0; o < out / 2; ++o) {
+          double tg, tu;
+          const double g = ref(o, t, &tg), u = ref(o + out / 2, t, &tu);
+          const double silu = g / (1 + std::exp(-g));
+          // d(silu(g) u) <= |u| |silu'(g)| tg + |silu(g)| tu + tg tu, with |silu'| <= 1.1.
+          const double tol = std::abs(u) * 1.1 * tg + std::abs(silu) * tu + tg * tu + 1e-5;
+          INFO("token " << t << " unit " << o);
+          REQUIRE(std::abs(hg[t * (out / 2) + o] - silu * u) <= tol);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda block-quantized projections at a real model's shapes follow float64 on sampled rows", "[cuda][quant]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(13);
+  // llama-1b's logits (128,256 x 2,048), its down projection (2,048 x 8,192) and its gate/up pair
+  // (2 x 8,192 x 2,048): many blocks of rows, several BF16 tiles, rows not 16-byte aligned (Q6_K).
+  struct Case {
+    DType dt;
+    int64_t out, in;
+    bool pairs;
+  };
+  for (const Case& c : {Case{DType::kQ6_K, 128256, 2048, false}, Case{DType::kQ4_K, 2048, 8192, false},
+                        Case{DType::kQ4_K, 2 * 8192, 2048, true}, Case{DType::kQ6_K, 2048, 8192, false}}) {
+    const QuantFormat& f = *quant_format(c.dt);
+    const std::vector<uint8_t> wb = weight_bytes(f, c.out, c.in);
+    const Tensor wd = upload_bytes(*gpu, wb, Shape{c.out, c.in}, c.dt);
+    const size_t row_bytes = nbytes_for(c.dt, c.in);
+    auto row = [&](int64_t o) {
+      std::vector<float> r(static_cast<size_t>(c.in));
+      cpu::dequantize_row(wb.data() + o * row_bytes, c.dt, r.data(), c.in);
+      return r;
+    };
+    for (const int64_t n : {int64_t{1}, int64_t{8}, int64_t{40}}) {
+      if (c.pairs && n > 8) continue;
+      INFO(f.name << " [" << c.out << ", " << c.in << "] n " << n << (c.pairs ? " gate/up" : ""));
+      const auto x = random_floats(rng, static_cast<size_t>(n * c.in));
+      const Tensor xd = upload(*gpu, x, Shape{n, c.in});
+      const int64_t out_cols = c.pairs ? c.out / 2 : c.out;
+      const Tensor yd = upload(*gpu, std::vector<float>(static_cast<size_t>(n * out_cols), std::nanf("")), Shape{n, out_cols});
+      if (c.pairs) {
+        REQUIRE(cuda::matmul_gate_up_silu(*gpu, wd, xd.data_as<float>(), n, nullptr, 0.0f, yd.data()).ok());
+      } else {
+        REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, yd.data_as<float>()).ok());
+      }
+      const std::vector<float> y = download(*gpu, yd);
+      for (float v : y) REQUIRE(std::isfinite(v));
+      std::vector<float> xk;
+      std::vector<double> half_step;
+      if (n <= 8) {
+        round_8bit(x, c.in, &xk, &half_step);
+      } else {
+        xk = x;
+        for (auto& v : xk) v = to_bf16_and_back(v);
+      }
+      // The tight bound of the first test case: against x as the kernel rounds it.
+      auto dot = [&](const std::vector<float>& w, int64_t t, double* tol) {
+        double s = 0, mag = 0;
+        for (int64_t i = 0; i < c.in; ++i) {
+          const double wi = n <= 8 ? w[i] : to_bf16_and_back(w[i]);
+          s += wi * xk[t * c.in + i];
+          mag += std::abs(wi * xk[t * c.in + i]);
+        }
+        *tol = 1e-5 * mag + 1e-6;
+        return s;
+      };
+      for (int64_t o : {int64_t{0}, out_cols / 3, out_cols - 1, static_cast<int64_t>(rng() % out_cols)}) {
+        const std::vector<float> w = row(o);
+        const std::vector<float> wu = c.pairs ? row(o + c.out / 2) : std::vector<float>();
+        for (int64_t t = 0; t < n; ++t) {
+          double tol, tu;
+          const double g = dot(w, t, &tol);
+          double want = g;
+          if (c.pairs) {
+            const double u = dot(wu, t, &tu);
+            want = g / (1 + std::exp(-g)) * u;
+            tol = std::abs(u) * 1.1 * tol + std::abs(g) * tu + 1e-5;
+          }
+          INFO("row " << o << " token " << t);
+          REQUIRE(std::abs(y[t * out_cols + o] - want) <= tol);
+        }
+      }
+    }
+  }
+}
