@@ -4,6 +4,8 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "combs/backend/cpu/cpu_ops.h"
 #include "combs/model/gguf.h"
@@ -96,15 +98,14 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
 
 Status write_random_model(const RandomModelOptions& o, const std::string& path) {
   using gguf::Value;
-  if (!can_quantize(o.dtype)) {
-    return unimplemented_error("random models are written as f32, f16, bf16 or q8_0, not " +
-                               std::string(dtype_name(o.dtype)) + " (llama.cpp's llama-quantize makes the other types)");
+  if (!o.mix && !can_quantize(o.dtype)) {
+    return unimplemented_error("random models are not written as " + std::string(dtype_name(o.dtype)));
   }
   const ModelShape& s = o.shape;
   gguf::GgufWriter w;
   w.set("general.architecture", Value::str(s.arch));
   w.set("general.name", Value::str("combs random " + s.name));
-  const uint32_t file_type = o.dtype == DType::kF32 ? 0 : o.dtype == DType::kF16 ? 1
+  const uint32_t file_type = o.mix ? o.mix->file_type : o.dtype == DType::kF32 ? 0 : o.dtype == DType::kF16 ? 1
                              : o.dtype == DType::kQ8_0 ? 7 : 32;  // llama.cpp's LLAMA_FTYPE_*
   w.set("general.file_type", Value::u32(file_type));
   const std::string a = s.arch + ".";
@@ -143,8 +144,11 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
     int64_t numel = 1;
     for (int64_t d : spec.dims) numel *= d;
     const bool matrix = spec.dims.size() == 2;
-    DType dt = spec.f32_only || !matrix ? DType::kF32 : o.dtype;
-    if (dt == DType::kQ8_0 && spec.dims[0] % 32 != 0) dt = DType::kBF16;
+    const bool output = spec.name == "output.weight" || (spec.name == "token_embd.weight" && s.tied_output);
+    DType dt = spec.f32_only || !matrix ? DType::kF32
+               : o.mix ? quant_mix_type(*o.mix, spec.name, spec.dims[0], output, s.n_layers, s.n_heads / s.n_kv_heads)
+                       : o.dtype;
+    if (is_block_quant(dt) && spec.dims[0] % dtype_block_elems(dt) != 0) dt = DType::kBF16;  // no whole blocks
     const bool is_norm = spec.name.find("norm") != std::string::npos;
     const bool is_bias = spec.name.find(".bias") != std::string::npos;
     // Matrices ~ U with std 1/sqrt(in) (embeddings std 1), norms near 1, small biases.
@@ -159,11 +163,39 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
       for (int64_t i = 0; i < numel; i += kChunk) {
         const int64_t n = std::min(kChunk, numel - i);
         fill_uniform(buf.data(), n, seed + static_cast<uint64_t>(i), center, half);
-        cpu::quantize_row(buf.data(), dt, static_cast<char*>(dst) + nbytes_for(dt, i), n);
+        char* out = static_cast<char*>(dst) + nbytes_for(dt, i);
+        if (!is_block_quant(dt) || n < (1 << 16)) {
+          cpu::quantize_row(buf.data(), dt, out, n);
+          continue;
+        }
+        // The block types' scale searches on every core: parts of whole 256-element blocks.
+        const int64_t parts = std::max(1u, std::thread::hardware_concurrency());
+        const int64_t step = (n / parts + 255) / 256 * 256;
+        std::vector<std::thread> workers;
+        for (int64_t p0 = 0; p0 < n; p0 += step) {
+          const int64_t len = std::min(step, n - p0);
+          workers.emplace_back([&, p0, len] { cpu::quantize_row(buf.data() + p0, dt, out + nbytes_for(dt, p0), len); });
+        }
+        for (std::thread& t : workers) t.join();
       }
     });
   }
   return w.write(path);
+}
+
+Status set_weight_type(std::string_view name, RandomModelOptions* o) {
+  o->mix = nullptr;
+  if (name == "f32" || name == "f16" || name == "bf16") {
+    parse_dtype(name, &o->dtype);
+    return ok_status();
+  }
+  if (const QuantMix* m = find_quant_mix(name)) {
+    o->mix = m;
+    o->dtype = m->base;
+    return ok_status();
+  }
+  return invalid_argument_error("unknown weight type '" + std::string(name) + "' (f32, f16, bf16, or one of llama.cpp's file types: " +
+                                quant_mix_names() + ")");
 }
 
 Status write_random_model_once(const RandomModelOptions& options, const std::string& path) {

@@ -196,3 +196,53 @@ TEST_CASE("the int8 dot products of q4_k q5_k q6_k and iq4_xs rows equal the exa
     }
   }
 }
+
+namespace {
+
+// Relative RMS error of quantizing x with format f and reading it back (combs' dequantizer,
+// itself checked against the reference above); the blocks also go through the reference.
+double roundtrip_error(const QuantFormat& f, const std::vector<float>& x) {
+  std::vector<uint8_t> blocks(static_cast<size_t>(x.size() / f.block_elems) * f.block_bytes, 0xA5);
+  quantizer(f.dtype)(x.data(), blocks.data(), static_cast<int64_t>(x.size() / f.block_elems));
+  check_bit_exact(f, blocks);  // combs-made blocks read by the independent reference
+  const std::vector<float> y = dequantized(f, blocks);
+  double e = 0, n = 0;
+  for (size_t i = 0; i < x.size(); ++i) e += double(x[i] - y[i]) * (x[i] - y[i]), n += double(x[i]) * x[i];
+  return std::sqrt(e / n);
+}
+
+}  // namespace
+
+TEST_CASE("every block format's quantizer writes blocks the numpy reference reads within its error bound",
+          "[backend][quant]") {
+  // The bound of each format: the relative RMS error of uniform rounding with its step over
+  // normal data (the step of b bits over about +-3 sigma of a block is 6 sigma / 2^b, its RMS
+  // error step / sqrt(12)), doubled for the scales' own rounding and the blocks' outliers; the
+  // 4-bit non-uniform IQ4 levels as 4 bits, MXFP4's power-of-two scale as 3 bits.
+  auto bound = [](DType t) {
+    const double bits = t == DType::kQ8_0 ? 8 : t == DType::kQ6_K ? 6 : t == DType::kQ5_0 || t == DType::kQ5_1 || t == DType::kQ5_K ? 5
+                        : t == DType::kQ3_K ? 3 : t == DType::kQ2_K ? 2 : t == DType::kMXFP4 ? 3 : 4;
+    return 2.0 * 6.0 / std::pow(2.0, bits) / std::sqrt(12.0);
+  };
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (const QuantFormat& f : quant_formats()) {
+    REQUIRE(quantizer(f.dtype) != nullptr);
+    std::vector<float> gauss(256 * 64), flat(256 * 64), spiky(256 * 64);
+    for (auto& v : gauss) v = normal(rng) * 0.02f;
+    for (auto& v : flat) v = uniform(rng) + 0.5f;  // all of one sign: the offsets' case
+    for (size_t i = 0; i < spiky.size(); ++i) spiky[i] = (i % 97 == 0 ? 40.0f : 1.0f) * normal(rng);
+    const double eg = roundtrip_error(f, gauss), ef = roundtrip_error(f, flat), es = roundtrip_error(f, spiky);
+    CAPTURE(f.name);
+    INFO(f.name << ": relative RMS error " << eg << " (normal), " << ef << " (one-signed), " << es << " (outliers); bound "
+                << bound(f.dtype));
+    CHECK(eg <= bound(f.dtype));
+    CHECK(ef <= bound(f.dtype));
+    CHECK(es <= bound(f.dtype));
+    // Zeros stay zero (no division by a zero scale).
+    std::vector<uint8_t> zb(static_cast<size_t>(256 / f.block_elems) * f.block_bytes, 0xA5);
+    quantizer(f.dtype)(std::vector<float>(256, 0.0f).data(), zb.data(), 256 / f.block_elems);
+    for (float v : dequantized(f, zb)) CHECK(v == 0.0f);
+  }
+}

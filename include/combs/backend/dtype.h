@@ -62,9 +62,9 @@ constexpr size_t dtype_size(DType t) { return dtype_block_bytes(t); }
 constexpr size_t nbytes_for(DType t, int64_t numel) {
   return static_cast<size_t>(numel / dtype_block_elems(t)) * dtype_block_bytes(t);
 }
-// The types combs can write (cpu::quantize_row, combs-mkmodel): the element types and q8_0. The
-// other block types are read from files that llama.cpp's llama-quantize made.
-constexpr bool can_quantize(DType t) { return t <= DType::kQ8_0; }
+// The types combs can write (cpu::quantize_row, combs-mkmodel): every one (the block types by
+// src/backend/quantize.cc).
+constexpr bool can_quantize(DType t) { return t <= DType::kMXFP4; }
 std::string_view dtype_name(DType t);  // "f32", "f16", "bf16", "q8_0", "q4_k", "iq4_xs", ...
 // Parses dtype_name's names; false on anything else.
 bool parse_dtype(std::string_view name, DType* out);

@@ -41,6 +41,12 @@ const QuantFormat* quant_format(uint32_t ggml_type);
 // The format of a block type (is_block_quant(t)); nullptr for the element types.
 const QuantFormat* quant_format(DType t);
 
+// Quantizes n_blocks * block_elems floats at x into n_blocks blocks (src/backend/quantize.cc:
+// round to nearest with a search of each block's scales; llama.cpp reads the blocks as its own).
+using QuantizeFn = void (*)(const float* x, void* blocks, int64_t n_blocks);
+// The writer of a block type; nullptr for the element types.
+QuantizeFn quantizer(DType t);
+
 // ggml's name of any type id it has defined ("IQ2_XXS", "Q4_0_4_4 (removed)", ...), for errors;
 // "ggml type N" for an id it never defined.
 std::string ggml_type_name(uint32_t ggml_type);

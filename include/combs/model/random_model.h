@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "combs/backend/dtype.h"
+#include "combs/model/quant_mix.h"
 #include "combs/base/status.h"
 
 namespace combs {
@@ -29,6 +30,8 @@ std::vector<std::string> shape_names();
 struct RandomModelOptions {
   ModelShape shape;
   DType dtype = DType::kBF16;  // of the matrices (norms and biases stay F32)
+  // When set, each matrix's type by llama.cpp's rules for this file type (quant_mix.h) instead.
+  const QuantMix* mix = nullptr;
   uint64_t seed = 1;
   // A GGUF whose tokenizer.* metadata (vocabulary) is copied; empty: the built-in byte-level
   // vocabulary (<unk>, <s>, </s> and the 256 byte tokens <0x00>..<0xFF>).
@@ -36,6 +39,10 @@ struct RandomModelOptions {
 };
 
 Status write_random_model(const RandomModelOptions& options, const std::string& path);
+
+// Sets options->dtype (f32, f16, bf16) or options->mix (q4_k_m, q8_0, ...: quant_mix.h) from a
+// name; an error naming the choices for any other.
+Status set_weight_type(std::string_view name, RandomModelOptions* options);
 
 // The same, written once: nothing when `path` exists, else written to path + ".tmp" and renamed,
 // so that an interrupted write leaves no partial file where a later run would reuse it (the

@@ -282,20 +282,11 @@ void quantize_row(const float* src, DType dtype, void* dst, int64_t n) {
     case DType::kBF16:
       f32_to_bf16_row(src, static_cast<uint16_t*>(dst), n);
       return;
-    case DType::kQ8_0: {
-      auto* b = static_cast<BlockQ8_0*>(dst);
-      for (int64_t blk = 0; blk < n / 32; ++blk) {
-        const float* x = src + blk * 32;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
-        const float d = amax / 127.0f;
-        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-        b[blk].d = f32_to_f16(d);
-        for (int j = 0; j < 32; ++j) b[blk].qs[j] = static_cast<int8_t>(std::lround(x[j] * inv));
-      }
+    default: {
+      const QuantFormat* f = quant_format(dtype);
+      quantizer(dtype)(src, dst, n / f->block_elems);
       return;
     }
-    default: return;  // no writer for the other block types (can_quantize)
   }
 }
 

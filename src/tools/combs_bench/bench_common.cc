@@ -63,7 +63,7 @@ StatusOr<std::string> bench_model(const std::string& dir, const std::string& sha
                                   const std::string& vocab_path) {
   RandomModelOptions o;
   COMBS_ASSIGN_OR_RETURN(o.shape, named_shape(shape));
-  if (!parse_dtype(dtype, &o.dtype)) return invalid_argument_error("unknown weight type '" + dtype + "'");
+  COMBS_RETURN_IF_ERROR(set_weight_type(dtype, &o));
   o.vocab_path = vocab_path;
   const std::string stem = vocab_path.empty() ? "v259" : std::filesystem::path(vocab_path).stem().string();
   const std::string path = dir + "/" + shape + "-" + dtype + "-" + stem + ".gguf";

@@ -14,7 +14,8 @@ int main(int argc, char** argv) {
   for (const auto& n : shape_names()) shapes += (shapes.empty() ? "" : "|") + n;
   if (flags.help_requested()) {
     flags.print_usage("--out PATH [--shape " + shapes +
-                      "] [--dtype f32|f16|bf16|q8_0] [--seed N] [--vocab VOCAB.gguf]");
+                      "] [--dtype f32|f16|bf16|" + quant_mix_names() + "] [--seed N] [--vocab VOCAB.gguf]\n"
+                      "  (q4_k_m, ...: llama.cpp's per-tensor mixes of its file types, quantized by combs)");
     return 0;
   }
   if (flags.str("out").empty()) {
@@ -28,8 +29,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.shape = *shape;
-  if (!parse_dtype(flags.str("dtype"), &o.dtype) || !can_quantize(o.dtype)) {
-    std::fprintf(stderr, "combs-mkmodel: --dtype must be f32, f16, bf16 or q8_0\n");
+  if (const Status t = set_weight_type(flags.str("dtype"), &o); !t.ok()) {
+    std::fprintf(stderr, "combs-mkmodel: --dtype: %s\n", t.message().c_str());
     return 2;
   }
   long long seed;
@@ -42,6 +43,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(stderr, "combs-mkmodel: wrote %s (%s, %s, seed %lld)\n", flags.str("out").c_str(),
-               o.shape.name.c_str(), std::string(dtype_name(o.dtype)).c_str(), seed);
+               o.shape.name.c_str(), o.mix ? std::string(o.mix->name).c_str() : std::string(dtype_name(o.dtype)).c_str(), seed);
   return 0;
 }

@@ -50,9 +50,8 @@ void embedding(const Tensor& table, const int32_t* ids, int64_t n, float* out);
 // n elements of `src` (a row of `dtype`; n a multiple of its block size) as f32: the block types
 // as ggml's reference dequantizes them, bit for bit (combs/backend/quant.h).
 void dequantize_row(const void* src, DType dtype, float* dst, int64_t n);
-// The reverse, for the types can_quantize(dtype) names: n f32 values stored as `dtype` (round to
-// nearest even; q8_0: per block of 32, d = max|x| / 127 and q = round(x / d)). The other block
-// types have no writer here (callers check can_quantize): dst is left as it is.
+// The reverse: n f32 values stored as `dtype` (16-bit types: round to nearest even; block types:
+// quant.h's quantizer, q8_0 per block of 32 with d = max|x| / 127 and q = round(x / d)).
 void quantize_row(const float* src, DType dtype, void* dst, int64_t n);
 
 }  // namespace combs::cpu
