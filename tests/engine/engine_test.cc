@@ -20,10 +20,12 @@ namespace {
 struct ModelFile {
   TempDir dir;
   std::string path;
-  explicit ModelFile(DType dtype = DType::kBF16) {
+  // weights: bf16, or a llama.cpp file type such as q4_k_m (Q4_K with Q6_K on the output and on
+  // some layers' attn_v and ffn_down, quantized by combs).
+  explicit ModelFile(const std::string& weights = "bf16") {
     RandomModelOptions o;
     o.shape = std::move(named_shape("tiny")).value();
-    o.dtype = dtype;
+    REQUIRE(set_weight_type(weights, &o).ok());
     o.seed = 3;
     path = dir.file("tiny.gguf");
     REQUIRE(write_random_model(o, path).ok());
@@ -63,7 +65,10 @@ GenerateRequest request(std::vector<int32_t> input, int max_tokens, float temper
 TEST_CASE("sessions decoded together produce exactly the tokens each produces alone", "[engine]") {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());
-  ModelFile mf;
+  // The block-quantized runner keeps every property (batch invariance, rollback, fork).
+  const std::string weights = GENERATE(as<std::string>{}, "bf16", "q4_k_m");
+  INFO("weights " << weights);
+  ModelFile mf(weights);
   const int n = 6;
   std::vector<GenerateRequest> reqs;
   for (int i = 0; i < n; ++i) {
@@ -91,7 +96,10 @@ TEST_CASE("sessions decoded together produce exactly the tokens each produces al
 TEST_CASE("rollback then generate equals a fresh session fed the truncated history", "[engine]") {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());
-  ModelFile mf;
+  // The block-quantized runner keeps every property (batch invariance, rollback, fork).
+  const std::string weights = GENERATE(as<std::string>{}, "bf16", "q4_k_m");
+  INFO("weights " << weights);
+  ModelFile mf(weights);
   auto e = mf.engine();
   const auto prompt = prompt_of(rng, 40, 259);
   const SessionId a = e->create_session().value();
@@ -115,7 +123,10 @@ TEST_CASE("rollback then generate equals a fresh session fed the truncated histo
 TEST_CASE("forks continue independently and share pages counted once", "[engine]") {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());
-  ModelFile mf;
+  // The block-quantized runner keeps every property (batch invariance, rollback, fork).
+  const std::string weights = GENERATE(as<std::string>{}, "bf16", "q4_k_m");
+  INFO("weights " << weights);
+  ModelFile mf(weights);
   auto e = mf.engine();
   const SessionId parent = e->create_session().value();
   run(*e, parent, request(prompt_of(rng, 70, 259), 10, 0.0f, 0));

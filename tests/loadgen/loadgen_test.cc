@@ -5,7 +5,9 @@
 #include <regex>
 #include <thread>
 
+#include "combs/model/random_model.h"
 #include "support/server_process.h"
+#include "support/temp_dir.h"
 
 using combs::testing::read_file;
 using combs::testing::run_command;
@@ -31,10 +33,12 @@ std::pair<int, int> check_counts(const std::string& json, const std::string& nam
 }
 
 
-}  // namespace
 
-TEST_CASE("a closed-loop loadgen run has no errors and every check passes", "[loadgen]") {
-  ServerProcess server({"--log-level", "warn", "--kv-memory-mib", "256"});
+// A closed-loop run of every flow against a server started with `server_args`: no errors, and
+// every check of the flows passes.
+void check_closed_loop(std::vector<std::string> server_args) {
+  for (const char* a : {"--log-level", "warn", "--kv-memory-mib", "256"}) server_args.push_back(a);
+  ServerProcess server(server_args);
   combs::testing::TempDir dir;
   const std::string json = dir.file("report.json"), svg = dir.file("chart.svg");
   const auto [rc, out] = run_command(
@@ -62,6 +66,22 @@ TEST_CASE("a closed-loop loadgen run has no errors and every check passes", "[lo
   CHECK(chart.find("<polyline") != std::string::npos);
   CHECK(chart.find("</svg>") != std::string::npos);
   CHECK(server.stop() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("a closed-loop loadgen run has no errors and every check passes", "[loadgen]") { check_closed_loop({}); }
+
+TEST_CASE("the loadgen's checks pass on a Q4_K_M model too", "[loadgen][quant]") {
+  // The tiny shape as llama.cpp's Q4_K_M mix (Q4_K, Q6_K on the output and some layers' attn_v /
+  // ffn_down), quantized by combs.
+  combs::testing::TempDir dir;
+  combs::RandomModelOptions o;
+  o.shape = combs::named_shape("tiny").value();
+  REQUIRE(combs::set_weight_type("q4_k_m", &o).ok());
+  const std::string model = dir.file("tiny-q4_k_m.gguf");
+  REQUIRE(combs::write_random_model(o, model).ok());
+  check_closed_loop({"--model", model});
 }
 
 TEST_CASE("an open-loop loadgen run with sampling stops by itself", "[loadgen]") {
