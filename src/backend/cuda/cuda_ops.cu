@@ -533,6 +533,21 @@ Status gemm_parts(CudaBackend& b, const Tensor& w, const void* xin, int64_t n, s
   return ok_status();
 }
 
+// The decode kernels' view of outs (consecutive row ranges of one weight).
+GemvOut gemv_out(std::span<const MatmulOut> outs, bool accumulate, const float* norm_weight, float eps) {
+  GemvOut g{};
+  int64_t end = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    end += outs[i].rows;
+    g.y[i] = outs[i].y, g.bias[i] = outs[i].bias, g.end[i] = end;
+  }
+  g.count = static_cast<int>(outs.size());
+  g.accumulate = accumulate;
+  g.norm_w = norm_weight;
+  g.eps = eps;
+  return g;
+}
+
 // Decode of block-quantized weights: x rounded to 8 bits once (RMS-normalized with norm_w first,
 // where set) into scratch slot 0, then one pass over the weights.
 Status quant_decode(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const GemvOut& outs, bool pairs) {
@@ -586,19 +601,7 @@ Status quant_matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
     return invalid_argument_error("cuda matmul: " + std::string(dtype_name(w.dtype())) + " rows of " +
                                   std::to_string(w.dim(1)) + " elements are not whole blocks");
   }
-  if (gemv_fits(w, n)) {
-    GemvOut g{};
-    int64_t end = 0;
-    for (size_t i = 0; i < outs.size(); ++i) {
-      end += outs[i].rows;
-      g.y[i] = outs[i].y, g.bias[i] = outs[i].bias, g.end[i] = end;
-    }
-    g.count = static_cast<int>(outs.size());
-    g.accumulate = accumulate;
-    g.norm_w = norm_weight;
-    g.eps = eps;
-    return quant_decode(b, w, x, n, g, false);
-  }
+  if (gemv_fits(w, n)) return quant_decode(b, w, x, n, gemv_out(outs, accumulate, norm_weight, eps), false);
   if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
   return quant_gemm(b, w, x, n, outs, accumulate);
 }
@@ -636,16 +639,7 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   if (n == 0) return ok_status();
   if (is_block_quant(w.dtype())) return quant_matmul(b, w, x, n, outs, false, norm_weight, eps);
   if (gemv_fits(w, n)) {
-    GemvOut g{};
-    int64_t end = 0;
-    for (size_t i = 0; i < outs.size(); ++i) {
-      end += outs[i].rows;
-      g.y[i] = outs[i].y, g.bias[i] = outs[i].bias, g.end[i] = end;
-    }
-    g.count = static_cast<int>(outs.size());
-    g.norm_w = norm_weight;
-    g.eps = eps;
-    gemv(w, x, g, static_cast<int>(n), stream_of(b));
+    gemv(w, x, gemv_out(outs, false, norm_weight, eps), static_cast<int>(n), stream_of(b));
     return launched("gemv_kernel");
   }
   if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
