@@ -157,42 +157,56 @@ TEST_CASE("block formats know their geometry and refuse rows that are not whole 
 TEST_CASE("the int8 dot products of q4_k q5_k q6_k and iq4_xs rows equal the exact sums over the rounded activations",
           "[backend][quant]") {
   __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw") ||
-      !__builtin_cpu_supports("avx512vl")) {
-    WARN("skipped: this CPU has no AVX-512 VNNI");
-    return;
-  }
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (DType t : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_XS}) {
-    const QuantFormat& f = *quant_format(t);
-    INFO(f.name);
-    // Rows of 4 super-blocks: llama-quantize's blocks, then random ones.
-    std::vector<uint8_t> blocks = read_bytes(std::string(COMBS_TEST_DATA_DIR) + "/quant/" + std::string(f.name) + ".bin");
-    const std::vector<uint8_t> more = random_blocks(f, 16, 9);
-    blocks.insert(blocks.end(), more.begin(), more.end());
-    const int64_t n = 4 * 256, row_bytes = 4 * f.block_bytes;
-    for (size_t r = 0; (r + 1) * row_bytes <= blocks.size(); ++r) {
-      const uint8_t* row = blocks.data() + r * row_bytes;
-      std::vector<float> x(n), w(n);
-      for (float& v : x) v = normal(rng) * (r % 3 == 0 ? 100.0f : 1.0f);
-      std::vector<cpu::BlockQ8Act> xq(4);
-      cpu::avx512vnni::quantize_act(x.data(), n, xq.data());
-      f.dequantize(row, w.data(), 4);
-      double exact = 0, magnitude = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const double a = double(xq[i / 256].d) * xq[i / 256].q[i % 256];
-        CHECK(std::abs(a - x[i]) <= 0.5 * xq[i / 256].d * 1.0001);  // rounded to the nearest step
-        exact += double(w[i]) * a;
-        magnitude += std::abs(double(w[i]) * a);
+  struct Kernels {
+    const char* name;
+    bool available;
+    void (*quantize_act)(const float*, int64_t, cpu::BlockQ8Act*);
+    float (*dot[4])(const void*, const cpu::BlockQ8Act*, int64_t);  // q4_k, q5_k, q6_k, iq4_xs
+  };
+  const Kernels isas[] = {
+      {"avx512vnni",
+       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"),
+       cpu::avx512vnni::quantize_act,
+       {cpu::avx512vnni::dot_q4_k, cpu::avx512vnni::dot_q5_k, cpu::avx512vnni::dot_q6_k, cpu::avx512vnni::dot_iq4_xs}},
+      {"avx2", __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"),
+       cpu::avx2::quantize_act, {cpu::avx2::dot_q4_k, cpu::avx2::dot_q5_k, cpu::avx2::dot_q6_k, cpu::avx2::dot_iq4_xs}}};
+  for (const Kernels& k : isas) {
+    INFO(k.name);
+    if (!k.available) {
+      WARN(std::string("skipped: this CPU has no ") + k.name);
+      continue;
+    }
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    int which = 0;
+    for (DType t : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_XS}) {
+      const QuantFormat& f = *quant_format(t);
+      INFO(f.name);
+      // Rows of 4 super-blocks: llama-quantize's blocks, then random ones.
+      std::vector<uint8_t> blocks = read_bytes(std::string(COMBS_TEST_DATA_DIR) + "/quant/" + std::string(f.name) + ".bin");
+      const std::vector<uint8_t> more = random_blocks(f, 16, 9);
+      blocks.insert(blocks.end(), more.begin(), more.end());
+      const int64_t n = 4 * 256, row_bytes = 4 * f.block_bytes;
+      for (size_t r = 0; (r + 1) * row_bytes <= blocks.size(); ++r) {
+        const uint8_t* row = blocks.data() + r * row_bytes;
+        std::vector<float> x(n), w(n);
+        for (float& v : x) v = normal(rng) * (r % 3 == 0 ? 100.0f : 1.0f);
+        std::vector<cpu::BlockQ8Act> xq(4);
+        k.quantize_act(x.data(), n, xq.data());
+        f.dequantize(row, w.data(), 4);
+        double exact = 0, magnitude = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const double a = double(xq[i / 256].d) * xq[i / 256].q[i % 256];
+          CHECK(std::abs(a - x[i]) <= 0.5 * xq[i / 256].d * 1.0001);  // rounded to the nearest step
+          exact += double(w[i]) * a;
+          magnitude += std::abs(double(w[i]) * a);
+        }
+        const float got = k.dot[which](row, xq.data(), 4);
+        INFO("row " << r << ": " << got << " vs " << exact);
+        // Integer sums are exact; the float scales round a few times per super-block.
+        CHECK(std::abs(got - exact) <= 1e-5 * magnitude + 1e-30);
       }
-      const float got = t == DType::kQ4_K   ? cpu::avx512vnni::dot_q4_k(row, xq.data(), 4)
-                        : t == DType::kQ5_K ? cpu::avx512vnni::dot_q5_k(row, xq.data(), 4)
-                        : t == DType::kQ6_K ? cpu::avx512vnni::dot_q6_k(row, xq.data(), 4)
-                                            : cpu::avx512vnni::dot_iq4_xs(row, xq.data(), 4);
-      INFO("row " << r << ": " << got << " vs " << exact);
-      // Integer sums are exact; the float scales round a few times per super-block.
-      CHECK(std::abs(got - exact) <= 1e-5 * magnitude + 1e-30);
+      ++which;
     }
   }
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -51,25 +52,41 @@ std::string_view matmul_isa() { return onednn::available() ? "avx512bf16+onednn"
 
 namespace {
 
-// The block types with int8 dot products on this CPU (AVX-512 VNNI): a row's dot product with
-// activations rounded to 8 bits per 256 (quant_dot.h); nullptr where there is none.
+// The block types with int8 dot products on this CPU (AVX-512 VNNI, else AVX2 with FMA and F16C):
+// a row's dot product with activations rounded to 8 bits per 256 (quant_dot.h), and that
+// instruction set's rounding of the activations; none where the CPU has neither.
 using QuantDot = float (*)(const void* row, const BlockQ8Act* x, int64_t n_blocks);
-QuantDot quant_dot(DType t, int64_t in) {
+using QuantizeAct = void (*)(const float* x, int64_t n, BlockQ8Act* out);
+struct QuantKernels {
+  QuantDot q4_k = nullptr, q5_k = nullptr, q6_k = nullptr, iq4_xs = nullptr;
+  QuantizeAct quantize_act = nullptr;
+  std::string_view name = "none";
+};
+const QuantKernels& quant_kernels() {
+  static const QuantKernels chosen = []() -> QuantKernels {
 #if defined(__x86_64__)
-  static const bool vnni = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  }();
-  if (vnni && in % 256 == 0) {
-    if (t == DType::kQ4_K) return avx512vnni::dot_q4_k;
-    if (t == DType::kQ5_K) return avx512vnni::dot_q5_k;
-    if (t == DType::kQ6_K) return avx512vnni::dot_q6_k;
-    if (t == DType::kIQ4_XS) return avx512vnni::dot_iq4_xs;
-  }
+    // COMBS_QUANT_ISA=avx2 takes the AVX2 kernels on a machine that has AVX-512 too (their tests).
+    const char* forced = std::getenv("COMBS_QUANT_ISA");
+    const bool avx2_only = forced && std::string_view(forced) == "avx2";
+    if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
+      return {avx512vnni::dot_q4_k, avx512vnni::dot_q5_k, avx512vnni::dot_q6_k, avx512vnni::dot_iq4_xs,
+              avx512vnni::quantize_act, "avx512vnni"};
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+      return {avx2::dot_q4_k, avx2::dot_q5_k, avx2::dot_q6_k, avx2::dot_iq4_xs, avx2::quantize_act, "avx2"};
+    }
 #endif
-  (void)t, (void)in;
-  return nullptr;
+    return {};
+  }();
+  return chosen;
+}
+QuantDot quant_dot(DType t, int64_t in) {
+  const QuantKernels& k = quant_kernels();
+  if (in % 256 != 0) return nullptr;
+  return t == DType::kQ4_K ? k.q4_k : t == DType::kQ5_K ? k.q5_k : t == DType::kQ6_K ? k.q6_k
+         : t == DType::kIQ4_XS ? k.iq4_xs : nullptr;
 }
 
 // The block types without a kernel of the f32 family (all but q8_0): rows by their int8 dot
@@ -87,7 +104,7 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
     const int64_t nb = in / 256;
     thread_local std::vector<BlockQ8Act> xq;  // every token's activations, rounded once per call
     if (xq.size() < static_cast<size_t>(n_tokens * nb)) xq.resize(n_tokens * nb);
-    for (int64_t t = 0; t < n_tokens; ++t) avx512vnni::quantize_act(x + t * in, in, xq.data() + t * nb);
+    for (int64_t t = 0; t < n_tokens; ++t) quant_kernels().quantize_act(x + t * in, in, xq.data() + t * nb);
     const BlockQ8Act* xs = xq.data();
     backend.parallel_for((out + rows_per_task - 1) / rows_per_task, [&](int64_t task) {
       for (int64_t r = task * rows_per_task; r < std::min(out, (task + 1) * rows_per_task); ++r) {

@@ -42,23 +42,7 @@ inline void group_pair_indices(__m512i pick[4]) {
 
 }  // namespace
 
-void quantize_act(const float* x, int64_t n, BlockQ8Act* out) {
-  for (int64_t b = 0; b < n / 256; ++b, x += 256, ++out) {
-    float amax = 0.0f;
-    for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(x[i]));
-    out->d = amax / 127.0f;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int j = 0; j < 16; ++j) {
-      int s = 0;
-      for (int i = 16 * j; i < 16 * j + 16; ++i) {
-        const int q = static_cast<int>(std::nearbyint(x[i] * inv));
-        out->q[i] = static_cast<int8_t>(std::clamp(q, -127, 127));
-        s += out->q[i];
-      }
-      out->sums[j] = static_cast<int16_t>(s);
-    }
-  }
-}
+void quantize_act(const float* x, int64_t n, BlockQ8Act* out) { quantize_act_blocks(x, n, out); }
 
 // Q4_K (quant.cc): per super-block d, dmin, eight 6-bit (scale, min) pairs, 4-bit quants; each 64
 // elements are 32 bytes whose low nibbles are group 2k and high nibbles group 2k + 1. A group's

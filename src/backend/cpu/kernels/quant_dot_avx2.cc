@@ -1,0 +1,144 @@
+// quant_dot.h for AVX2 (+ FMA, F16C; flags set in CMakeLists.txt): the AVX-512 kernels' arithmetic
+// (quant_dot_avx512vnni.cc describes each format's layout and sums) in 256-bit registers. Without
+// AVX-512's 16-bit permutes, each 32 products of one group take its scale by a broadcast: vpmaddubsw
+// of 32 unsigned weights and 32 signed activations, then vpmaddwd by the group's int16 scale (or by
+// two scales, one per 128-bit half, for the 16-element groups of Q6_K).
+#include "kernels/quant_dot.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace combs::cpu::avx2 {
+namespace {
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline void prefetch_ahead(const uint8_t* block, int bytes) {
+  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + 2048 + off, _MM_HINT_T0);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 32 products of unsigned w and signed a, times one int16 scale per 16 elements (lo: elements
+// 0-15, hi: 16-31), as eight int32 sums.
+inline __m256i scaled(__m256i w, const int8_t* a, int16_t lo, int16_t hi) {
+  const __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  return _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo)));
+}
+
+template <bool kFifthBit>
+float dot_k4(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  constexpr int kBlockBytes = kFifthBit ? 176 : 144, kQuants = kFifthBit ? 48 : 16;
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  const __m256i one = _mm256_set1_epi8(1), low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  float acc_min = 0.0f;
+  for (int64_t i = 0; i < n_blocks; ++i, b += kBlockBytes, ++x) {
+    prefetch_ahead(b, kBlockBytes);
+    const float d = half(b), dmin = half(b + 2);
+    uint32_t u[3];
+    std::memcpy(u, b + 4, 12);
+    const uint32_t packed[4] = {u[0] & 0x3f3f3f3f, (u[2] & 0x0f0f0f0f) | ((u[0] >> 6) & 0x03030303) << 4,
+                                u[1] & 0x3f3f3f3f, ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 6) & 0x03030303) << 4};
+    uint8_t sm[16];  // scales 0-7, then mins 0-7
+    std::memcpy(sm, packed, 16);
+    __m256i isum = _mm256_setzero_si256();
+    const uint8_t* qs = b + kQuants;
+    [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    for (int k = 0; k < 4; ++k) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * k));
+      __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      if constexpr (kFifthBit) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 1), one), 4));
+      }
+      isum = _mm256_add_epi32(isum, scaled(lo, x->q + 64 * k, sm[2 * k], sm[2 * k]));
+      isum = _mm256_add_epi32(isum, scaled(hi, x->q + 64 * k + 32, sm[2 * k + 1], sm[2 * k + 1]));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(x->d * d), acc);
+    int msum = 0;
+    for (int g = 0; g < 8; ++g) msum += sm[8 + g] * (x->sums[2 * g] + x->sums[2 * g + 1]);
+    acc_min += x->d * dmin * static_cast<float>(msum);
+  }
+  return hsum(acc) - acc_min;
+}
+
+}  // namespace
+
+void quantize_act(const float* x, int64_t n, BlockQ8Act* out) { quantize_act_blocks(x, n, out); }
+
+float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k4<false>(row, x, n_blocks); }
+float dot_q5_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k4<true>(row, x, n_blocks); }
+
+float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+  __m256 acc = _mm256_setzero_ps();
+  float acc_corr = 0.0f;
+  for (int64_t i = 0; i < n_blocks; ++i, b += 210, ++x) {
+    prefetch_ahead(b, 210);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half(b + 208);
+    int corr = 0;  // sum_j sc_j * sums_j: the -32 of every level
+    for (int j = 0; j < 16; ++j) corr += sc[j] * x->sums[j];
+    __m256i isum = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
+          _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4))};
+      for (int s = 0; s < 4; ++s) {
+        isum = _mm256_add_epi32(isum, scaled(q[s], x->q + 128 * h + 32 * s, sc[8 * h + 2 * s], sc[8 * h + 2 * s + 1]));
+      }
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(x->d * d), acc);
+    acc_corr += x->d * d * static_cast<float>(32 * corr);
+  }
+  return hsum(acc) - acc_corr;
+}
+
+float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i levels = _mm256_broadcastsi128_si256(
+      _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n_blocks; ++i, b += 136, ++x) {
+    prefetch_ahead(b, 136);
+    const float d = half(b);
+    const int scales_h = b[2] | b[3] << 8;
+    int16_t ls[8];
+    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>((((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | ((scales_h >> (2 * g)) & 3) << 4) - 32);
+    __m256i isum = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 + 32 * k));
+      const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      for (int g = 0; g < 2; ++g) {  // group 2k + g: its low nibbles, then its high nibbles
+        const __m256i w = _mm256_shuffle_epi8(levels, _mm256_permute2x128_si256(lo, hi, g == 0 ? 0x20 : 0x31));
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + 64 * k + 32 * g));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_set1_epi16(ls[2 * k + g])));
+      }
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(x->d * d), acc);
+  }
+  return hsum(acc);
+}
+
+}  // namespace combs::cpu::avx2
