@@ -154,7 +154,7 @@ TEST_CASE("block formats know their geometry and refuse rows that are not whole 
   CHECK(ggml_type_name(1000) == "ggml type 1000");
 }
 
-TEST_CASE("the int8 dot products of q4_k q5_k q6_k and iq4_xs rows equal the exact sums over the rounded activations",
+TEST_CASE("the int8 dot products of every format with a kernel equal the exact sums over the rounded activations",
           "[backend][quant]") {
   __builtin_cpu_init();
   struct Kernels {
@@ -163,6 +163,11 @@ TEST_CASE("the int8 dot products of q4_k q5_k q6_k and iq4_xs rows equal the exa
     void (*quantize_act)(const float*, int64_t, cpu::BlockQ8Act*);
     float (*dot[4])(const void*, const cpu::BlockQ8Act*, int64_t);  // q4_k, q5_k, q6_k, iq4_xs
   };
+  using Dot = float (*)(const void*, const cpu::BlockQ8Act*, int64_t);
+  // The 32-element formats: one AVX2 kernel each, for both instruction sets.
+  const std::pair<DType, Dot> blocks32[] = {{DType::kQ4_0, cpu::avx2::dot_q4_0},   {DType::kQ4_1, cpu::avx2::dot_q4_1},
+                                            {DType::kQ5_0, cpu::avx2::dot_q5_0},   {DType::kQ5_1, cpu::avx2::dot_q5_1},
+                                            {DType::kIQ4_NL, cpu::avx2::dot_iq4_nl}, {DType::kMXFP4, cpu::avx2::dot_mxfp4}};
   const Kernels isas[] = {
       {"avx512vnni",
        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"),
@@ -178,22 +183,28 @@ TEST_CASE("the int8 dot products of q4_k q5_k q6_k and iq4_xs rows equal the exa
     }
     std::mt19937 rng(5);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    int which = 0;
-    for (DType t : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_XS}) {
+    std::vector<std::pair<DType, Dot>> kernels = {{DType::kQ4_K, k.dot[0]}, {DType::kQ5_K, k.dot[1]},
+                                                  {DType::kQ6_K, k.dot[2]}, {DType::kIQ4_XS, k.dot[3]}};
+    kernels.insert(kernels.end(), std::begin(blocks32), std::end(blocks32));
+    for (const auto& [t, dot] : kernels) {
       const QuantFormat& f = *quant_format(t);
       INFO(f.name);
-      // Rows of 4 super-blocks: llama-quantize's blocks, then random ones.
+      // Rows of 4 x 256 elements: llama-quantize's blocks (none for MXFP4), then random ones (MXFP4's
+      // exponents near 1: a random byte reaches 2^127).
       std::vector<uint8_t> blocks = read_bytes(std::string(COMBS_TEST_DATA_DIR) + "/quant/" + std::string(f.name) + ".bin");
-      const std::vector<uint8_t> more = random_blocks(f, 16, 9);
+      std::vector<uint8_t> more = random_blocks(f, 16 * 256 / f.block_elems, 9);
+      if (t == DType::kMXFP4) {
+        for (size_t i = 0; i < more.size(); i += 17) more[i] = static_cast<uint8_t>(118 + i % 16);
+      }
       blocks.insert(blocks.end(), more.begin(), more.end());
-      const int64_t n = 4 * 256, row_bytes = 4 * f.block_bytes;
+      const int64_t n = 4 * 256, row_bytes = 4 * 256 / f.block_elems * f.block_bytes;
       for (size_t r = 0; (r + 1) * row_bytes <= blocks.size(); ++r) {
         const uint8_t* row = blocks.data() + r * row_bytes;
         std::vector<float> x(n), w(n);
         for (float& v : x) v = normal(rng) * (r % 3 == 0 ? 100.0f : 1.0f);
         std::vector<cpu::BlockQ8Act> xq(4);
         k.quantize_act(x.data(), n, xq.data());
-        f.dequantize(row, w.data(), 4);
+        f.dequantize(row, w.data(), n / f.block_elems);
         double exact = 0, magnitude = 0;
         for (int64_t i = 0; i < n; ++i) {
           const double a = double(xq[i / 256].d) * xq[i / 256].q[i % 256];
@@ -201,12 +212,11 @@ TEST_CASE("the int8 dot products of q4_k q5_k q6_k and iq4_xs rows equal the exa
           exact += double(w[i]) * a;
           magnitude += std::abs(double(w[i]) * a);
         }
-        const float got = k.dot[which](row, xq.data(), 4);
+        const float got = dot(row, xq.data(), 4);
         INFO("row " << r << ": " << got << " vs " << exact);
         // Integer sums are exact; the float scales round a few times per super-block.
         CHECK(std::abs(got - exact) <= 1e-5 * magnitude + 1e-30);
       }
-      ++which;
     }
   }
 }

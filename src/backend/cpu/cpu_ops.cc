@@ -59,6 +59,9 @@ using QuantDot = float (*)(const void* row, const BlockQ8Act* x, int64_t n_block
 using QuantizeAct = void (*)(const float* x, int64_t n, BlockQ8Act* out);
 struct QuantKernels {
   QuantDot q4_k = nullptr, q5_k = nullptr, q6_k = nullptr, iq4_xs = nullptr;
+  // The 32-element formats: one AVX2 kernel for both instruction sets.
+  QuantDot q4_0 = avx2::dot_q4_0, q4_1 = avx2::dot_q4_1, q5_0 = avx2::dot_q5_0, q5_1 = avx2::dot_q5_1,
+           iq4_nl = avx2::dot_iq4_nl, mxfp4 = avx2::dot_mxfp4;
   QuantizeAct quantize_act = nullptr;
   std::string_view name = "none";
 };
@@ -71,22 +74,40 @@ const QuantKernels& quant_kernels() {
     const bool avx2_only = forced && std::string_view(forced) == "avx2";
     if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
-      return {avx512vnni::dot_q4_k, avx512vnni::dot_q5_k, avx512vnni::dot_q6_k, avx512vnni::dot_iq4_xs,
-              avx512vnni::quantize_act, "avx512vnni"};
+      QuantKernels k;
+      k.q4_k = avx512vnni::dot_q4_k, k.q5_k = avx512vnni::dot_q5_k, k.q6_k = avx512vnni::dot_q6_k;
+      k.iq4_xs = avx512vnni::dot_iq4_xs, k.quantize_act = avx512vnni::quantize_act, k.name = "avx512vnni";
+      return k;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-      return {avx2::dot_q4_k, avx2::dot_q5_k, avx2::dot_q6_k, avx2::dot_iq4_xs, avx2::quantize_act, "avx2"};
+      QuantKernels k;
+      k.q4_k = avx2::dot_q4_k, k.q5_k = avx2::dot_q5_k, k.q6_k = avx2::dot_q6_k, k.iq4_xs = avx2::dot_iq4_xs;
+      k.quantize_act = avx2::quantize_act, k.name = "avx2";
+      return k;
     }
 #endif
-    return {};
+    QuantKernels none;
+    none.q4_0 = none.q4_1 = none.q5_0 = none.q5_1 = none.iq4_nl = none.mxfp4 = nullptr;
+    return none;
   }();
   return chosen;
 }
 QuantDot quant_dot(DType t, int64_t in) {
   const QuantKernels& k = quant_kernels();
-  if (in % 256 != 0) return nullptr;
-  return t == DType::kQ4_K ? k.q4_k : t == DType::kQ5_K ? k.q5_k : t == DType::kQ6_K ? k.q6_k
-         : t == DType::kIQ4_XS ? k.iq4_xs : nullptr;
+  if (in % 256 != 0 || !k.quantize_act) return nullptr;
+  switch (t) {
+    case DType::kQ4_K: return k.q4_k;
+    case DType::kQ5_K: return k.q5_k;
+    case DType::kQ6_K: return k.q6_k;
+    case DType::kIQ4_XS: return k.iq4_xs;
+    case DType::kQ4_0: return k.q4_0;
+    case DType::kQ4_1: return k.q4_1;
+    case DType::kQ5_0: return k.q5_0;
+    case DType::kQ5_1: return k.q5_1;
+    case DType::kIQ4_NL: return k.iq4_nl;
+    case DType::kMXFP4: return k.mxfp4;
+    default: return nullptr;
+  }
 }
 
 // The block types without a kernel of the f32 family (all but q8_0): rows by their int8 dot

@@ -9,6 +9,8 @@
 
 #include <cstring>
 
+#include "combs/backend/dtype.h"
+
 namespace combs::cpu::avx2 {
 namespace {
 
@@ -140,5 +142,74 @@ float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   }
   return hsum(acc);
 }
+
+// The 32-element formats (quant.cc: Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4): eight weight blocks per
+// 256 activations, each its 32 levels against the block's 32 activations — vpmaddubsw (unsigned
+// levels, or for the signed tables |level| against sign(level) a), vpmaddwd by ones, one float
+// multiply-add by the block's scale times the activations'; a format's offset (-8, -16, or its f16
+// minimum) times the 32 activations' sum, from the activation block's sums of 16. Used on the
+// AVX-512 machines as well (256 bits are enough here: one block is 32 bytes).
+template <DType T>
+float dot32(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  constexpr int kBytes = static_cast<int>(dtype_block_bytes(T));
+  constexpr bool kTable = T == DType::kIQ4_NL || T == DType::kMXFP4;
+  constexpr int kQs = T == DType::kMXFP4 ? 1 : T == DType::kQ4_0 || T == DType::kIQ4_NL ? 2 : T == DType::kQ4_1 ? 4
+                      : T == DType::kQ5_0 ? 6 : 8;
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i levels = _mm256_broadcastsi128_si256(
+      T == DType::kMXFP4 ? _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+                         : _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+  // Fifth bits (Q5_0 / Q5_1): element e takes byte e / 8 of the 32 bits, tested against bit e % 8.
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                          3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  __m256 acc = _mm256_setzero_ps();
+  float acc_offset = 0.0f;
+  for (int64_t i = 0; i < n_blocks; ++i, ++x) {
+    prefetch_ahead(b, 8 * kBytes);
+    for (int j = 0; j < 8; ++j, b += kBytes) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs));
+      __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+      if constexpr (T == DType::kQ5_0 || T == DType::kQ5_1) {
+        uint32_t qh;
+        std::memcpy(&qh, b + kQs - 4, 4);
+        const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), spread);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+      }
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + 32 * j));
+      __m256i p;
+      if constexpr (kTable) {
+        const __m256i l = _mm256_shuffle_epi8(levels, w);
+        p = _mm256_maddubs_epi16(_mm256_abs_epi8(l), _mm256_sign_epi8(a, l));
+      } else {
+        p = _mm256_maddubs_epi16(w, a);
+      }
+      float d;
+      if constexpr (T == DType::kMXFP4) {
+        const uint32_t bits = b[0] < 2 ? uint32_t{0x00200000} << b[0] : static_cast<uint32_t>(b[0] - 1) << 23;
+        std::memcpy(&d, &bits, 4);
+      } else {
+        d = half(b);
+      }
+      const float dx = d * x->d;
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(dx), acc);
+      const int asum = x->sums[2 * j] + x->sums[2 * j + 1];
+      if constexpr (T == DType::kQ4_0) acc_offset -= 8.0f * dx * static_cast<float>(asum);
+      if constexpr (T == DType::kQ5_0) acc_offset -= 16.0f * dx * static_cast<float>(asum);
+      if constexpr (T == DType::kQ4_1 || T == DType::kQ5_1) acc_offset += half(b + 2) * x->d * static_cast<float>(asum);
+    }
+  }
+  return hsum(acc) + acc_offset;
+}
+
+float dot_q4_0(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ4_0>(row, x, n_blocks); }
+float dot_q4_1(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ4_1>(row, x, n_blocks); }
+float dot_q5_0(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ5_0>(row, x, n_blocks); }
+float dot_q5_1(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ5_1>(row, x, n_blocks); }
+float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kIQ4_NL>(row, x, n_blocks); }
+float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kMXFP4>(row, x, n_blocks); }
 
 }  // namespace combs::cpu::avx2
