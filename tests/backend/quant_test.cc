@@ -164,10 +164,11 @@ TEST_CASE("the int8 dot products of every format with a kernel equal the exact s
     float (*dot[4])(const void*, const cpu::BlockQ8Act*, int64_t);  // q4_k, q5_k, q6_k, iq4_xs
   };
   using Dot = float (*)(const void*, const cpu::BlockQ8Act*, int64_t);
-  // The 32-element formats: one AVX2 kernel each, for both instruction sets.
+  // The 32-element formats, Q2_K and Q3_K: one AVX2 kernel each, for both instruction sets.
   const std::pair<DType, Dot> blocks32[] = {{DType::kQ4_0, cpu::avx2::dot_q4_0},   {DType::kQ4_1, cpu::avx2::dot_q4_1},
                                             {DType::kQ5_0, cpu::avx2::dot_q5_0},   {DType::kQ5_1, cpu::avx2::dot_q5_1},
-                                            {DType::kIQ4_NL, cpu::avx2::dot_iq4_nl}, {DType::kMXFP4, cpu::avx2::dot_mxfp4}};
+                                            {DType::kIQ4_NL, cpu::avx2::dot_iq4_nl}, {DType::kMXFP4, cpu::avx2::dot_mxfp4},
+                                            {DType::kQ2_K, cpu::avx2::dot_q2_k},   {DType::kQ3_K, cpu::avx2::dot_q3_k}};
   const Kernels isas[] = {
       {"avx512vnni",
        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"),

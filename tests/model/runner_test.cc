@@ -79,12 +79,12 @@ TEST_CASE("runner logits on block-quantized files agree with the float64 referen
     CHECK(types.size() >= 6);  // the mix is really in the file (f32 norms and 5 or 9 block types)
     const ReferenceModel reference(m.model->file(), m.model->config());
     // Up to 15 tokens a forward: the decode path. Where the CPU has AVX-512 VNNI or AVX2, the rows
-    // of every type but q8_0, q2_k and q3_k multiply activations rounded to 8 bits per 256 (their
-    // kernels are exact on the rounded values: tests/backend/quant_test.cc), which moves these
-    // logits by up to ~5% (over 25 random seeds: 2.2-2.4e-2 for tiny-mix-a, up to 5.4e-2 for
-    // qwen2-tiny-mix-b, whose matrices are nearly all of those types; a wrong scale moves them by
-    // O(1); with the 32-element formats' kernels too: 3.2e-2 and 1.4e-2 at seed 1); q8_0, q2_k
-    // and q3_k multiply exactly dequantized weights by f32 activations (q8_0's tolerance above). 24 tokens at once: the prefill path (oneDNN where built in, weights and
+    // of every type but q8_0 multiply activations rounded to 8 bits per 256 (their kernels are
+    // exact on the rounded values: tests/backend/quant_test.cc), which moves these logits by up to
+    // ~5% (over 25 random seeds with the K-quant and IQ4_XS kernels: 2.2-2.4e-2 for tiny-mix-a, up
+    // to 5.4e-2 for qwen2-tiny-mix-b, whose matrices are nearly all of those types; with every
+    // type's kernel: 3.8e-2 and 4.0e-2 at the test's seed; a wrong scale moves them by O(1)); q8_0
+    // multiplies exactly dequantized weights by f32 activations (its tolerance above). 24 tokens at once: the prefill path (oneDNN where built in, weights and
     // activations rounded to bf16: bf16's tolerance).
     __builtin_cpu_init();
     const bool int8_activations = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&

@@ -59,9 +59,9 @@ using QuantDot = float (*)(const void* row, const BlockQ8Act* x, int64_t n_block
 using QuantizeAct = void (*)(const float* x, int64_t n, BlockQ8Act* out);
 struct QuantKernels {
   QuantDot q4_k = nullptr, q5_k = nullptr, q6_k = nullptr, iq4_xs = nullptr;
-  // The 32-element formats: one AVX2 kernel for both instruction sets.
+  // The 32-element formats, Q2_K and Q3_K: one AVX2 kernel for both instruction sets.
   QuantDot q4_0 = avx2::dot_q4_0, q4_1 = avx2::dot_q4_1, q5_0 = avx2::dot_q5_0, q5_1 = avx2::dot_q5_1,
-           iq4_nl = avx2::dot_iq4_nl, mxfp4 = avx2::dot_mxfp4;
+           iq4_nl = avx2::dot_iq4_nl, mxfp4 = avx2::dot_mxfp4, q2_k = avx2::dot_q2_k, q3_k = avx2::dot_q3_k;
   QuantizeAct quantize_act = nullptr;
   std::string_view name = "none";
 };
@@ -87,7 +87,7 @@ const QuantKernels& quant_kernels() {
     }
 #endif
     QuantKernels none;
-    none.q4_0 = none.q4_1 = none.q5_0 = none.q5_1 = none.iq4_nl = none.mxfp4 = nullptr;
+    none.q4_0 = none.q4_1 = none.q5_0 = none.q5_1 = none.iq4_nl = none.mxfp4 = none.q2_k = none.q3_k = nullptr;
     return none;
   }();
   return chosen;
@@ -106,6 +106,8 @@ QuantDot quant_dot(DType t, int64_t in) {
     case DType::kQ5_1: return k.q5_1;
     case DType::kIQ4_NL: return k.iq4_nl;
     case DType::kMXFP4: return k.mxfp4;
+    case DType::kQ2_K: return k.q2_k;
+    case DType::kQ3_K: return k.q3_k;
     default: return nullptr;
   }
 }

@@ -61,6 +61,9 @@ float dot_q5_0(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q5_1(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n_blocks);
+// Q2_K and Q3_K, for both instruction sets too.
+float dot_q2_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
+float dot_q3_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 }  // namespace avx2
 
 }  // namespace combs::cpu

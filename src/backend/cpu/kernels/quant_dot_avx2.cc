@@ -205,6 +205,61 @@ float dot32(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   return hsum(acc) + acc_offset;
 }
 
+// Q2_K and Q3_K (quant.cc): per half of 128 elements 32 bytes of 2-bit quants, element 32 s + l
+// (l < 32) at bits 2s of byte l, sixteen 16-element groups with their own scales. Q2_K: 4-bit
+// scale and 4-bit minimum per group, levels 0..3, value (d sc) q - (dmin mn); Q3_K: a third bit in
+// hmask (bit 4 h + s of byte l; clear: minus 4), 6-bit signed scales, value (d sc) (u - 4) for u
+// = the three bits in 0..7. Both: vpmaddubsw of the unsigned levels, vpmaddwd by each group's
+// scale; the minimums and the -4 through the activations' sums of 16, once per super-block.
+template <bool kThirdBit>
+float dot_k23(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  constexpr int kBytes = kThirdBit ? 110 : 84, kQs = kThirdBit ? 32 : 16;
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  __m256 acc = _mm256_setzero_ps();
+  float acc_offset = 0.0f;
+  for (int64_t i = 0; i < n_blocks; ++i, b += kBytes, ++x) {
+    prefetch_ahead(b, kBytes);
+    int16_t sc[16];
+    int offset = 0;  // Q2_K: sum mn_g sums_g; Q3_K: 4 sum sc_g sums_g
+    float d, dmin = 0.0f;
+    if constexpr (kThirdBit) {
+      const uint8_t* p = b + 96;
+      for (int g = 0; g < 16; ++g) {
+        const int low = g < 8 ? p[g] & 0xF : p[g - 8] >> 4, top = (p[8 + g % 4] >> (2 * (g / 4))) & 3;
+        sc[g] = static_cast<int16_t>((low | top << 4) - 32);
+        offset += 4 * sc[g] * x->sums[g];
+      }
+      d = half(b + 108);
+    } else {
+      for (int g = 0; g < 16; ++g) {
+        sc[g] = static_cast<int16_t>(b[g] & 0xF);
+        offset += (b[g] >> 4) * x->sums[g];
+      }
+      d = half(b + 80), dmin = half(b + 82);
+    }
+    [[maybe_unused]] const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    __m256i isum = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kQs + 32 * h));
+      for (int s2 = 0; s2 < 4; ++s2) {
+        __m256i w = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s2), three);
+        if constexpr (kThirdBit) {
+          w = _mm256_or_si256(w, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s2), one), 2));
+        }
+        const int g = 8 * h + 2 * s2;
+        isum = _mm256_add_epi32(isum, scaled(w, x->q + 128 * h + 32 * s2, sc[g], sc[g + 1]));
+      }
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(x->d * d), acc);
+    acc_offset += x->d * (kThirdBit ? d : dmin) * static_cast<float>(offset);
+  }
+  return hsum(acc) - acc_offset;
+}
+
+float dot_q2_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k23<false>(row, x, n_blocks); }
+float dot_q3_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k23<true>(row, x, n_blocks); }
+
 float dot_q4_0(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ4_0>(row, x, n_blocks); }
 float dot_q4_1(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ4_1>(row, x, n_blocks); }
 float dot_q5_0(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ5_0>(row, x, n_blocks); }
