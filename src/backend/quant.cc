@@ -171,48 +171,32 @@ inline void k4_scale_min(int j, const uint8_t* q, int* sc, int* mn) {
 // Q4_K, 256 in 144: f16 d, f16 dmin, 12 bytes of scales/mins, 128 bytes of nibbles. Each 64
 // elements are 32 bytes: the low nibbles (scale pair 2k), then the high nibbles (pair 2k + 1).
 // Value (d * scale) * q - (dmin * min).
-void dq_q4_k(const void* src, float* y, int64_t nb) {
-  const uint8_t* b = static_cast<const uint8_t*>(src);
-  for (int64_t i = 0; i < nb; ++i, b += 144) {
-    const float d = half(b), dmin = half(b + 2);
-    const uint8_t* scales = b + 4;
-    const uint8_t* q = b + 16;
-    for (int j = 0; j < 8; j += 2, q += 32) {
-      int sc, mn;
-      k4_scale_min(j, scales, &sc, &mn);
-      const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(mn);
-      k4_scale_min(j + 1, scales, &sc, &mn);
-      const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(mn);
-      for (int l = 0; l < 32; ++l) *y++ = d1 * static_cast<float>(q[l] & 0xF) - m1;
-      for (int l = 0; l < 32; ++l) *y++ = d2 * static_cast<float>(q[l] >> 4) - m2;
-    }
-  }
-}
-
 // Q5_K, 256 in 176: as Q4_K with 32 bytes of fifth bits after the scales: element l of the
 // k-th 32-element group (k = 0..7) adds 16 where bit k of byte l is set.
-void dq_q5_k(const void* src, float* y, int64_t nb) {
+template <bool kFifthBit>
+void dq_k45(const void* src, float* y, int64_t nb) {
+  constexpr int kBytes = kFifthBit ? 176 : 144, kQuants = kFifthBit ? 48 : 16;
   const uint8_t* b = static_cast<const uint8_t*>(src);
-  for (int64_t i = 0; i < nb; ++i, b += 176) {
+  for (int64_t i = 0; i < nb; ++i, b += kBytes) {
     const float d = half(b), dmin = half(b + 2);
     const uint8_t* scales = b + 4;
-    const uint8_t* qh = b + 16;
-    const uint8_t* ql = b + 48;
+    [[maybe_unused]] const uint8_t* qh = b + 16;
+    const uint8_t* ql = b + kQuants;
+    // Group j's fifth bit of element l (0 without fifth bits).
+    auto fifth = [&](int l, int j) { return kFifthBit ? ((qh[l] >> j) & 1) * 16 : 0; };
     for (int j = 0; j < 8; j += 2, ql += 32) {
       int sc, mn;
       k4_scale_min(j, scales, &sc, &mn);
       const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(mn);
       k4_scale_min(j + 1, scales, &sc, &mn);
       const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(mn);
-      for (int l = 0; l < 32; ++l) {
-        *y++ = d1 * static_cast<float>((ql[l] & 0xF) + ((qh[l] >> j) & 1) * 16) - m1;
-      }
-      for (int l = 0; l < 32; ++l) {
-        *y++ = d2 * static_cast<float>((ql[l] >> 4) + ((qh[l] >> (j + 1)) & 1) * 16) - m2;
-      }
+      for (int l = 0; l < 32; ++l) *y++ = d1 * static_cast<float>((ql[l] & 0xF) + fifth(l, j)) - m1;
+      for (int l = 0; l < 32; ++l) *y++ = d2 * static_cast<float>((ql[l] >> 4) + fifth(l, j + 1)) - m2;
     }
   }
 }
+void dq_q4_k(const void* src, float* y, int64_t nb) { dq_k45<false>(src, y, nb); }
+void dq_q5_k(const void* src, float* y, int64_t nb) { dq_k45<true>(src, y, nb); }
 
 // Q6_K, 256 in 210: 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales (one
 // per 16 elements), f16 d. Per 128 elements (64 low bytes, 32 high bytes, 8 scales), element
