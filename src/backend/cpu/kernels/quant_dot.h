@@ -4,8 +4,6 @@
 // the instructions, else dequantizes rows (quant.h).
 #pragma once
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 namespace combs::cpu {
@@ -18,28 +16,9 @@ struct BlockQ8Act {
   int16_t sums[16];
 };
 
-// x[0, n) (n a multiple of 256) as n / 256 blocks: d = max|x| / 127, q = nearest(x * (127 / max)).
-// Scalar code, inlined into each instruction set's file (the CPU may lack the others').
-inline void quantize_act_blocks(const float* x, int64_t n, BlockQ8Act* out) {
-  for (int64_t b = 0; b < n / 256; ++b, x += 256, ++out) {
-    float amax = 0.0f;
-    for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(x[i]));
-    out->d = amax / 127.0f;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int j = 0; j < 16; ++j) {
-      int s = 0;
-      for (int i = 16 * j; i < 16 * j + 16; ++i) {
-        const int q = static_cast<int>(std::nearbyint(x[i] * inv));
-        out->q[i] = static_cast<int8_t>(std::clamp(q, -127, 127));
-        s += out->q[i];
-      }
-      out->sums[j] = static_cast<int16_t>(s);
-    }
-  }
-}
-
 // The same kernels for AVX-512 (VNNI machines) and for AVX2 (+ FMA, F16C), picked at run time.
 namespace avx512vnni {
+// x[0, n) (n a multiple of 256) as n / 256 blocks: d = max|x| / 127, q = nearest(x * (127 / max)).
 void quantize_act(const float* x, int64_t n, BlockQ8Act* out);
 // One row of n / 256 Q4_K (Q5_K, Q6_K, IQ4_XS) super-blocks against n / 256 activation blocks.
 float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);

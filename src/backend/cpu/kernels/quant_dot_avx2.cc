@@ -3,7 +3,7 @@
 // AVX-512's 16-bit permutes, each 32 products of one group take its scale by a broadcast: vpmaddubsw
 // of 32 unsigned weights and 32 signed activations, then vpmaddwd by the group's int16 scale (or by
 // two scales, one per 128-bit half, for the 16-element groups of Q6_K).
-#include "kernels/quant_dot.h"
+#include "kernels/quant_dot_isa.h"
 
 #include <immintrin.h>
 
@@ -13,16 +13,6 @@
 
 namespace combs::cpu::avx2 {
 namespace {
-
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-inline void prefetch_ahead(const uint8_t* block, int bytes) {
-  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + 2048 + off, _MM_HINT_T0);
-}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,7 +1,7 @@
 // quant_dot.h for AVX-512 VNNI (flags set in CMakeLists.txt). The block layouts are those of
 // quant.cc (ggml's); each dot product sums, per super-block, exact int32 products of the stored
 // quants with the 8-bit activations, then applies the block's float scales once.
-#include "kernels/quant_dot.h"
+#include "kernels/quant_dot_isa.h"
 
 #include <immintrin.h>
 
@@ -18,18 +18,6 @@
 
 namespace combs::cpu::avx512vnni {
 namespace {
-
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-// A row is one sequential stream, but a short one (a few KB): the cache lines of the super-block
-// 2 KB ahead are requested while this one is computed (as the BF16 decode kernel does).
-inline void prefetch_ahead(const uint8_t* block, int bytes) {
-  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + 2048 + off, _MM_HINT_T0);
-}
 
 // For the kernels whose 64 elements k (k = 0..3) are groups 2k and 2k + 1 of 32: permutexvar
 // indices giving int16 lanes 0-15 scale 2k and lanes 16-31 scale 2k + 1 of eight int16 scales.
