@@ -57,13 +57,11 @@ namespace {
 // instruction set's rounding of the activations; none where the CPU has neither.
 using QuantDot = float (*)(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 using QuantizeAct = void (*)(const float* x, int64_t n, BlockQ8Act* out);
+// The kernels that differ by instruction set; the 32-element formats, Q2_K and Q3_K have one AVX2
+// kernel each, for both.
 struct QuantKernels {
+  QuantizeAct quantize_act = nullptr;  // none: no int8 kernels on this CPU
   QuantDot q4_k = nullptr, q5_k = nullptr, q6_k = nullptr, iq4_xs = nullptr;
-  // The 32-element formats, Q2_K and Q3_K: one AVX2 kernel for both instruction sets.
-  QuantDot q4_0 = avx2::dot_q4_0, q4_1 = avx2::dot_q4_1, q5_0 = avx2::dot_q5_0, q5_1 = avx2::dot_q5_1,
-           iq4_nl = avx2::dot_iq4_nl, mxfp4 = avx2::dot_mxfp4, q2_k = avx2::dot_q2_k, q3_k = avx2::dot_q3_k;
-  QuantizeAct quantize_act = nullptr;
-  std::string_view name = "none";
 };
 const QuantKernels& quant_kernels() {
   static const QuantKernels chosen = []() -> QuantKernels {
@@ -74,21 +72,14 @@ const QuantKernels& quant_kernels() {
     const bool avx2_only = forced && std::string_view(forced) == "avx2";
     if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
-      QuantKernels k;
-      k.q4_k = avx512vnni::dot_q4_k, k.q5_k = avx512vnni::dot_q5_k, k.q6_k = avx512vnni::dot_q6_k;
-      k.iq4_xs = avx512vnni::dot_iq4_xs, k.quantize_act = avx512vnni::quantize_act, k.name = "avx512vnni";
-      return k;
+      return {avx512vnni::quantize_act, avx512vnni::dot_q4_k, avx512vnni::dot_q5_k, avx512vnni::dot_q6_k,
+              avx512vnni::dot_iq4_xs};
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-      QuantKernels k;
-      k.q4_k = avx2::dot_q4_k, k.q5_k = avx2::dot_q5_k, k.q6_k = avx2::dot_q6_k, k.iq4_xs = avx2::dot_iq4_xs;
-      k.quantize_act = avx2::quantize_act, k.name = "avx2";
-      return k;
+      return {avx2::quantize_act, avx2::dot_q4_k, avx2::dot_q5_k, avx2::dot_q6_k, avx2::dot_iq4_xs};
     }
 #endif
-    QuantKernels none;
-    none.q4_0 = none.q4_1 = none.q5_0 = none.q5_1 = none.iq4_nl = none.mxfp4 = none.q2_k = none.q3_k = nullptr;
-    return none;
+    return {};
   }();
   return chosen;
 }
@@ -100,14 +91,14 @@ QuantDot quant_dot(DType t, int64_t in) {
     case DType::kQ5_K: return k.q5_k;
     case DType::kQ6_K: return k.q6_k;
     case DType::kIQ4_XS: return k.iq4_xs;
-    case DType::kQ4_0: return k.q4_0;
-    case DType::kQ4_1: return k.q4_1;
-    case DType::kQ5_0: return k.q5_0;
-    case DType::kQ5_1: return k.q5_1;
-    case DType::kIQ4_NL: return k.iq4_nl;
-    case DType::kMXFP4: return k.mxfp4;
-    case DType::kQ2_K: return k.q2_k;
-    case DType::kQ3_K: return k.q3_k;
+    case DType::kQ4_0: return avx2::dot_q4_0;
+    case DType::kQ4_1: return avx2::dot_q4_1;
+    case DType::kQ5_0: return avx2::dot_q5_0;
+    case DType::kQ5_1: return avx2::dot_q5_1;
+    case DType::kIQ4_NL: return avx2::dot_iq4_nl;
+    case DType::kMXFP4: return avx2::dot_mxfp4;
+    case DType::kQ2_K: return avx2::dot_q2_k;
+    case DType::kQ3_K: return avx2::dot_q3_k;
     default: return nullptr;
   }
 }
