@@ -469,20 +469,25 @@ Status check_split(const Tensor& w, std::span<const MatmulOut> outs) {
   return ok_status();
 }
 
-// x as a cuBLAS GEMM takes it with w: f32 weights read x itself; 16-bit weights a copy rounded to
-// their dtype (scratch slot 0, valid until the next op that uses the scratch).
-StatusOr<const void*> gemm_input(CudaBackend& b, const Tensor& w, const float* x, int64_t n) {
-  COMBS_RETURN_IF_ERROR(check_gemm_dtype(w));
-  if (w.dtype() == DType::kF32) return static_cast<const void*>(x);
-  const int64_t in = w.dim(1);
-  COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(n * in) * 2));
-  if (w.dtype() == DType::kF16) {
-    launch_pdl(convert_kernel<__half>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x, static_cast<__half*>(xs), n * in);
+// count f32 values of x rounded to dt (F16 or BF16) in scratch slot 0 (valid until the next op
+// that uses the scratch).
+StatusOr<const void*> rounded_copy(CudaBackend& b, const float* x, int64_t count, DType dt) {
+  COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(count) * 2));
+  if (dt == DType::kF16) {
+    launch_pdl(convert_kernel<__half>, dim3(blocks(count, 256)), dim3(256), 0, stream_of(b), x, static_cast<__half*>(xs), count);
   } else {
-    launch_pdl(convert_kernel<__nv_bfloat16>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x, static_cast<__nv_bfloat16*>(xs), n * in);
+    launch_pdl(convert_kernel<__nv_bfloat16>, dim3(blocks(count, 256)), dim3(256), 0, stream_of(b), x, static_cast<__nv_bfloat16*>(xs), count);
   }
   COMBS_RETURN_IF_ERROR(launched("convert_kernel"));
   return static_cast<const void*>(xs);
+}
+
+// x as a cuBLAS GEMM takes it with w: f32 weights read x itself; 16-bit weights a copy rounded to
+// their dtype (rounded_copy).
+StatusOr<const void*> gemm_input(CudaBackend& b, const Tensor& w, const float* x, int64_t n) {
+  COMBS_RETURN_IF_ERROR(check_gemm_dtype(w));
+  if (w.dtype() == DType::kF32) return static_cast<const void*>(x);
+  return rounded_copy(b, x, n * w.dim(1), w.dtype());
 }
 
 // y (+)= xin @ w^T (+ bias) on cuBLAS, xin from gemm_input(w).
@@ -564,10 +569,7 @@ Status quant_decode(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
 Status quant_gemm(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
                   bool accumulate) {
   const int64_t in = w.dim(1);
-  COMBS_ASSIGN_OR_RETURN(void* xs, b.scratch(static_cast<size_t>(n * in) * 2));
-  launch_pdl(convert_kernel<__nv_bfloat16>, dim3(blocks(n * in, 256)), dim3(256), 0, stream_of(b), x,
-             static_cast<__nv_bfloat16*>(xs), n * in);
-  COMBS_RETURN_IF_ERROR(launched("convert_kernel"));
+  COMBS_ASSIGN_OR_RETURN(const void* xs, rounded_copy(b, x, n * in, DType::kBF16));
   int64_t largest = 0;
   for (const MatmulOut& o : outs) largest = std::max(largest, o.rows);
   const int64_t tile_rows = std::max<int64_t>(1, std::min<int64_t>(largest, static_cast<int64_t>(kQuantTileBytes) / (in * 2)));

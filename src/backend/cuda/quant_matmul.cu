@@ -431,7 +431,7 @@ Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t 
   if (in % 32 != 0) return invalid_argument_error("cuda quantize_activations: rows of " + std::to_string(in) + " (not whole groups of 32)");
   if (n == 0) return ok_status();
   int8_t* q = static_cast<int8_t*>(xq);
-  float* d = reinterpret_cast<float*>(q + ((n * in + 15) / 16) * 16);
+  float* d = reinterpret_cast<float*>(q + activation_scales_offset(n, in));
   launch_pdl(quantize_act_kernel, dim3(static_cast<unsigned>(n)), dim3(256), 0, st, x, in, norm_w, eps, q, d,
              static_cast<int>(activation_group(in)));
   return cuda_status(cudaGetLastError(), "quantize_act_kernel");
@@ -442,7 +442,7 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   if (n < 1 || n > kQuantGemvMaxRows) return invalid_argument_error("cuda quant_gemv: 1 to 8 rows of x");
   const int64_t in = w.dim(1);
   const int8_t* q = static_cast<const int8_t*>(xq);
-  const float* d = reinterpret_cast<const float*>(q + ((n * in + 15) / 16) * 16);
+  const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(n, in));
   const int gshift = activation_group(in) == 256 ? 3 : 0;
   const int64_t rows = outs.end[outs.count - 1];
   const dim3 grid(blocks_for(rows, kWarps)), block(kWarps * 32);

@@ -30,9 +30,11 @@ constexpr size_t kQuantTileBytes = size_t{64} << 20;
 // groups of 32).
 inline int64_t activation_group(int64_t in) { return in % 256 == 0 ? 256 : 32; }
 
+// Where quantize_activations' float scales start: after the n * in int8 values, 16-byte aligned.
+inline size_t activation_scales_offset(int64_t n, int64_t in) { return static_cast<size_t>((n * in + 15) / 16 * 16); }
 // Bytes quantize_activations writes for n rows of in: the int8 values, then one float per group.
 inline size_t activation_bytes(int64_t n, int64_t in) {
-  return static_cast<size_t>(n * in) + static_cast<size_t>(n * (in / activation_group(in))) * 4 + 16;
+  return activation_scales_offset(n, in) + static_cast<size_t>(n * (in / activation_group(in))) * 4;
 }
 
 // x [n, in] f32 -> xq (activation_bytes(n, in)): int8 values [n, in], then float scales
