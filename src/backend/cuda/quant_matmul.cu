@@ -13,6 +13,7 @@
 
 #include "combs/backend/dtype.h"
 #include "cuda_check.h"
+#include "async_copy.h"
 #include "pdl.h"
 
 namespace combs::cuda {
@@ -23,22 +24,24 @@ struct Unit {
   float d[2], m[2];  // element e: d[e / 16] * q - m[e / 16]
 };
 
-// Loads through the read-only path; p's alignment is named (a block's fields are 1, 2, 4 or 16
-// byte aligned by the format's block size).
+// Loads of a block's fields, from global or shared memory (the decode kernel stages rows in
+// shared memory); p's alignment is named (a block's fields are 1, 2, 4 or 16 byte aligned by the
+// format's block size, and a staged row keeps its alignment modulo 16).
+__device__ __forceinline__ uint32_t u8_at(const uint8_t* p) { return *p; }
 __device__ __forceinline__ float f16_at(const uint8_t* p) {
-  return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+  return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
 }
 __device__ __forceinline__ uint32_t u32_a1(const uint8_t* p) {
-  return uint32_t{__ldg(p)} | uint32_t{__ldg(p + 1)} << 8 | uint32_t{__ldg(p + 2)} << 16 | uint32_t{__ldg(p + 3)} << 24;
+  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
 }
 __device__ __forceinline__ uint32_t u32_a2(const uint8_t* p) {
   const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-  return uint32_t{__ldg(h)} | uint32_t{__ldg(h + 1)} << 16;
+  return uint32_t{h[0]} | uint32_t{h[1]} << 16;
 }
-__device__ __forceinline__ uint32_t u32_a4(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+__device__ __forceinline__ uint32_t u32_a4(const uint8_t* p) { return *reinterpret_cast<const unsigned int*>(p); }
 // Eight consecutive uint32 at a 16-byte aligned p.
 __device__ __forceinline__ void u32x8_a16(const uint8_t* p, uint32_t v[8]) {
-  const uint4 a = __ldg(reinterpret_cast<const uint4*>(p)), b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+  const uint4 a = *reinterpret_cast<const uint4*>(p), b = *(reinterpret_cast<const uint4*>(p) + 1);
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
@@ -118,7 +121,7 @@ __device__ __forceinline__ Unit decode(const uint8_t* b, int u) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) U.q[k] = u32_a2(b + 2 + 4 * k);
   } else if constexpr (T == DType::kMXFP4) {  // E8M0 exponent, nibbles of FP4 levels
-    const uint32_t e = __ldg(b);
+    const uint32_t e = u8_at(b);
     U.d[0] = U.d[1] = __uint_as_float(e < 2 ? uint32_t{0x00200000} << e : (e - 1) << 23);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -130,7 +133,7 @@ __device__ __forceinline__ Unit decode(const uint8_t* b, int u) {
     const float d = f16_at(b + 80), dmin = f16_at(b + 82);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint32_t sc = __ldg(b + 2 * u + h);
+      const uint32_t sc = u8_at(b + 2 * u + h);
       U.d[h] = __fmul_rn(d, static_cast<float>(sc & 0xF));
       U.m[h] = __fmul_rn(dmin, static_cast<float>(sc >> 4));
     }
@@ -143,8 +146,8 @@ __device__ __forceinline__ Unit decode(const uint8_t* b, int u) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int s = 2 * u + h;
-      const int low = s < 8 ? __ldg(p + s) & 0xF : __ldg(p + s - 8) >> 4;
-      const int top = (__ldg(p + 8 + s % 4) >> (2 * (s / 4))) & 3;
+      const int low = s < 8 ? u8_at(p + s) & 0xF : u8_at(p + s - 8) >> 4;
+      const int top = (u8_at(p + 8 + s % 4) >> (2 * (s / 4))) & 3;
       U.d[h] = __fmul_rn(d, static_cast<float>((low | top << 4) - 32));
     }
 #pragma unroll
@@ -158,10 +161,10 @@ __device__ __forceinline__ Unit decode(const uint8_t* b, int u) {
     const uint8_t* sp = b + 4;
     int sc, mn;
     if (u < 4) {
-      sc = __ldg(sp + u) & 63, mn = __ldg(sp + u + 4) & 63;
+      sc = u8_at(sp + u) & 63, mn = u8_at(sp + u + 4) & 63;
     } else {
-      sc = (__ldg(sp + u + 4) & 0xF) | (__ldg(sp + u - 4) >> 6) << 4;
-      mn = (__ldg(sp + u + 4) >> 4) | (__ldg(sp + u) >> 6) << 4;
+      sc = (u8_at(sp + u + 4) & 0xF) | (u8_at(sp + u - 4) >> 6) << 4;
+      mn = (u8_at(sp + u + 4) >> 4) | (u8_at(sp + u) >> 6) << 4;
     }
     U.d[0] = U.d[1] = __fmul_rn(d, static_cast<float>(sc));
     U.m[0] = U.m[1] = __fmul_rn(dmin, static_cast<float>(mn));
@@ -183,7 +186,7 @@ __device__ __forceinline__ Unit decode(const uint8_t* b, int u) {
     const float d = f16_at(b + 208);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      U.d[h] = __fmul_rn(d, static_cast<float>(static_cast<int8_t>(__ldg(b + 192 + 8 * half + 2 * s + h))));
+      U.d[h] = __fmul_rn(d, static_cast<float>(static_cast<int8_t>(u8_at(b + 192 + 8 * half + 2 * s + h))));
     }
     const uint8_t* ql = b + 64 * half + 32 * (s & 1);
     const uint8_t* qh = b + 128 + 32 * half;
@@ -195,8 +198,8 @@ __device__ __forceinline__ Unit decode(const uint8_t* b, int u) {
     }
   } else if constexpr (T == DType::kIQ4_XS) {  // d, scales_h u16, scales_l 4, nibbles 128
     const float d = f16_at(b);
-    const uint32_t sh = __ldg(reinterpret_cast<const unsigned short*>(b + 2));
-    const int ls = ((__ldg(b + 4 + u / 2) >> (4 * (u & 1))) & 0xF) | ((sh >> (2 * u)) & 3) << 4;
+    const uint32_t sh = *reinterpret_cast<const unsigned short*>(b + 2);
+    const int ls = ((u8_at(b + 4 + u / 2) >> (4 * (u & 1))) & 0xF) | ((sh >> (2 * u)) & 3) << 4;
     U.d[0] = U.d[1] = __fmul_rn(d, static_cast<float>(ls - 32));
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -299,74 +302,109 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t in, con
   }
 }
 
-constexpr int kWarps = 4;  // warps (rows) per block of the decode kernel
+// 16 bytes at src (16-byte aligned) to shared dst, of which only the first `bytes` (0..16) are
+// read, the rest zero-filled: a staged row never reads past its tensor's end.
+__device__ __forceinline__ void cp_async16_part(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
 
-// outs (+)= w x for up to N rows of x (quant_matmul.h): one warp per weight row (PAIRS: a gate row
-// and its up row), its lanes over the row's units, 32 apart; each unit's 32 levels against the 32
-// int8 activations of each x row. Before the wait for the kernel that wrote x, the warp asks L2
-// for its row's bytes.
+constexpr int kMaxWarps = 4;                    // warps per block of the decode kernel
+constexpr size_t kMaxStageBytes = 200u << 10;  // its shared memory, at most
+
+// Staged bytes of one row (from the row's start rounded down to 16 to its end, rounded up).
+__host__ __device__ inline int64_t stage_bytes(int64_t row_bytes) { return (row_bytes + 15 + 15) / 16 * 16; }
+
+// outs (+)= w x for up to N rows of x (quant_matmul.h). Persistent warps walk the weight rows
+// (PAIRS: a gate row and its up row) with a stride; each row is copied whole into the warp's
+// shared memory by coalesced 16-byte cp.async (the bandwidth-bound part: the row's bytes read
+// once, straight), the next row's copy in flight while this one is decoded; the first is
+// requested before the wait for the kernel that wrote x. Then the lanes take the row's units, 32
+// apart: each unit's 32 levels against the 32 int8 activations of each x row (from L1/L2).
 template <DType T, int N, bool PAIRS>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kMaxWarps * 32)
     quant_gemv_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                       GemvOut outs, int n, int64_t in, int gshift) {
-  const int lane = threadIdx.x % 32;
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int kParts = PAIRS ? 2 : 1;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>, groups = in >> (5 + gshift);
-  const uint8_t* wr = w + row * row_bytes;
-  const uint8_t* wu = PAIRS ? w + (row + rows) * row_bytes : wr;  // the up row
-  pdl_launch_dependents();
-  if (row < rows) {
-    for (int64_t off = lane * 128; off < row_bytes; off += 32 * 128) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + off));
-      if (PAIRS) asm volatile("prefetch.global.L2 [%0];" ::"l"(wu + off));
+  const int64_t staged = stage_bytes(row_bytes);
+  uint8_t* buffers = smem + static_cast<int64_t>(warp) * 2 * kParts * staged;  // [2][kParts][staged]
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * warps;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * warps + warp;
+  // Row `row`'s parts into buffer `slot`, one commit group (empty past the last row).
+  auto stage = [&](int64_t row, int slot) {
+    if (row < rows) {
+#pragma unroll
+      for (int p = 0; p < kParts; ++p) {
+        const uint8_t* src = w + (row + p * rows) * row_bytes;
+        const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t{15});
+        const int64_t end = (src - base) + row_bytes;
+        uint8_t* dst = buffers + (slot * kParts + p) * staged;
+        for (int64_t c = lane * 16; c < end; c += 32 * 16) {
+          cp_async16_part(smem_addr(dst + c), base + c, static_cast<int>(end - c < 16 ? end - c : 16));
+        }
+      }
     }
-  }
+    cp_async_commit();
+  };
+  pdl_launch_dependents();
+  stage(first, 0);
   pdl_wait();
-  if (row >= rows) return;
-  float acc[N], acc_up[PAIRS ? N : 1];
+  int slot = 0;
+  for (int64_t row = first; row < rows; row += stride, slot ^= 1) {
+    stage(row + stride, slot ^ 1);
+    cp_async_wait<1>();  // this row's group
+    __syncwarp();
+    const int64_t head = reinterpret_cast<uintptr_t>(w + row * row_bytes) & 15;
+    const uint8_t* wr = buffers + slot * kParts * staged + head;
+    const uint8_t* wu = PAIRS ? buffers + (slot * kParts + 1) * staged + (reinterpret_cast<uintptr_t>(w + (row + rows) * row_bytes) & 15) : wr;
+    float acc[N], acc_up[PAIRS ? N : 1];
 #pragma unroll
-  for (int r = 0; r < N; ++r) acc[r] = 0.0f;
-  if constexpr (PAIRS) {
+    for (int r = 0; r < N; ++r) acc[r] = 0.0f;
+    if constexpr (PAIRS) {
 #pragma unroll
-    for (int r = 0; r < N; ++r) acc_up[r] = 0.0f;
-  }
-#pragma unroll 2
-  for (int64_t gu = lane; gu < units; gu += 32) {
-    const int u = static_cast<int>(gu % kUnits<T>);
-    const Unit U = decode<T>(unit_block<T>(wr, gu), u);
-    Unit V;
-    if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, gu), u);
+      for (int r = 0; r < N; ++r) acc_up[r] = 0.0f;
+    }
+    for (int64_t gu = lane; gu < units; gu += 32) {
+      const int u = static_cast<int>(gu % kUnits<T>);
+      const Unit U = decode<T>(unit_block<T>(wr, gu), u);
+      Unit V;
+      if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, gu), u);
+#pragma unroll
+      for (int r = 0; r < N; ++r) {
+        if (r >= n) break;
+        const int4* xp = reinterpret_cast<const int4*>(xq + r * in + gu * 32);
+        const int4 a = __ldg(xp), b = __ldg(xp + 1);
+        const int xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const float s = __ldg(xd + r * groups + (gu >> gshift));
+        acc[r] += s * unit_dot<T>(U, xv);
+        if constexpr (PAIRS) acc_up[r] += s * unit_dot<T>(V, xv);
+      }
+    }
+    __syncwarp();  // every lane is done with this buffer before it is staged into again
+    // Sum over the warp, then lane 0 writes (as the BF16 kernel's outputs, cuda_ops.cu).
+    const int seg = row < outs.end[0] ? 0 : row < outs.end[1] ? 1 : 2;
+    const int64_t begin = seg == 0 ? 0 : seg == 1 ? outs.end[0] : outs.end[1];
+    const int64_t seg_rows = (seg == 0 ? outs.end[0] : seg == 1 ? outs.end[1] : outs.end[2]) - begin, rr = row - begin;
+    float* const y = seg == 0 ? outs.y[0] : seg == 1 ? outs.y[1] : outs.y[2];
+    const float* const bias = seg == 0 ? outs.bias[0] : seg == 1 ? outs.bias[1] : outs.bias[2];
 #pragma unroll
     for (int r = 0; r < N; ++r) {
-      if (r >= n) break;
-      const int4* xp = reinterpret_cast<const int4*>(xq + r * in + gu * 32);
-      const int4 a = __ldg(xp), b = __ldg(xp + 1);
-      const int xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-      const float s = __ldg(xd + r * groups + (gu >> gshift));
-      acc[r] += s * unit_dot<T>(U, xv);
-      if constexpr (PAIRS) acc_up[r] += s * unit_dot<T>(V, xv);
+      float v = acc[r];
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+      if constexpr (PAIRS) {
+        float up = acc_up[r];
+        for (int o = 16; o > 0; o >>= 1) up += __shfl_xor_sync(0xffffffff, up, o);
+        if (lane == 0 && r < n) outs.y[0][r * rows + row] = silu(v) * up;
+      } else if (lane == 0 && r < n) {
+        float* dst = y + r * seg_rows + rr;
+        *dst = (outs.accumulate ? *dst : 0.0f) + v + (bias ? bias[rr] : 0.0f);
+      }
     }
   }
-  // Sum over the warp, then lane 0 writes (as the BF16 kernel's outputs, cuda_ops.cu).
-  const int seg = row < outs.end[0] ? 0 : row < outs.end[1] ? 1 : 2;
-  const int64_t begin = seg == 0 ? 0 : seg == 1 ? outs.end[0] : outs.end[1];
-  const int64_t seg_rows = (seg == 0 ? outs.end[0] : seg == 1 ? outs.end[1] : outs.end[2]) - begin, rr = row - begin;
-  float* const y = seg == 0 ? outs.y[0] : seg == 1 ? outs.y[1] : outs.y[2];
-  const float* const bias = seg == 0 ? outs.bias[0] : seg == 1 ? outs.bias[1] : outs.bias[2];
-#pragma unroll
-  for (int r = 0; r < N; ++r) {
-    float v = acc[r];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    if constexpr (PAIRS) {
-      float up = acc_up[r];
-      for (int o = 16; o > 0; o >>= 1) up += __shfl_xor_sync(0xffffffff, up, o);
-      if (lane == 0 && r < n) outs.y[0][r * rows + row] = silu(v) * up;
-    } else if (lane == 0 && r < n) {
-      float* dst = y + r * seg_rows + rr;
-      *dst = (outs.accumulate ? *dst : 0.0f) + v + (bias ? bias[rr] : 0.0f);
-    }
-  }
+  cp_async_wait<0>();
 }
 
 // One thread per unit: rows of w (from `w`, row_bytes apart, or ids[r] where ids is set) to out
@@ -424,6 +462,34 @@ Status check_block_weight(const Tensor& w, const char* op) {
 
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
+// One instantiation of the decode kernel and its launch: persistent blocks, as many as stay
+// resident with this much shared memory (by registers: the kernel's own occupancy, found once).
+template <DType T, int N, bool PAIRS>
+struct GemvVariant {
+  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const GemvOut& outs, int n,
+                       int64_t in, int gshift, int64_t rows, int warps, size_t smem) {
+    static const int by_registers = [] {
+      cudaFuncSetAttribute(quant_gemv_kernel<T, N, PAIRS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kMaxStageBytes));
+      int per_sm = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_gemv_kernel<T, N, PAIRS>, kMaxWarps * 32, 0);
+      cudaGetLastError();
+      return std::max(1, per_sm);
+    }();
+    static const int sms = [] {
+      int device = 0, count = 0;
+      cudaGetDevice(&device);
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+      return std::max(1, count);
+    }();
+    const int by_smem = static_cast<int>(std::max<size_t>(1, (size_t{228} << 10) / (smem + 1024)));
+    const int64_t wanted = (rows + warps - 1) / warps;
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(wanted, int64_t{sms} * std::min(by_registers, by_smem))));
+    launch_pdl(quant_gemv_kernel<T, N, PAIRS>, grid, dim3(warps * 32), smem, st, w, q, d, outs, n, in, gshift);
+    return cuda_status(cudaGetLastError(), "quant_gemv_kernel");
+  }
+};
+
 }  // namespace
 
 Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t in, const float* norm_w, float eps,
@@ -445,24 +511,25 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(n, in));
   const int gshift = activation_group(in) == 256 ? 3 : 0;
   const int64_t rows = outs.end[outs.count - 1];
-  const dim3 grid(blocks_for(rows, kWarps)), block(kWarps * 32);
+  // Shared memory: two staged rows (two pairs) per warp; fewer warps where rows are long.
+  const size_t per_warp = 2 * (pairs ? 2 : 1) * static_cast<size_t>(stage_bytes(static_cast<int64_t>(nbytes_for(w.dtype(), in))));
+  const int warps = static_cast<int>(std::min<size_t>(kMaxWarps, kMaxStageBytes / per_warp));
+  if (warps < 1) return invalid_argument_error("cuda quant_gemv: rows of " + std::to_string(in) + " do not fit shared memory");
+  const size_t smem = per_warp * warps;
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
   return for_block_type(w.dtype(), [&](auto tag) -> Status {
     constexpr DType T = decltype(tag)::value;
-    auto launch = [&](auto kernel) {
-      launch_pdl(kernel, grid, block, 0, st, wp, q, d, outs, n, in, gshift);
-      return cuda_status(cudaGetLastError(), "quant_gemv_kernel");
-    };
+    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, outs, n, in, gshift, rows, warps, smem); };
     if (pairs) {
-      if (n <= 1) return launch(quant_gemv_kernel<T, 1, true>);
-      if (n <= 2) return launch(quant_gemv_kernel<T, 2, true>);
-      if (n <= 4) return launch(quant_gemv_kernel<T, 4, true>);
-      return launch(quant_gemv_kernel<T, 8, true>);
+      if (n <= 1) return go(GemvVariant<T, 1, true>{});
+      if (n <= 2) return go(GemvVariant<T, 2, true>{});
+      if (n <= 4) return go(GemvVariant<T, 4, true>{});
+      return go(GemvVariant<T, 8, true>{});
     }
-    if (n <= 1) return launch(quant_gemv_kernel<T, 1, false>);
-    if (n <= 2) return launch(quant_gemv_kernel<T, 2, false>);
-    if (n <= 4) return launch(quant_gemv_kernel<T, 4, false>);
-    return launch(quant_gemv_kernel<T, 8, false>);
+    if (n <= 1) return go(GemvVariant<T, 1, false>{});
+    if (n <= 2) return go(GemvVariant<T, 2, false>{});
+    if (n <= 4) return go(GemvVariant<T, 4, false>{});
+    return go(GemvVariant<T, 8, false>{});
   });
 }
 
