@@ -237,10 +237,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::generate(const SessionId& id, 
   a->sampler = std::make_unique<Sampler>(params);
   a->stop.max_tokens = request.max_tokens;
   a->stop.stop_sequences = request.stop_sequences;
-  if (!request.ignore_eos && impl_->tokenizer) {
-    for (int32_t e : {impl_->tokenizer->eos_id(), impl_->tokenizer->eot_id()})
-      if (e >= 0) a->stop.eos_ids.push_back(e);
-  }
+  if (!request.ignore_eos && impl_->tokenizer) a->stop.eos_ids = impl_->tokenizer->end_of_generation();
   if (impl_->tokenizer) a->text = std::make_unique<StreamDecoder>(*impl_->tokenizer);
   a->usage.input_tokens = static_cast<int64_t>(request.input.size());
   a->history_before = s->history.size();

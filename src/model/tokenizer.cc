@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <queue>
 
+#include "combs/model/pretokenizer.h"
 #include "unicode.h"
 
 namespace combs {
@@ -14,84 +15,6 @@ constexpr std::string_view kSpmSpace = "\xe2\x96\x81";  // U+2581, SentencePiece
 
 bool mergeable(TokenType t) {
   return t == TokenType::kNormal || t == TokenType::kUserDefined;
-}
-
-// ---- Pre-tokenizers: the end (exclusive) of the piece that starts at character i. ----
-
-struct Chars {
-  const std::vector<Char>& c;
-  size_t n() const { return c.size(); }
-  bool in(size_t j) const { return j < c.size(); }
-  bool is(size_t j, uint32_t cp) const { return in(j) && c[j].valid && c[j].cp == cp; }
-  bool L(size_t j) const { return in(j) && unicode::is_letter(c[j]); }
-  bool N(size_t j) const { return in(j) && unicode::is_number(c[j]); }
-  bool S(size_t j) const { return in(j) && unicode::is_space(c[j]); }
-  bool O(size_t j) const { return in(j) && !L(j) && !N(j) && !S(j); }  // [^\s\p{L}\p{N}]
-  bool nl(size_t j) const { return is(j, '\r') || is(j, '\n'); }
-  size_t run(size_t j, bool (Chars::*pred)(size_t) const) const {
-    while ((this->*pred)(j)) ++j;
-    return j;
-  }
-  uint32_t lower(size_t j) const {
-    return in(j) && c[j].valid && c[j].cp < 0x80 ? (c[j].cp | 0x20) : 0;
-  }
-  // 's 't 're 've 'm 'll 'd (case-insensitive when asked): the end, or 0.
-  size_t contraction(size_t i, bool any_case) const {
-    if (!is(i, '\'')) return 0;
-    auto ch = [&](size_t j, char want) {
-      return any_case ? lower(j) == static_cast<uint32_t>(want) : is(j, static_cast<uint32_t>(want));
-    };
-    if (ch(i + 1, 'r') && ch(i + 2, 'e')) return i + 3;
-    if (ch(i + 1, 'v') && ch(i + 2, 'e')) return i + 3;
-    if (ch(i + 1, 'l') && ch(i + 2, 'l')) return i + 3;
-    for (char k : {'s', 't', 'm', 'd'})
-      if (ch(i + 1, k)) return i + 2;
-    return 0;
-  }
-  // \s+(?!\S) then \s+
-  size_t trailing_space(size_t i) const {
-    const size_t e = run(i, &Chars::S);
-    if (e == n() || e - i < 2) return e;  // \s+ alone when (?!\S) cannot hold
-    return e - 1;
-  }
-};
-
-// 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-size_t match_gpt2(const Chars& x, size_t i) {
-  if (size_t e = x.contraction(i, false)) return e;
-  const size_t j = x.is(i, ' ') ? i + 1 : i;
-  if (x.L(j)) return x.run(j, &Chars::L);
-  if (x.N(j)) return x.run(j, &Chars::N);
-  if (x.O(j)) return x.run(j, &Chars::O);
-  if (x.S(i)) return x.trailing_space(i);
-  return i + 1;
-}
-
-// (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
-// \s*[\r\n]+|\s+(?!\S)|\s+        (qwen2: \p{N} instead of \p{N}{1,3})
-size_t match_llama3(const Chars& x, size_t i, size_t max_digits) {
-  if (size_t e = x.contraction(i, true)) return e;
-  if (x.L(i)) return x.run(i, &Chars::L);
-  if (x.in(i) && !x.nl(i) && !x.N(i) && x.L(i + 1)) return x.run(i + 1, &Chars::L);
-  if (x.N(i)) {
-    size_t e = i;
-    while (e - i < max_digits && x.N(e)) ++e;
-    return e;
-  }
-  const size_t j = x.is(i, ' ') && x.O(i + 1) ? i + 1 : i;
-  if (x.O(j)) {
-    size_t e = x.run(j, &Chars::O);
-    while (x.nl(e)) ++e;
-    return e;
-  }
-  if (x.S(i)) {
-    const size_t e = x.run(i, &Chars::S);
-    for (size_t k = e; k > i; --k) {
-      if (x.nl(k - 1)) return k;  // \s*[\r\n]+ ends after the run's last newline
-    }
-    return x.trailing_space(i);
-  }
-  return i + 1;
 }
 
 struct Bigram {
@@ -138,9 +61,11 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
     return invalid_argument_error(path + ": tokenizer metadata '" + key + "': " + why);
   };
   COMBS_ASSIGN_OR_RETURN(std::string model, f.get_string("tokenizer.ggml.model"));
+  // gemma4: BPE over raw UTF-8 with SentencePiece's spaces (llama.cpp gives it the pre-tokenizer
+  // of that name, whatever tokenizer.ggml.pre says).
   if (model == "llama") t->model_ = Model::kSpm;
-  else if (model == "gpt2") t->model_ = Model::kBpe;
-  else return bad("tokenizer.ggml.model", "'" + model + "' is not supported (llama and gpt2 are)");
+  else if (model == "gpt2" || model == "gemma4") t->model_ = Model::kBpe;
+  else return bad("tokenizer.ggml.model", "'" + model + "' is not supported (llama, gpt2 and gemma4 are)");
 
   COMBS_ASSIGN_OR_RETURN(const gguf::Array* tokens, f.get_array("tokenizer.ggml.tokens"));
   const size_t n = tokens->items.size();
@@ -181,6 +106,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
   COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.bos_token_id", &t->bos_));
   COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.eos_token_id", &t->eos_));
   COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.eot_token_id", &t->eot_));
+  COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.eom_token_id", &t->eom_));
   COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.unknown_token_id", &t->unk_));
   COMBS_RETURN_IF_ERROR(id("tokenizer.ggml.padding_token_id", &t->pad_));
 
@@ -188,6 +114,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
   if (f.find("tokenizer.ggml.pre")) {
     COMBS_ASSIGN_OR_RETURN(pre, f.get_string("tokenizer.ggml.pre"));
   }
+  if (model == "gemma4") pre = "gemma4";
   if (t->model_ == Model::kSpm) {
     t->add_bos_ = true;
     for (int b = 0; b < 256; ++b) {
@@ -205,17 +132,10 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
         if (c.cp < t->joins_.size()) t->joins_[c.cp] = true;
     }
   } else {
-    if (pre == "default" || pre == "gpt-2" || pre == "gpt2") {
-      t->pre_ = Pre::kGpt2;
-    } else if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3") {
-      t->pre_ = Pre::kLlama3;
-      t->ignore_merges_ = true;
-      t->add_bos_ = true;
-    } else if (pre == "qwen2") {
-      t->pre_ = Pre::kQwen2;
-    } else {
-      return bad("tokenizer.ggml.pre", "'" + pre + "' is not supported (default, gpt-2, llama-bpe, qwen2 are)");
-    }
+    auto p = PreTokenizer::create(pre);
+    if (!p.ok()) return bad("tokenizer.ggml.pre", p.status().message());
+    t->pre_ = std::move(p).value();
+    t->add_bos_ = t->pre_->adds_bos();
     COMBS_ASSIGN_OR_RETURN(const gguf::Array* merges, f.get_array("tokenizer.ggml.merges"));
     if (merges->type != gguf::ValueType::kString) return bad("tokenizer.ggml.merges", "must be strings");
     for (size_t i = 0; i < merges->items.size(); ++i) {
@@ -226,9 +146,15 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
       }
       t->merge_rank_.emplace(m, static_cast<int32_t>(i));
     }
-    for (int b = 0; b < 256; ++b) {
+    for (int b = 0; b < 256; ++b) {  // GPT-2's symbol of the byte, or <0xNN> over raw UTF-8
       std::string sym;
-      unicode::append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(b)), sym);
+      if (t->pre_->byte_level()) {
+        unicode::append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(b)), sym);
+      } else {
+        char name[8];
+        std::snprintf(name, sizeof name, "<0x%02X>", b);
+        sym = name;
+      }
       t->byte_tokens_.push_back(t->find(sym));
     }
   }
@@ -241,8 +167,14 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
   if (f.find("tokenizer.ggml.add_space_prefix")) {
     COMBS_ASSIGN_OR_RETURN(t->add_space_prefix_, f.get_bool("tokenizer.ggml.add_space_prefix"));
   }
+  // llama.cpp's workaround for Gemma 4 files that say add_bos_token = false (its PR 21500).
+  if (model == "gemma4") t->add_bos_ = true;
   if (t->add_bos_ && t->bos_ < 0) return bad("tokenizer.ggml.add_bos_token", "set, but there is no bos_token_id");
   if (t->add_eos_ && t->eos_ < 0) return bad("tokenizer.ggml.add_eos_token", "set, but there is no eos_token_id");
+  t->find_end_of_generation();
+  for (int32_t id : t->byte_tokens_) {
+    if (id < 0 || (t->types_[id] != TokenType::kNormal && t->types_[id] != TokenType::kByte)) t->has_every_byte_ = false;
+  }
   for (size_t i = 0; i < n; ++i) {
     const TokenType ty = t->types_[i];
     if ((ty == TokenType::kControl || ty == TokenType::kUserDefined) && !t->tokens_[i].empty()) {
@@ -251,7 +183,62 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
   }
   std::stable_sort(t->specials_.begin(), t->specials_.end(),
                    [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  for (size_t k = 0; k < t->specials_.size(); ++k) {
+    t->specials_by_byte_[static_cast<uint8_t>(t->specials_[k].first[0])].push_back(static_cast<uint32_t>(k));
+  }
   return t;
+}
+
+// llama.cpp's derivation (llama-vocab.cpp, "maintain a list of tokens that cause end-of-generation"):
+// by the tokens' texts, as model files do not mark them. Each is made a control token if the file
+// did not say so (it then renders only with render_special, and text spells it only with
+// parse_special), as llama.cpp does.
+void Tokenizer::find_end_of_generation() {
+  static constexpr std::string_view kEndOfTurn[] = {  // also the eot token when the file names none
+      "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>",
+      "<\xef\xbd\x9c" "end\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>"};  // DeepSeek's <｜end▁of▁sentence｜>
+  static constexpr std::string_view kEndOfGeneration[] = {
+      "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+      "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+      "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+      "<\xef\xbd\x9c" "end\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>", "[e~["};
+  // Fill-in-the-middle's pad, repository and file-separator tokens end a completion too.
+  static constexpr std::string_view kFim[] = {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+                                              "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+                                              "<|file_sep|>"};
+  if (eot_ < 0) {
+    for (std::string_view text : kEndOfTurn)
+      if (const int32_t id = find(text); id >= 0) {
+        eot_ = id;
+        break;
+      }
+  }
+  if (eom_ < 0) eom_ = find("<|eom_id|>");
+  std::vector<int32_t> eog;
+  auto add = [&](int32_t id) {
+    if (id >= 0 && std::find(eog.begin(), eog.end(), id) == eog.end()) eog.push_back(id);
+  };
+  for (std::string_view text : kFim) add(find(text));
+  for (std::string_view text : kEndOfGeneration) add(find(text));
+  add(eos_);
+  add(eot_);
+  add(eom_);
+  // gpt-oss (and solar-open) end a message with <|end|> but keep generating: not an end there.
+  auto has = [&](std::string_view text) { return find(text) >= 0; };
+  if (has("<|end|>") && ((has("<|return|>") && has("<|call|>")) || (has("<|calls|>") && has("<|flush|>")))) {
+    std::erase(eog, find("<|end|>"));
+  }
+  // Gemma 4 uses </s> in text: not an end where <|tool_response> is one.
+  if (has("<|tool_response>") && has("</s>")) std::erase(eog, find("</s>"));
+  for (int32_t id : eog) {
+    if (types_[id] == TokenType::kNormal || types_[id] == TokenType::kUserDefined) types_[id] = TokenType::kControl;
+  }
+  std::sort(eog.begin(), eog.end());
+  eog_ = std::move(eog);
+}
+
+bool Tokenizer::is_end_of_generation(int32_t id) const {
+  return std::binary_search(eog_.begin(), eog_.end(), id);
 }
 
 int32_t Tokenizer::find(std::string_view text) const {
@@ -266,8 +253,12 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, EncodeOptions opti
   size_t pos = 0, frag = 0;
   while (pos <= text.size()) {
     const std::pair<std::string, int32_t>* hit = nullptr;
-    if (options.parse_special && pos < text.size()) {
-      for (const auto& s : specials_) {
+    if (pos < text.size()) {
+      // User-defined tokens always (llama.cpp and Hugging Face split them out before anything
+      // else: GPT-NeoX's runs of spaces), control tokens only when asked; the longest first.
+      for (uint32_t k : specials_by_byte_[static_cast<uint8_t>(text[pos])]) {
+        const auto& s = specials_[k];
+        if (!options.parse_special && types_[s.second] != TokenType::kUserDefined) continue;
         if (text.compare(pos, s.first.size(), s.first) == 0) {
           hit = &s;
           break;
@@ -305,14 +296,21 @@ void Tokenizer::encode_fragment(std::string_view text, bool after_special,
     encode_spm(s, out);
     return;
   }
-  const auto chars = unicode::split_utf8(text);
-  const Chars x{chars};
+  std::string escaped;
+  if (pre_->escapes_spaces()) {
+    escaped.reserve(text.size() * 2);
+    for (char ch : text) {
+      if (ch == ' ') escaped += kSpmSpace;
+      else escaped += ch;
+    }
+    text = escaped;
+  }
+  std::vector<PreTokenizer::Word> words;
+  words.reserve(text.size() / 4 + 1);
+  pre_->split(text, words);
   std::unordered_map<std::string_view, std::vector<int32_t>> cache;  // per call: thread-safe
-  for (size_t i = 0; i < chars.size();) {
-    const size_t e = pre_ == Pre::kGpt2 ? match_gpt2(x, i) : match_llama3(x, i, pre_ == Pre::kQwen2 ? 1 : 3);
-    const size_t b0 = chars[i].offset;
-    const size_t b1 = e < chars.size() ? chars[e].offset : text.size();
-    const std::string_view word = text.substr(b0, b1 - b0);
+  for (const PreTokenizer::Word& w : words) {
+    const std::string_view word = text.substr(w.begin, w.end - w.begin);
     auto it = cache.find(word);
     if (it == cache.end()) {
       std::vector<int32_t> ids;
@@ -320,7 +318,6 @@ void Tokenizer::encode_fragment(std::string_view text, bool after_special,
       it = cache.emplace(word, std::move(ids)).first;
     }
     out.insert(out.end(), it->second.begin(), it->second.end());
-    i = e;
   }
 }
 
@@ -377,9 +374,16 @@ void Tokenizer::encode_spm(std::string_view text, std::vector<int32_t>& out) con
 // pair with the lowest merge rank merges, leftmost first, until no pair has a rank.
 void Tokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>& out) const {
   std::string s;
-  s.reserve(word.size() * 2);
-  for (char ch : word) unicode::append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(ch)), s);
-  if (ignore_merges_) {
+  if (pre_->byte_level()) {
+    s.reserve(word.size() * 2);
+    for (char ch : word) unicode::append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(ch)), s);
+  } else {
+    s = word;
+  }
+  // A word that is a token is that token: always with ignore_merges, and for runs of newlines
+  // where the pre-tokenizer says so (Gemma 4's merges do not build them).
+  if (pre_->ignore_merges() ||
+      (pre_->newline_runs_are_tokens() && s.find_first_not_of('\n') == std::string::npos)) {
     if (const int32_t id = find(s); id >= 0) {
       out.push_back(id);
       return;
@@ -409,6 +413,14 @@ void Tokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>& out
       out.push_back(id);
       continue;
     }
+    if (!pre_->byte_level()) {  // raw UTF-8: byte fallback to <0xNN>
+      for (char ch : piece) {
+        const int32_t bt = byte_tokens_[static_cast<uint8_t>(ch)];
+        if (bt >= 0) out.push_back(bt);
+        else if (unk_ >= 0) out.push_back(unk_);
+      }
+      continue;
+    }
     for (const Char& c : unicode::split_utf8(piece)) {  // symbols the merges never reached
       const int32_t id = find(piece.substr(c.offset, c.len));
       if (id >= 0) out.push_back(id);
@@ -424,10 +436,11 @@ std::string Tokenizer::piece(int32_t id, bool render_special) const {
   if (type == TokenType::kControl || type == TokenType::kUnknown || type == TokenType::kUnused) {
     return render_special ? text : std::string();
   }
-  if (model_ == Model::kSpm) {
-    if (type == TokenType::kByte && text.size() == 6) {
-      return std::string(1, static_cast<char>(std::stoi(text.substr(3, 2), nullptr, 16)));
-    }
+  if (type == TokenType::kByte && text.size() == 6 && text.starts_with("<0x") && text.back() == '>' &&
+      (model_ == Model::kSpm || !pre_->byte_level())) {
+    return std::string(1, static_cast<char>(std::stoi(text.substr(3, 2), nullptr, 16)));
+  }
+  if (model_ == Model::kSpm || (type == TokenType::kNormal && pre_->escapes_spaces())) {
     std::string out;
     for (size_t i = 0; i < text.size();) {
       if (text.compare(i, kSpmSpace.size(), kSpmSpace) == 0) {

@@ -12,6 +12,11 @@ std::vector<Char> split_utf8(std::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
     const auto b0 = static_cast<uint8_t>(s[i]);
+    if (b0 < 0x80) {  // ASCII: most text
+      out.push_back({b0, static_cast<uint32_t>(i), 1, true});
+      ++i;
+      continue;
+    }
     int len = b0 < 0x80 ? 1 : (b0 >> 5) == 0x6 ? 2 : (b0 >> 4) == 0xe ? 3 : (b0 >> 3) == 0x1e ? 4 : 0;
     uint32_t cp = len == 1 ? b0 : len == 2 ? (b0 & 0x1f) : len == 3 ? (b0 & 0x0f) : (b0 & 0x07);
     bool valid = len > 0 && i + len <= s.size();
@@ -54,24 +59,21 @@ void append_utf8(uint32_t cp, std::string& out) {
   }
 }
 
-bool is_letter(const Char& c) {
+bool is_letter_slow(const Char& c) {
   if (!c.valid) return false;
-  if (c.cp < 0x80) return (c.cp | 0x20) >= 'a' && (c.cp | 0x20) <= 'z';
   const int8_t t = u_charType(static_cast<UChar32>(c.cp));
   return t == U_UPPERCASE_LETTER || t == U_LOWERCASE_LETTER || t == U_TITLECASE_LETTER ||
          t == U_MODIFIER_LETTER || t == U_OTHER_LETTER;
 }
 
-bool is_number(const Char& c) {
+bool is_number_slow(const Char& c) {
   if (!c.valid) return false;
-  if (c.cp < 0x80) return c.cp >= '0' && c.cp <= '9';
   const int8_t t = u_charType(static_cast<UChar32>(c.cp));
   return t == U_DECIMAL_DIGIT_NUMBER || t == U_LETTER_NUMBER || t == U_OTHER_NUMBER;
 }
 
-bool is_space(const Char& c) {
+bool is_space_slow(const Char& c) {
   if (!c.valid) return false;
-  if (c.cp < 0x80) return c.cp == ' ' || (c.cp >= 0x09 && c.cp <= 0x0d);
   return u_isUWhiteSpace(static_cast<UChar32>(c.cp));
 }
 

@@ -19,9 +19,22 @@ std::vector<Char> split_utf8(std::string_view s);
 void append_utf8(uint32_t cp, std::string& out);
 
 // Unicode general categories L*, N* and the White_Space property (invalid bytes are none).
-bool is_letter(const Char& c);
-bool is_number(const Char& c);
-bool is_space(const Char& c);
+// ASCII inline (most text); the rest asks ICU.
+bool is_letter_slow(const Char& c);
+bool is_number_slow(const Char& c);
+bool is_space_slow(const Char& c);
+inline bool is_letter(const Char& c) {
+  if (c.cp < 0x80 && c.valid) return (c.cp | 0x20) >= 'a' && (c.cp | 0x20) <= 'z';
+  return is_letter_slow(c);
+}
+inline bool is_number(const Char& c) {
+  if (c.cp < 0x80 && c.valid) return c.cp >= '0' && c.cp <= '9';
+  return is_number_slow(c);
+}
+inline bool is_space(const Char& c) {
+  if (c.cp < 0x80 && c.valid) return c.cp == ' ' || (c.cp >= 0x09 && c.cp <= 0x0d);
+  return is_space_slow(c);
+}
 
 // GPT-2's byte-level alphabet: byte -> a printable code point, and back (-1 when not a symbol).
 uint32_t byte_to_symbol(uint8_t b);

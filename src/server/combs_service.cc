@@ -451,6 +451,9 @@ grpc::ServerUnaryReactor* CombsService::GetModelInfo(grpc::CallbackServerContext
   }
   resp->set_bos_id(tokenizer_ ? tokenizer_->bos_id() : -1);
   resp->set_eos_id(tokenizer_ ? tokenizer_->eos_id() : -1);
+  if (tokenizer_) {
+    for (int32_t id : tokenizer_->end_of_generation()) resp->add_eog_ids(id);
+  }
   const EngineStats st = engine_->stats();
   resp->set_kv_pages_total(st.pages_total);
   return done(ctx, call, ok_status());

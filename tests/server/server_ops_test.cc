@@ -346,6 +346,11 @@ TEST_CASE("the default vocabulary is found beside the binary in the build tree a
   {  // build/<preset>/bin/combs-server finds build/<preset>/share/combs/ggml-vocab-llama-bpe.gguf
     ServerProcess server({}, /*test_vocab=*/false);
     CHECK(n_vocab(server) == 128256);
+    grpc::ClientContext ctx;
+    ModelInfo m;
+    REQUIRE(server.stub()->GetModelInfo(&ctx, GetModelInfoRequest(), &m).ok());
+    // Llama 3's ends of generation, as llama.cpp derives them: <|end_of_text|>, <|eot_id|>.
+    CHECK(std::vector<int32_t>(m.eog_ids().begin(), m.eog_ids().end()) == std::vector<int32_t>{128001, 128009});
     CHECK(server.stop() == 0);
   }
   // An installed layout elsewhere: PREFIX/bin/combs-server with PREFIX/share/combs, as cmake --install

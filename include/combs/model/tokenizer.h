@@ -1,10 +1,12 @@
 // Tokenizer read from a GGUF's tokenizer.* metadata (works on vocab-only files).
 //
 // Models: `llama` — SentencePiece-style: scores drive merges, byte fallback to <0xNN> tokens, a
-// space prefix, spaces as U+2581; `gpt2` — byte-level BPE with ranked merges, after one of the
-// pre-tokenizers `default`/`gpt-2`, `llama-bpe`/`llama3` (Llama 3) or `qwen2`.
+// space prefix, spaces as U+2581; `gpt2` — byte-level BPE with ranked merges, after the
+// pre-tokenizer tokenizer.ggml.pre names (every value llama.cpp knows: pretokenizer.h);
+// `gemma4` — BPE over raw UTF-8 with spaces as U+2581 and byte fallback to <0xNN> tokens.
 //
-// Text that spells a special token is not turned into it unless parse_special is set. Invalid
+// Text that spells a control token is not turned into it unless parse_special is set; user-defined
+// tokens are split out of the text always, before the pre-tokenizer (as Hugging Face's added tokens). Invalid
 // UTF-8 in the input is kept byte for byte: each invalid byte is a character of its own (no
 // letter, digit or space), encoded through byte fallback (llama) or its byte-level symbol (gpt2),
 // so decode(encode(text)) gives the same bytes back.
@@ -12,6 +14,7 @@
 // Immutable after construction; encode/decode are safe from several threads at once.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -22,6 +25,7 @@
 
 #include "combs/base/status.h"
 #include "combs/model/gguf.h"
+#include "combs/model/pretokenizer.h"
 
 namespace combs {
 
@@ -39,7 +43,6 @@ using StringMap = std::unordered_map<std::string, int32_t, StringHash, std::equa
 class Tokenizer {
  public:
   enum class Model : uint8_t { kSpm, kBpe };
-  enum class Pre : uint8_t { kNone, kGpt2, kLlama3, kQwen2 };
 
   // INVALID_ARGUMENT naming the key when the metadata is missing or inconsistent.
   static StatusOr<std::unique_ptr<Tokenizer>> from_gguf(const gguf::GgufFile& file);
@@ -62,13 +65,22 @@ class Tokenizer {
   TokenType token_type(int32_t id) const { return types_[id]; }
   int32_t bos_id() const { return bos_; }  // -1 when the model has none
   int32_t eos_id() const { return eos_; }
-  int32_t eot_id() const { return eot_; }
+  int32_t eot_id() const { return eot_; }  // the file's, or found by its text (<|eot_id|>, <|im_end|>, ...)
+  int32_t eom_id() const { return eom_; }
+  // The tokens that end a generation by default, ascending: eos, eot, eom and the special tokens
+  // that end a turn, as llama.cpp derives them from the vocabulary (find_end_of_generation).
+  const std::vector<int32_t>& end_of_generation() const { return eog_; }
+  bool is_end_of_generation(int32_t id) const;
   int32_t pad_id() const { return pad_; }
   bool add_bos() const { return add_bos_; }
   bool add_eos() const { return add_eos_; }
   bool strips_leading_space() const { return model_ == Model::kSpm && add_space_prefix_; }
   Model model() const { return model_; }
-  Pre pre() const { return pre_; }
+  // Every byte has a token of its own (byte fallback or byte-level symbol, not a user-defined
+  // token): then decode(encode(text)) == text for any bytes. Falcon's vocabulary, for one, lacks
+  // some control bytes; DeepSeek's has U+00FF only as a user-defined token.
+  bool has_every_byte() const { return has_every_byte_; }
+  const PreTokenizer* pre_tokenizer() const { return pre_.get(); }  // null for llama (SentencePiece)
 
  private:
   Tokenizer() = default;
@@ -76,9 +88,10 @@ class Tokenizer {
   void encode_spm(std::string_view text, std::vector<int32_t>& out) const;
   void encode_bpe_word(std::string_view word, std::vector<int32_t>& out) const;
   int32_t find(std::string_view text) const;
+  void find_end_of_generation();
 
   Model model_ = Model::kSpm;
-  Pre pre_ = Pre::kNone;
+  std::unique_ptr<PreTokenizer> pre_;
   std::vector<std::string> tokens_;
   std::vector<float> scores_;
   std::vector<TokenType> types_;
@@ -87,8 +100,10 @@ class Tokenizer {
   std::vector<int32_t> byte_tokens_;                     // byte -> <0xNN> token (spm) or symbol token
   std::vector<bool> joins_;   // code point < 0x30000 appears in a multi-character token (spm)
   std::vector<std::pair<std::string, int32_t>> specials_;  // longest first
-  int32_t bos_ = -1, eos_ = -1, eot_ = -1, unk_ = -1, pad_ = -1;
-  bool add_bos_ = false, add_eos_ = false, add_space_prefix_ = true, ignore_merges_ = false;
+  std::array<std::vector<uint32_t>, 256> specials_by_byte_;  // indexes into specials_, by first byte
+  int32_t bos_ = -1, eos_ = -1, eot_ = -1, eom_ = -1, unk_ = -1, pad_ = -1;
+  std::vector<int32_t> eog_;
+  bool add_bos_ = false, add_eos_ = false, add_space_prefix_ = true, has_every_byte_ = true;
 };
 
 // `text` with every byte that is not part of a valid UTF-8 character replaced by U+FFFD (what a

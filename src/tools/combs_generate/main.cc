@@ -112,11 +112,15 @@ int main(int argc, char** argv) {
 
   StopCriteria stop;
   stop.max_tokens = static_cast<int>(max_tokens);
-  if (!flags.on("ignore-eos")) {
-    for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {  // NOLINT
-      if (auto id = (*model)->file().get_uint(key); id.ok() && *id < uint64_t(c.n_vocab)) {
-        stop.eos_ids.push_back(static_cast<int32_t>(*id));
-      }
+  if (!flags.on("ignore-eos")) {  // the vocabulary's end-of-generation tokens
+    std::unique_ptr<Tokenizer> vocab;
+    const Tokenizer* tok = tokenizer.get();
+    if (tok == nullptr) {
+      if (auto t = Tokenizer::from_gguf((*model)->file()); t.ok()) tok = (vocab = std::move(t).value()).get();
+    }
+    if (tok != nullptr) {
+      for (int32_t id : tok->end_of_generation())
+        if (id < c.n_vocab) stop.eos_ids.push_back(id);
     }
   }
 
