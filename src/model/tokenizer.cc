@@ -149,7 +149,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
     for (int b = 0; b < 256; ++b) {  // GPT-2's symbol of the byte, or <0xNN> over raw UTF-8
       std::string sym;
       if (t->pre_->byte_level()) {
-        unicode::append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(b)), sym);
+        append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(b)), sym);
       } else {
         char name[8];
         std::snprintf(name, sizeof name, "<0x%02X>", b);
@@ -376,7 +376,7 @@ void Tokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>& out
   std::string s;
   if (pre_->byte_level()) {
     s.reserve(word.size() * 2);
-    for (char ch : word) unicode::append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(ch)), s);
+    for (char ch : word) append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(ch)), s);
   } else {
     s = word;
   }

@@ -6,6 +6,8 @@
 #include <string_view>
 #include <vector>
 
+#include "combs/base/utf8.h"
+
 namespace combs::unicode {
 
 // One character of a UTF-8 string. An invalid byte is a character of its own with valid = false.
@@ -16,7 +18,6 @@ struct Char {
   bool valid;
 };
 std::vector<Char> split_utf8(std::string_view s);
-void append_utf8(uint32_t cp, std::string& out);
 
 // Unicode general categories L*, N* and the White_Space property (invalid bytes are none).
 // ASCII inline (most text); the rest asks ICU.
