@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "combs/backend/cpu/cpu_backend.h"
+#include "combs/chat/jinja.h"
 #include "combs/kv/paged_kv_cache.h"
 #include "combs/model/runner.h"
 #include "combs/model/tokenizer.h"
@@ -42,6 +43,9 @@ struct Active {
   Usage usage;
   bool counted_cache = false;
   size_t history_before = 0;  // a request that fails leaves the session as it found it
+  // A chat turn's: the conversation it rendered and the rendering (the reply joins them at the end).
+  std::optional<nlohmann::ordered_json> chat_conversation;
+  std::string chat_rendering;
 };
 
 struct Session {
@@ -55,6 +59,13 @@ struct Session {
   bool closing = false;  // closed while generating: the scheduler ends the request, then erases it
   // What info() reports while the session is generating (its cache is then the scheduler's).
   int64_t snap_cached = 0, snap_pages = 0, snap_shared = 0;
+  uint64_t edits = 0;  // history changes (a chat turn prepared outside the lock checks it)
+  // Chat: the conversation, and the text the history is the tokens of when the last change was a
+  // chat turn (chat_text_valid): a next rendering that extends it needs only its new part
+  // tokenized; otherwise the turn compares tokens with the history.
+  nlohmann::ordered_json conversation = nlohmann::ordered_json::array();
+  std::string chat_text;
+  bool chat_text_valid = false;
 };
 
 void snapshot(Session& s) {
@@ -79,6 +90,8 @@ SessionId random_id(std::string_view family = {}) {
 struct Engine::Impl {
   std::unique_ptr<Model> model;
   std::unique_ptr<Tokenizer> tokenizer;  // null when the model file has none
+  std::optional<jinja::Template> chat_template;
+  std::string no_chat_template;          // why chat() is refused when there is none
   EngineOptions options;
   CpuBackend backend;                    // the CPU runner's
   std::unique_ptr<ModelRunner> runner;   // its backend holds the pool's memory: declared first,
@@ -116,6 +129,10 @@ struct Engine::Impl {
     return s;
   }
 
+  // Starts a generate on the idle session s (the lock held): the checks that need the session,
+  // then the request joins the scheduler's work.
+  StatusOr<std::shared_ptr<GenerateHandle>> start(Session* s, GenerateRequest request, EventSink sink,
+                                                  std::unique_ptr<Active> a);
   void run();
   void step(std::unique_lock<std::mutex>& lock);
   void sweep_expired();
@@ -140,6 +157,20 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   if (impl->options.max_context <= 0) impl->options.max_context = c.context_length;
   if (auto t = Tokenizer::from_gguf(model->file()); t.ok() && (*t)->n_vocab() == c.n_vocab) {
     impl->tokenizer = std::move(t).value();
+  }
+  {  // the chat template: the option's, else the file's; chat() says why where there is none
+    std::string source = o.chat_template;
+    if (source.empty() && model->file().find("tokenizer.chat_template")) {
+      if (auto t = model->file().get_string("tokenizer.chat_template"); t.ok()) source = *t;
+    }
+    if (source.empty()) {
+      impl->no_chat_template = "chat: the model has no chat template (tokenizer.chat_template); give one "
+                               "(combs-server --chat-template FILE, combs-mkmodel --chat-template FILE)";
+    } else if (auto t = jinja::Template::parse(source); t.ok()) {
+      impl->chat_template = std::move(t).value();
+    } else {
+      impl->no_chat_template = "chat: the chat template does not parse: " + t.status().message();
+    }
   }
   impl->model = std::move(model);
   if (o.make_runner) {
@@ -221,6 +252,17 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::generate(const SessionId& id, 
   }
   std::unique_lock<std::mutex> lock(impl_->mu);
   COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
+  auto handle = impl_->start(s, std::move(request), std::move(sink), std::make_unique<Active>());
+  if (!handle.ok()) return handle.status();
+  s->chat_text_valid = false;  // the history is no longer a chat's rendering
+  lock.unlock();
+  impl_->wake.notify_all();
+  return handle;
+}
+
+StatusOr<std::shared_ptr<GenerateHandle>> Engine::Impl::start(Session* s, GenerateRequest request, EventSink sink,
+                                                              std::unique_ptr<Active> a) {
+  const ModelConfig& c = model->config();
   const SamplingParams params = request.sampling.value_or(s->options.sampling);
   COMBS_RETURN_IF_ERROR(validate(params, c.n_vocab));
   const int64_t after = static_cast<int64_t>(s->history.size() + request.input.size()) + request.max_tokens;
@@ -231,14 +273,13 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::generate(const SessionId& id, 
   if (s->history.empty() && request.input.empty()) {
     return invalid_argument_error("generate: the session is empty and the request has no input");
   }
-  auto a = std::make_unique<Active>();
   a->handle = std::make_shared<GenerateHandle>();
   a->sink = std::move(sink);
   a->sampler = std::make_unique<Sampler>(params);
   a->stop.max_tokens = request.max_tokens;
   a->stop.stop_sequences = request.stop_sequences;
-  if (!request.ignore_eos && impl_->tokenizer) a->stop.eos_ids = impl_->tokenizer->end_of_generation();
-  if (impl_->tokenizer) a->text = std::make_unique<StreamDecoder>(*impl_->tokenizer);
+  if (!request.ignore_eos && tokenizer) a->stop.eos_ids = tokenizer->end_of_generation();
+  if (tokenizer) a->text = std::make_unique<StreamDecoder>(*tokenizer);
   a->usage.input_tokens = static_cast<int64_t>(request.input.size());
   a->history_before = s->history.size();
   s->history.insert(s->history.end(), request.input.begin(), request.input.end());
@@ -250,9 +291,120 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::generate(const SessionId& id, 
   snapshot(*s);
   s->active = std::move(a);
   s->last_used = Clock::now();
-  lock.unlock();
-  impl_->wake.notify_all();
+  ++s->edits;
   return handle;
+}
+
+namespace {
+// Text content only: each message an object with a string role and a string content (other keys,
+// which templates may read, pass through).
+Status check_messages(const nlohmann::ordered_json& messages) {
+  if (!messages.is_array()) return invalid_argument_error("chat: messages must be a JSON array");
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const auto& m = messages[i];
+    const std::string at = "chat: message " + std::to_string(i);
+    if (!m.is_object()) return invalid_argument_error(at + " is not an object");
+    if (!m.contains("role") || !m["role"].is_string() || m["role"].get<std::string>().empty()) {
+      return invalid_argument_error(at + " has no role (a non-empty string)");
+    }
+    if (m.contains("content") && !m["content"].is_string() && !m["content"].is_null()) {
+      return invalid_argument_error(at + ": content must be text (a string)");
+    }
+  }
+  return ok_status();
+}
+}  // namespace
+
+StatusOr<std::shared_ptr<GenerateHandle>> Engine::chat(const SessionId& id, ChatRequest request, EventSink sink) {
+  Impl& m = *impl_;
+  if (!m.tokenizer) return failed_precondition_error("chat: the model has no tokenizer");
+  if (!m.chat_template) return failed_precondition_error(m.no_chat_template);
+  COMBS_RETURN_IF_ERROR(check_messages(request.messages));
+  if (!request.variables.is_object()) return invalid_argument_error("chat: variables must be a JSON object");
+  if (request.max_tokens < 0) return invalid_argument_error("chat: max_tokens must be >= 0");
+  if (request.max_tokens > m.options.max_tokens_per_request) {
+    return resource_exhausted_error("chat: max_tokens " + std::to_string(request.max_tokens) + " exceeds the limit of " +
+                                    std::to_string(m.options.max_tokens_per_request));
+  }
+  if (!sink) return invalid_argument_error("chat: no event sink");
+  for (const std::string& stop : request.stop_strings) {
+    if (stop.empty()) return invalid_argument_error("chat: empty stop string");
+  }
+  // The conversation and what the history renders to, as they are now.
+  nlohmann::ordered_json conversation;
+  std::string before;
+  bool before_valid;
+  uint64_t edits;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    COMBS_ASSIGN_OR_RETURN(Session * s, m.idle(id));
+    conversation = request.replace ? nlohmann::ordered_json::array() : s->conversation;
+    before = s->chat_text;
+    before_valid = s->chat_text_valid;
+    edits = s->edits;
+  }
+  for (const auto& msg : request.messages) conversation.push_back(msg);
+  // Rendering and tokenizing run outside the lock (the scheduler's steps do not wait for them).
+  nlohmann::ordered_json context = request.variables;
+  context["messages"] = conversation;
+  context["add_generation_prompt"] = true;
+  auto token_text = [&](int32_t t) { return t >= 0 ? m.tokenizer->token_text(t) : std::string(); };
+  if (!context.contains("bos_token")) context["bos_token"] = token_text(m.tokenizer->bos_id());
+  if (!context.contains("eos_token")) context["eos_token"] = token_text(m.tokenizer->eos_id());
+  auto rendered = m.chat_template->render(context);
+  if (!rendered.ok()) return invalid_argument_error("chat template: " + rendered.status().message());
+  const std::string& text = *rendered;
+  // The template's text spells its special tokens; nothing is added around it (as Hugging Face's
+  // apply_chat_template tokenizes).
+  const bool extends = before_valid && text.size() >= before.size() && text.compare(0, before.size(), before) == 0;
+  const std::vector<int32_t> tokens =
+      m.tokenizer->encode(extends ? std::string_view(text).substr(before.size()) : std::string_view(text), {false, true});
+
+  std::unique_lock<std::mutex> lock(m.mu);
+  COMBS_ASSIGN_OR_RETURN(Session * s, m.idle(id));
+  if (s->edits != edits) return failed_precondition_error("chat: session " + id + " changed while the turn was prepared");
+  GenerateRequest g;
+  size_t keep = s->history.size();
+  if (extends) {
+    g.input = tokens;
+  } else {  // the longest common prefix of the new tokens and the history stays
+    keep = 0;
+    while (keep < s->history.size() && keep < tokens.size() && s->history[keep] == tokens[keep]) ++keep;
+    if (keep == tokens.size() && keep > 0) --keep;  // at least one position to compute the next token from
+    g.input.assign(tokens.begin() + static_cast<ptrdiff_t>(keep), tokens.end());
+  }
+  const int64_t after = static_cast<int64_t>(keep + g.input.size()) + request.max_tokens;
+  if (after > s->max_context) {
+    return resource_exhausted_error("chat: " + std::to_string(after) + " tokens would exceed the session's context of " +
+                                    std::to_string(s->max_context));
+  }
+  COMBS_RETURN_IF_ERROR(validate(request.sampling.value_or(s->options.sampling), m.model->config().n_vocab));
+  if (keep < s->history.size()) {  // roll back to where the rendering changes
+    s->history.resize(keep);
+    const int64_t cached = s->cache->seq_len();
+    if (cached > static_cast<int64_t>(keep)) s->cache->popn(cached - static_cast<int64_t>(keep));
+    s->chat_text_valid = false;
+    ++s->edits;
+  }
+  g.max_tokens = request.max_tokens;
+  g.sampling = request.sampling;
+  g.stop_strings = std::move(request.stop_strings);
+  g.ignore_eos = request.ignore_eos;
+  auto a = std::make_unique<Active>();
+  a->chat_conversation = std::move(conversation);
+  a->chat_rendering = text;
+  auto handle = m.start(s, std::move(g), std::move(sink), std::move(a));
+  if (!handle.ok()) return handle.status();
+  lock.unlock();
+  m.wake.notify_all();
+  return handle;
+}
+
+StatusOr<nlohmann::ordered_json> Engine::conversation(const SessionId& id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Session* s = impl_->find(id);
+  if (s == nullptr) return not_found_error("session " + id + " not found");
+  return s->conversation;
 }
 
 StatusOr<int64_t> Engine::rollback(const SessionId& id, int64_t n) {
@@ -267,6 +419,10 @@ StatusOr<int64_t> Engine::rollback(const SessionId& id, int64_t n) {
   const int64_t cached = s->cache->seq_len();
   if (cached > len - n) s->cache->popn(cached - (len - n));
   s->last_used = Clock::now();
+  if (n > 0) {
+    s->chat_text_valid = false;
+    ++s->edits;
+  }
   return len - n;
 }
 
@@ -275,6 +431,10 @@ Status Engine::reset(const SessionId& id) {
   COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
   s->history.clear();
   s->cache->reset();
+  s->conversation = nlohmann::ordered_json::array();
+  s->chat_text.clear();
+  s->chat_text_valid = false;
+  ++s->edits;
   s->last_used = Clock::now();
   return ok_status();
 }
@@ -296,6 +456,9 @@ StatusOr<SessionId> Engine::fork(const SessionId& id) {
   child->options = s->options;
   child->max_context = s->max_context;
   child->history = s->history;
+  child->conversation = s->conversation;
+  child->chat_text = s->chat_text;
+  child->chat_text_valid = s->chat_text_valid;
   child->cache = std::move(forked).value();
   child->last_used = s->last_used = Clock::now();
   SessionId cid = child->id;
@@ -416,6 +579,17 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
     const int64_t cached = s.cache->seq_len();
     if (cached > static_cast<int64_t>(a.history_before)) s.cache->popn(cached - static_cast<int64_t>(a.history_before));
   }
+  if (a.chat_conversation && kind != FinishKind::kError) {  // the reply joins the conversation
+    std::vector<int32_t> reply = a.generated;
+    if (kind == FinishKind::kEos && !reply.empty()) reply.pop_back();
+    std::string spelled = a.chat_rendering;  // the text the history now is the tokens of
+    for (int32_t t : a.generated) spelled += tokenizer->piece(t, /*render_special=*/true);
+    a.chat_conversation->push_back({{"role", "assistant"}, {"content", tokenizer->decode(reply)}});
+    s.conversation = std::move(*a.chat_conversation);
+    s.chat_text = std::move(spelled);
+    s.chat_text_valid = true;
+  }
+  ++s.edits;
   out.back().second.session_length = static_cast<int64_t>(s.history.size());
   s.active.reset();
   s.last_used = Clock::now();

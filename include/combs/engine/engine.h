@@ -35,6 +35,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "combs/base/status.h"
 #include "combs/model/model.h"
 #include "combs/model/runner.h"
@@ -65,6 +67,10 @@ struct EngineOptions {
   // Makes the runner (and so picks the device: the KV pages live on its backend). Empty: the CPU
   // runner on `threads` threads. combs_cuda's make_cuda_runner() gives the GPU one.
   std::function<StatusOr<std::unique_ptr<ModelRunner>>(const Model&)> make_runner;
+  // The chat template (Jinja source) for chat(); empty: the model file's tokenizer.chat_template.
+  // A model with neither refuses chat turns (FAILED_PRECONDITION): a guessed default would give it
+  // prompts in a format it was not trained on.
+  std::string chat_template;
 };
 
 struct SessionOptions {
@@ -79,6 +85,26 @@ struct GenerateRequest {
   std::vector<std::vector<int32_t>> stop_sequences;
   // Stop strings: the request ends (kStop) with the token whose text completes one (the model
   // needs a tokenizer; INVALID_ARGUMENT otherwise or for an empty string).
+  std::vector<std::string> stop_strings;
+  bool ignore_eos = false;
+};
+
+// A chat turn: the session's conversation with new messages, rendered with the model's chat
+// template (tokenizer.chat_template, or EngineOptions::chat_template), tokenized and compared with
+// the session's history. Only what differs is computed: the history is rolled back to the longest
+// prefix the new rendering shares with it (nothing before is recomputed) and the rest appended;
+// then the reply is generated until an end of generation and joins the conversation.
+struct ChatRequest {
+  // Messages, each {"role": "...", "content": "..."} (text content), appended to the session's
+  // conversation; with `replace`, the whole conversation instead: editing or dropping an earlier
+  // message rolls the session back to where the rendering changes.
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  bool replace = false;
+  // More template variables (a JSON object: tools, enable_thinking, ...). bos_token and eos_token
+  // default to the vocabulary's; add_generation_prompt is true.
+  nlohmann::ordered_json variables = nlohmann::ordered_json::object();
+  int max_tokens = 0;  // of the reply
+  std::optional<SamplingParams> sampling;
   std::vector<std::string> stop_strings;
   bool ignore_eos = false;
 };
@@ -145,6 +171,13 @@ class Engine {
   // RESOURCE_EXHAUSTED (context or request limits).
   StatusOr<std::shared_ptr<GenerateHandle>> generate(const SessionId& id, GenerateRequest request,
                                                      EventSink sink);
+  // A chat turn (ChatRequest). INVALID_ARGUMENT for bad messages or where the template fails on
+  // them (its message: an unknown role, a missing content); FAILED_PRECONDITION without a chat
+  // template; otherwise as generate(). On finishing (not on an error) the reply (the generated
+  // text without the end-of-generation token) joins the conversation as the assistant's message.
+  StatusOr<std::shared_ptr<GenerateHandle>> chat(const SessionId& id, ChatRequest request, EventSink sink);
+  // The session's conversation (chat turns' messages and replies; reset empties it).
+  StatusOr<nlohmann::ordered_json> conversation(const SessionId& id);
   // Drops the last n tokens; returns the new length. n > length is OUT_OF_RANGE.
   StatusOr<int64_t> rollback(const SessionId& id, int64_t n);
   Status reset(const SessionId& id);
