@@ -400,6 +400,8 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::chat(const SessionId& id, Chat
   return handle;
 }
 
+bool Engine::has_chat_template() const { return impl_->chat_template.has_value(); }
+
 StatusOr<nlohmann::ordered_json> Engine::conversation(const SessionId& id) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Session* s = impl_->find(id);

@@ -132,6 +132,7 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
       if (key.rfind("tokenizer.", 0) == 0) w.set(key, value);
     }
   }
+  if (!o.chat_template.empty()) w.set("tokenizer.chat_template", Value::str(o.chat_template));
   w.set(a + "vocab_size", Value::u32(n_vocab));
 
   ModelConfig c;

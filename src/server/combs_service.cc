@@ -116,13 +116,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     const char* finish = "";
   };
 
-  GenerateReactor(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req, Status allowed,
-                  grpc::CallbackServerContext* ctx, Call call, int64_t max_input_tokens)
+  // Starts the engine's operation with the sink that streams its events (Generate's or Chat's).
+  using Starter = std::function<StatusOr<std::shared_ptr<GenerateHandle>>(EventSink)>;
+
+  GenerateReactor(Starter starter, Status allowed, grpc::CallbackServerContext* ctx, Call call)
       : state_(std::make_shared<State>()), ctx_(ctx), call_(std::move(call)) {
     state_->reactor = this;
     state_->start = call_.start;
     state_->metrics = call_.metrics;
-    Status s = allowed.ok() ? start(engine, tok, req, max_input_tokens) : allowed;
+    Status s = allowed.ok() ? start(starter) : allowed;
     if (!s.ok()) {
       std::lock_guard<std::mutex> lock(state_->mu);
       state_->final_status = to_grpc(s);
@@ -154,27 +156,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   }
 
  private:
-  Status start(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req, int64_t max_input_tokens) {
-    GenerateRequest r;
-    if (req.has_tokens()) {
-      r.input.assign(req.tokens().ids().begin(), req.tokens().ids().end());
-    } else if (req.has_text()) {
-      if (tok == nullptr) return invalid_argument_error("generate: this model has no tokenizer: send token ids");
-      r.input = tok->encode(req.text(), {req.add_bos(), false});
-    }
-    if (max_input_tokens > 0 && static_cast<int64_t>(r.input.size()) > max_input_tokens) {
-      return resource_exhausted_error("generate: " + std::to_string(r.input.size()) + " input tokens exceed the limit of " +
-                                      std::to_string(max_input_tokens) + " per request");
-    }
-    if (req.max_tokens() < 0) return invalid_argument_error("generate: max_tokens must be >= 0");
-    r.max_tokens = req.max_tokens();
-    COMBS_ASSIGN_OR_RETURN(SessionInfo info, engine.info(req.session_id()));
-    r.sampling = merge(info.sampling, req.sampling());
-    for (const auto& seq : req.stop_token_sequences()) r.stop_sequences.emplace_back(seq.ids().begin(), seq.ids().end());
-    r.ignore_eos = req.ignore_eos();
-    r.stop_strings.assign(req.stop().begin(), req.stop().end());
+  Status start(const Starter& starter) {
     std::shared_ptr<State> st = state_;
-    COMBS_ASSIGN_OR_RETURN(auto handle, engine.generate(req.session_id(), std::move(r), [st](const GenerateEvent& e) {
+    COMBS_ASSIGN_OR_RETURN(auto handle, starter([st](const GenerateEvent& e) {
       v1::GenerateResponse resp;
       std::lock_guard<std::mutex> lock(st->mu);
       if (st->ended) return;  // nothing follows the end of the stream
@@ -319,11 +303,89 @@ grpc::ServerUnaryReactor* CombsService::CreateSession(grpc::CallbackServerContex
   return done(ctx, call, id.status());
 }
 
+namespace {
+
+StatusOr<GenerateRequest> engine_request(Engine& engine, const Tokenizer* tok, const v1::GenerateRequest& req,
+                                         int64_t max_input_tokens) {
+  GenerateRequest r;
+  if (req.has_tokens()) {
+    r.input.assign(req.tokens().ids().begin(), req.tokens().ids().end());
+  } else if (req.has_text()) {
+    if (tok == nullptr) return invalid_argument_error("generate: this model has no tokenizer: send token ids");
+    r.input = tok->encode(req.text(), {req.add_bos(), false});
+  }
+  if (max_input_tokens > 0 && static_cast<int64_t>(r.input.size()) > max_input_tokens) {
+    return resource_exhausted_error("generate: " + std::to_string(r.input.size()) + " input tokens exceed the limit of " +
+                                    std::to_string(max_input_tokens) + " per request");
+  }
+  if (req.max_tokens() < 0) return invalid_argument_error("generate: max_tokens must be >= 0");
+  r.max_tokens = req.max_tokens();
+  COMBS_ASSIGN_OR_RETURN(SessionInfo info, engine.info(req.session_id()));
+  r.sampling = merge(info.sampling, req.sampling());
+  for (const auto& seq : req.stop_token_sequences()) r.stop_sequences.emplace_back(seq.ids().begin(), seq.ids().end());
+  r.ignore_eos = req.ignore_eos();
+  r.stop_strings.assign(req.stop().begin(), req.stop().end());
+  return r;
+}
+
+StatusOr<ChatRequest> engine_chat_request(Engine& engine, const v1::ChatRequest& req) {
+  ChatRequest r;
+  for (const auto& m : req.messages()) r.messages.push_back({{"role", m.role()}, {"content", m.content()}});
+  r.replace = req.replace();
+  if (!req.variables_json().empty()) {
+    r.variables = nlohmann::ordered_json::parse(req.variables_json(), nullptr, /*allow_exceptions=*/false);
+    if (r.variables.is_discarded() || !r.variables.is_object()) {
+      return invalid_argument_error("chat: variables_json must be a JSON object");
+    }
+  }
+  if (req.max_tokens() < 0) return invalid_argument_error("chat: max_tokens must be >= 0");
+  r.max_tokens = req.max_tokens();
+  COMBS_ASSIGN_OR_RETURN(SessionInfo info, engine.info(req.session_id()));
+  r.sampling = merge(info.sampling, req.sampling());
+  r.stop_strings.assign(req.stop().begin(), req.stop().end());
+  r.ignore_eos = req.ignore_eos();
+  return r;
+}
+
+}  // namespace
+
 grpc::ServerWriteReactor<v1::GenerateResponse>* CombsService::Generate(grpc::CallbackServerContext* ctx,
                                                                        const v1::GenerateRequest* req) {
   Status allowed = draining_ ? unavailable_error("combs-server is shutting down") : check_owner(ctx, req->session_id());
-  return new GenerateReactor(*engine_, tokenizer_, *req, std::move(allowed), ctx,
-                             Call(ctx, "Generate", req->session_id(), options_.metrics), options_.max_input_tokens);
+  Engine* engine = engine_;
+  const Tokenizer* tok = tokenizer_;
+  const int64_t max_input = options_.max_input_tokens;
+  auto starter = [engine, tok, max_input, req](EventSink sink) -> StatusOr<std::shared_ptr<GenerateHandle>> {
+    COMBS_ASSIGN_OR_RETURN(GenerateRequest r, engine_request(*engine, tok, *req, max_input));
+    return engine->generate(req->session_id(), std::move(r), std::move(sink));
+  };
+  return new GenerateReactor(starter, std::move(allowed), ctx, Call(ctx, "Generate", req->session_id(), options_.metrics));
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* CombsService::Chat(grpc::CallbackServerContext* ctx,
+                                                                   const v1::ChatRequest* req) {
+  Status allowed = draining_ ? unavailable_error("combs-server is shutting down") : check_owner(ctx, req->session_id());
+  Engine* engine = engine_;
+  auto starter = [engine, req](EventSink sink) -> StatusOr<std::shared_ptr<GenerateHandle>> {
+    COMBS_ASSIGN_OR_RETURN(ChatRequest r, engine_chat_request(*engine, *req));
+    return engine->chat(req->session_id(), std::move(r), std::move(sink));
+  };
+  return new GenerateReactor(starter, std::move(allowed), ctx, Call(ctx, "Chat", req->session_id(), options_.metrics));
+}
+
+grpc::ServerUnaryReactor* CombsService::GetConversation(grpc::CallbackServerContext* ctx,
+                                                        const v1::GetConversationRequest* req, v1::Conversation* resp) {
+  const Call call(ctx, "GetConversation", req->session_id(), options_.metrics);
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, call, a);
+  auto conv = engine_->conversation(req->session_id());
+  if (conv.ok()) {
+    for (const auto& m : *conv) {
+      v1::ChatMessage* out = resp->add_messages();
+      if (m.contains("role") && m["role"].is_string()) out->set_role(m["role"].get<std::string>());
+      if (m.contains("content") && m["content"].is_string()) out->set_content(m["content"].get<std::string>());
+    }
+  }
+  return done(ctx, call, conv.status());
 }
 
 grpc::ServerUnaryReactor* CombsService::Rollback(grpc::CallbackServerContext* ctx, const v1::RollbackRequest* req,
@@ -451,6 +513,7 @@ grpc::ServerUnaryReactor* CombsService::GetModelInfo(grpc::CallbackServerContext
   }
   resp->set_bos_id(tokenizer_ ? tokenizer_->bos_id() : -1);
   resp->set_eos_id(tokenizer_ ? tokenizer_->eos_id() : -1);
+  resp->set_has_chat_template(engine_->has_chat_template());
   if (tokenizer_) {
     for (int32_t id : tokenizer_->end_of_generation()) resp->add_eog_ids(id);
   }

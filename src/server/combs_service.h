@@ -43,6 +43,10 @@ class CombsService final : public combs::v1::Combs::CallbackService {
                                           v1::CreateSessionResponse* resp) override;
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* ctx,
                                                            const v1::GenerateRequest* req) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Chat(grpc::CallbackServerContext* ctx,
+                                                       const v1::ChatRequest* req) override;
+  grpc::ServerUnaryReactor* GetConversation(grpc::CallbackServerContext* ctx, const v1::GetConversationRequest* req,
+                                            v1::Conversation* resp) override;
   grpc::ServerUnaryReactor* Rollback(grpc::CallbackServerContext* ctx, const v1::RollbackRequest* req,
                                      v1::RollbackResponse* resp) override;
   grpc::ServerUnaryReactor* Reset(grpc::CallbackServerContext* ctx, const v1::ResetRequest* req,

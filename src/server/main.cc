@@ -15,6 +15,7 @@
 #include <set>
 #include <thread>
 
+#include "combs/chat/jinja.h"
 #include "combs/engine/engine.h"
 #ifdef COMBS_HAVE_CUDA
 #include "combs/model/cuda_runner.h"
@@ -38,7 +39,7 @@ int main(int argc, char** argv) {
                      {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""},
                       {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
-                      {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()},
+                      {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()}, {"chat-template", ""},
                       {"api-keys", ""}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}});
   flags.describe({
       {"config", "config file of 'name = value' lines (the flags below without --); the command line wins"},
@@ -57,6 +58,7 @@ int main(int argc, char** argv) {
       {"cache-dir", "where the default model is written; default ~/.cache/combs"},
       {"grace-s", "on SIGTERM/SIGINT, running streams get this long to finish, then end UNAVAILABLE"},
       {"vocab", "vocabulary GGUF of the default model (default: Llama 3's, from share/combs beside the binary); none or empty: a built-in byte-level vocabulary"},
+      {"chat-template", "Jinja chat template for Chat (default: the model's tokenizer.chat_template; the default model carries Llama 3's)"},
       {"api-keys", "file of API keys, one a line; callers send 'authorization: Bearer <key>'"},
       {"tls-cert", "PEM certificate chain (with --tls-key: serve TLS)"},
       {"tls-key", "PEM private key of --tls-cert"},
@@ -101,8 +103,16 @@ int main(int argc, char** argv) {
                          "built-in byte-level vocabulary")
           .warn();
     }
-    path = dir + "/default-tiny" + (vocab.empty() ? "" : "-" + std::filesystem::path(vocab).stem().string()) + ".gguf";
+    // With Llama 3's vocabulary the default model carries Llama 3's chat template (installed
+    // beside the vocabulary), so Chat works out of the box.
     RandomModelOptions o;
+    const std::string chat = tools::default_chat_template();
+    if (!vocab.empty() && std::filesystem::path(vocab).filename() == "ggml-vocab-llama-bpe.gguf" && !chat.empty()) {
+      std::ifstream f(chat, std::ios::binary);
+      o.chat_template.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
+    path = dir + "/default-tiny" + (vocab.empty() ? "" : "-" + std::filesystem::path(vocab).stem().string()) +
+           (o.chat_template.empty() ? "" : "-chat") + ".gguf";
     o.shape = std::move(named_shape("tiny")).value();
     o.vocab_path = vocab;
     if (Status s = write_random_model_once(o, path); !s.ok()) {
@@ -116,6 +126,15 @@ int main(int argc, char** argv) {
     tokenizer = std::move(t).value();
   }
   EngineOptions eo;
+  if (flags.given("chat-template")) {
+    std::ifstream f(flags.str("chat-template"), std::ios::binary);
+    if (!f) return std::fprintf(stderr, "combs-server: --chat-template %s: cannot read it\n", flags.str("chat-template").c_str()), 2;
+    eo.chat_template.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    if (auto t = jinja::Template::parse(eo.chat_template); !t.ok()) {
+      return std::fprintf(stderr, "combs-server: --chat-template %s: %s\n", flags.str("chat-template").c_str(),
+                          t.status().message().c_str()), 2;
+    }
+  }
   // The device: the engine's runner (and so its KV pages) lives there.
   std::string device = flags.str("device");
 #ifdef COMBS_HAVE_CUDA

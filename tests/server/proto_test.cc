@@ -14,7 +14,7 @@ TEST_CASE("the combs service declares the session API", "[server]") {
   std::set<std::string> methods;
   for (int i = 0; i < service->method_count(); ++i) methods.insert(service->method(i)->name());
   for (const char* m : {"CreateSession", "Generate", "Rollback", "Reset", "Fork", "CloseSession", "GetSession",
-                        "ListSessions", "Tokenize", "Detokenize", "GetModelInfo"}) {
+                        "ListSessions", "Tokenize", "Detokenize", "GetModelInfo", "Chat", "GetConversation"}) {
     INFO(m);
     CHECK(methods.count(m) == 1);
   }

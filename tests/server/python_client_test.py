@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """A combs client in Python (Debian's python3-grpcio), with stubs generated from proto/ at test
-time: runs a session through create / generate / rollback / reset / close against a combs-server
+time: runs a session through create / generate / rollback / reset / close, then a chat, against a combs-server
 subprocess, so the wire contract is checked from outside C++.
 
 usage: python_client_test.py COMBS_SERVER_BIN PROTO_DIR VOCAB_GGUF
@@ -81,6 +81,39 @@ try:
         check(False, "a closed session is gone")
     except grpc.RpcError as e:
         check(e.code() == grpc.StatusCode.NOT_FOUND, "a closed session is NOT_FOUND")
+
+    # A chat: the default model carries Llama 3's chat template.
+    check(stub.GetModelInfo(pb.GetModelInfoRequest()).has_chat_template, "the default model has a chat template")
+    chat = stub.CreateSession(pb.CreateSessionRequest()).session_id
+
+    def turn(messages, **kw):
+        req = pb.ChatRequest(session_id=chat, messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
+                             max_tokens=5, sampling=greedy, **kw)
+        last, text = None, ""
+        for r in stub.Chat(req):
+            text += r.text
+            if r.finished:
+                last = r
+        return text, last
+
+    reply, last = turn([("system", "Be brief."), ("user", "Hello!")], variables_json='{"date_string": "2 Dec 2026"}')
+    check(last is not None and last.usage.output_tokens >= 1, "Chat streams a reply")
+    conv = stub.GetConversation(pb.GetConversationRequest(session_id=chat)).messages
+    check([m.role for m in conv] == ["system", "user", "assistant"], "the reply joins the conversation")
+    length = stub.GetSession(pb.GetSessionRequest(session_id=chat)).length
+    _, last = turn([("user", "And then?")], variables_json='{"date_string": "2 Dec 2026"}')
+    check(last.usage.cached_tokens == length - 1, "the second turn reuses the whole first one")
+    check(last.usage.prefilled_tokens < 20, "the second turn computes only its new tokens")
+    try:
+        turn([("user", "x")], variables_json="[1, 2]")
+        check(False, "variables that are not an object fail")
+    except grpc.RpcError as e:
+        check(e.code() == grpc.StatusCode.INVALID_ARGUMENT, "variables that are not an object are INVALID_ARGUMENT")
+    try:
+        turn([("", "no role")])
+        check(False, "a message without a role fails")
+    except grpc.RpcError as e:
+        check(e.code() == grpc.StatusCode.INVALID_ARGUMENT, "a message without a role is INVALID_ARGUMENT")
 finally:
     server.terminate()
     check(server.wait(timeout=30) == 0, "combs-server exits 0 on SIGTERM")

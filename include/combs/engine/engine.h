@@ -176,6 +176,7 @@ class Engine {
   // template; otherwise as generate(). On finishing (not on an error) the reply (the generated
   // text without the end-of-generation token) joins the conversation as the assistant's message.
   StatusOr<std::shared_ptr<GenerateHandle>> chat(const SessionId& id, ChatRequest request, EventSink sink);
+  bool has_chat_template() const;  // chat() can run
   // The session's conversation (chat turns' messages and replies; reset empties it).
   StatusOr<nlohmann::ordered_json> conversation(const SessionId& id);
   // Drops the last n tokens; returns the new length. n > length is OUT_OF_RANGE.

@@ -36,6 +36,9 @@ struct RandomModelOptions {
   // A GGUF whose tokenizer.* metadata (vocabulary) is copied; empty: the built-in byte-level
   // vocabulary (<unk>, <s>, </s> and the 256 byte tokens <0x00>..<0xFF>).
   std::string vocab_path;
+  // Written as tokenizer.chat_template (over a template the vocabulary file carries); empty: none
+  // but the vocabulary's.
+  std::string chat_template;
 };
 
 Status write_random_model(const RandomModelOptions& options, const std::string& path);

@@ -1,5 +1,5 @@
 // combs: command-line client of a combs server.
-//   combs [--server ADDR] health | create | generate | rollback | reset | fork | info | list | close | tokenize
+//   combs [--server ADDR] health | create | generate | chat | rollback | reset | fork | info | list | close | tokenize
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 
+#include "chat.h"
 #include "combs/v1/combs.grpc.pb.h"
 #include "common/flags.h"
 
@@ -69,6 +70,9 @@ int main(int argc, char** argv) {
       "  create                         open a session, print its id\n"
       "  generate [--session ID] (--prompt TEXT | --ids \"1 2\") [--max-tokens N] [--temperature T]\n"
       "           [--seed S]            stream the generated text (a new session when none is given)\n"
+      "  chat [--session ID] [--system TEXT] [--messages FILE.json] [--max-tokens N] [--temperature T] [--seed S]\n"
+      "                                 a conversation with the model's chat template: interactive (/rollback N,\n"
+      "                                 /reset, /fork, /info, /quit), or the messages of FILE.json as one turn\n"
       "  rollback --session ID --n N    drop the last N tokens, print the new length\n"
       "  reset|fork|info|close --session ID\n"
       "  list                           the sessions\n"
@@ -89,7 +93,8 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = argv[first];
   combs::tools::Flags flags("combs " + cmd, {{"session", ""}, {"prompt", ""}, {"ids", ""}, {"max-tokens", "64"},
-                                             {"temperature", "0.8"}, {"seed", "0"}, {"n", "0"}});
+                                             {"temperature", "0.8"}, {"seed", "0"}, {"n", "0"},
+                                             {"system", ""}, {"messages", ""}});
   if (!flags.parse(argc, argv, first + 1)) return 2;
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!tls_ca.empty()) {
@@ -111,6 +116,24 @@ int main(int argc, char** argv) {
   // For a session-affine proxy (deploy/envoy.yaml routes on this header).
   if (flags.given("session")) ctx.AddMetadata("combs-session-id", flags.str("session"));
   if (cmd == "health") return health(*channel);
+  if (cmd == "chat") {
+    combs::cli::ChatOptions o;
+    o.session = flags.str("session");
+    o.api_key = api_key;
+    o.system = flags.str("system");
+    o.messages_file = flags.str("messages");
+    long long max_tokens, seed;
+    double temperature;
+    if (!flags.integer("max-tokens", &max_tokens, 0, 1 << 24) || !flags.integer("seed", &seed, 0, 1ll << 62) ||
+        !flags.number("temperature", &temperature)) {
+      return 2;
+    }
+    if (!flags.given("max-tokens")) max_tokens = 256;
+    o.max_tokens = static_cast<int>(max_tokens);
+    o.temperature = static_cast<float>(temperature);
+    o.seed = static_cast<unsigned long long>(seed);
+    return combs::cli::run_chat(*stub, o);
+  }
   if (cmd == "create") {
     CreateSessionResponse r;
     if (auto s = stub->CreateSession(&ctx, CreateSessionRequest(), &r); !s.ok()) return fail(s);

@@ -1,20 +1,23 @@
 // combs-mkmodel: writes a GGUF model with random weights of a named shape.
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <string>
 
+#include "combs/chat/jinja.h"
 #include "combs/model/random_model.h"
 #include "common/flags.h"
 
 int main(int argc, char** argv) {
   using namespace combs;
   tools::Flags flags("combs-mkmodel", {{"shape", "tiny"}, {"dtype", "bf16"}, {"seed", "1"},
-                                       {"vocab", ""}, {"out", ""}});
+                                       {"vocab", ""}, {"chat-template", ""}, {"out", ""}});
   if (!flags.parse(argc, argv)) return 2;
   std::string shapes;
   for (const auto& n : shape_names()) shapes += (shapes.empty() ? "" : "|") + n;
   if (flags.help_requested()) {
     flags.print_usage("--out PATH [--shape " + shapes +
-                      "] [--dtype f32|f16|bf16|" + quant_mix_names() + "] [--seed N] [--vocab VOCAB.gguf]\n"
+                      "] [--dtype f32|f16|bf16|" + quant_mix_names() + "] [--seed N] [--vocab VOCAB.gguf] [--chat-template FILE.jinja]\n"
                       "  (q4_k_m, ...: llama.cpp's per-tensor mixes of its file types, quantized by combs)");
     return 0;
   }
@@ -37,6 +40,15 @@ int main(int argc, char** argv) {
   if (!flags.integer("seed", &seed, 0, (1ll << 62))) return 2;
   o.seed = static_cast<uint64_t>(seed);
   o.vocab_path = flags.str("vocab");
+  if (flags.given("chat-template")) {  // checked here: a template that does not parse is refused
+    std::ifstream f(flags.str("chat-template"), std::ios::binary);
+    if (!f) return std::fprintf(stderr, "combs-mkmodel: cannot read %s\n", flags.str("chat-template").c_str()), 1;
+    o.chat_template.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    if (auto t = jinja::Template::parse(o.chat_template); !t.ok()) {
+      return std::fprintf(stderr, "combs-mkmodel: --chat-template %s: %s\n", flags.str("chat-template").c_str(),
+                          t.status().message().c_str()), 1;
+    }
+  }
   const Status s = write_random_model(o, flags.str("out"));
   if (!s.ok()) {
     std::fprintf(stderr, "combs-mkmodel: %s\n", s.to_string().c_str());

@@ -14,4 +14,6 @@ std::string installed_data_file(const std::string& name) {
 
 std::string default_vocab() { return installed_data_file("ggml-vocab-llama-bpe.gguf"); }
 
+std::string default_chat_template() { return installed_data_file("meta-llama-Llama-3.2-3B-Instruct.jinja"); }
+
 }  // namespace combs::tools

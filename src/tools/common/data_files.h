@@ -15,4 +15,8 @@ std::string installed_data_file(const std::string& name);
 // ggml-vocab-llama-bpe.gguf; empty where it is not installed.
 std::string default_vocab();
 
+// Llama 3's chat template (Llama 3.2's, from its tokenizer_config.json), the default model's:
+// installed_data_file of meta-llama-Llama-3.2-3B-Instruct.jinja; empty where it is not installed.
+std::string default_chat_template();
+
 }  // namespace combs::tools
