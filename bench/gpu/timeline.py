@@ -22,7 +22,21 @@ KERNELS = [("gemv_kernel", "gemv"), ("flash_kernel", "attention"), ("attention_k
            ("rope_table", "rope_table")]
 
 
+QUANT_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+               "iq4_nl", "iq4_xs", "mxfp4"]
+
+
 def short(name):
+    if "quant_gemv_kernel" in name:  # quant_gemv_kernel<DType T, N, PAIRS>: ...IL5DType<T>ELi<N>ELb<PAIRS>E
+        m = re.search(r"DType(\d+)ELi(\d+)ELb(\d)E", name)
+        if m:
+            t = QUANT_TYPES[int(m.group(1))] if int(m.group(1)) < len(QUANT_TYPES) else m.group(1)
+            return ("q_gate_up_" if m.group(3) == "1" else "qgemv_") + t
+        return "qgemv"
+    if "quantize_act_kernel" in name:
+        return "quantize_x"
+    if "dequantize_kernel" in name:  # a quantized model's embedding rows: the step's first kernel
+        return "embedding"
     for key, role in KERNELS:
         if key in name:
             if role == "gemv":  # gemv_kernel<T, N, XT, PAIRS>: ...Li<N>ELb<XT>ELb<PAIRS>E

@@ -21,6 +21,18 @@ struct Error : std::runtime_error {
 };
 [[noreturn]] void fail(const std::string& message);
 
+// Recursion guard by stack use (parser and renderer recurse with the template's nesting): fails
+// once more than kStackBudget bytes lie between `base` and the caller's frame, whatever the frame
+// sizes of the build (sanitizers make them several times larger).
+constexpr size_t kStackBudget = 1u << 20;
+inline void check_stack(const char* base) {
+  const char here = 0;
+  const char* p = &here;
+  if (base != nullptr && static_cast<size_t>(base > p ? base - p : p - base) > kStackBudget) {
+    fail("the template nests too deeply");
+  }
+}
+
 // ---- Values ----
 
 struct Value;

@@ -330,6 +330,8 @@ class Parser {
   Parser(std::vector<Token> tokens, const Options& o) : t_(std::move(tokens)), o_(o) {}
 
   std::shared_ptr<Program> program() {
+    const char base = 0;
+    stack_base_ = &base;
     auto p = std::make_shared<Program>();
     p->body = body({});
     if (cur().type != Tok::kEof) fail(at("unexpected tag"));
@@ -341,6 +343,7 @@ class Parser {
     Parser* p;
     explicit Depth(Parser* parser) : p(parser) {
       if (++p->depth_ > p->o_.limits.max_depth) fail(p->at("the template nests deeper than " + std::to_string(p->o_.limits.max_depth)));
+      check_stack(p->stack_base_);
     }
     ~Depth() { --p->depth_; }
   };
@@ -913,6 +916,7 @@ class Parser {
   size_t k_ = 0;
   int depth_ = 0;
   int loops_ = 0;
+  const char* stack_base_ = nullptr;
 };
 
 }  // namespace

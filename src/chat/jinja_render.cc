@@ -258,6 +258,8 @@ class Renderer {
   Renderer(const Options& o, std::time_t now) : o_(o), now_(now) {}
 
   std::string run(const Program& p, const nlohmann::ordered_json& context) {
+    const char base = 0;
+    stack_base_ = &base;
     if (!context.is_object()) fail("the context must be a JSON object");
     add_globals();
     for (const auto& [k, v] : context.items()) root_.set(k, from_json(v));
@@ -292,6 +294,7 @@ class Renderer {
   }
 
   Flow exec(const Node& n, Frame& f, std::string& out) {
+    check_stack(stack_base_);
     switch (n.kind) {
       case Node::Kind::kText: emit(out, n.text); return Flow::kNormal;
       case Node::Kind::kOutput: {
@@ -466,6 +469,7 @@ class Renderer {
   // ---- expressions ----
 
   Value eval(const Expr& e, Frame& f) {
+    check_stack(stack_base_);
     switch (e.kind) {
       case Expr::Kind::kLiteral: return e.value;
       case Expr::Kind::kName: {
@@ -1453,6 +1457,7 @@ class Renderer {
 
   const Options& o_;
   std::time_t now_;
+  const char* stack_base_ = nullptr;
   Frame root_;
   int64_t steps_ = 0;
   size_t emitted_ = 0;

@@ -6,6 +6,8 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <tuple>
 #include <map>
 #include <sstream>
 
@@ -77,4 +79,43 @@ TEST_CASE("50 real chat templates render as jinja2 renders them", "[chat]") {
     }
   }
   WARN(same << " renderings equal, " << both_fail << " failures where jinja2 fails too");
+}
+
+TEST_CASE("combs-template prints the rendering and only it and fails with the template's message", "[chat]") {
+  const auto names = templates();
+  const auto contexts = nlohmann::ordered_json::parse(combs::testing::read_file(data("contexts.json")));
+  const auto ref = reference(names);
+  combs::testing::TempDir dir;
+  auto run = [&](const std::string& tmpl, const nlohmann::ordered_json& context) {
+    std::ofstream(dir.file("c.json")) << context.dump();
+    const std::string cmd = "TZ=UTC " + std::string(COMBS_TEMPLATE_BIN) + " --template " + data(tmpl) + " --context " +
+                            dir.file("c.json") + " --now " + std::to_string(kNow) + " > " + dir.file("out") + " 2> " +
+                            dir.file("err");
+    const int rc = std::system(cmd.c_str());
+    return std::make_tuple(WEXITSTATUS(rc), combs::testing::read_file(dir.file("out")),
+                           combs::testing::read_file(dir.file("err")));
+  };
+  int rendered = 0, raised = 0;
+  for (const auto& r : ref) {
+    if (r["ok"] && rendered < 3) {  // a few renderings through the tool, byte for byte
+      const auto [rc, out, err] = run(r["template"], contexts[r["case"].get<size_t>()]);
+      INFO(r["template"].get<std::string>() << " case " << r["case"] << ": " << err);
+      CHECK(rc == 0);
+      CHECK(out == r["output"].get<std::string>());
+      CHECK(err.empty());
+      ++rendered;
+    } else if (!r["ok"] && r["raised"] && raised < 2) {
+      const auto [rc, out, err] = run(r["template"], contexts[r["case"].get<size_t>()]);
+      CHECK(rc == 1);
+      CHECK(out.empty());
+      CHECK_THAT(err, Catch::Contains(r["error"].get<std::string>()));
+      ++raised;
+    }
+  }
+  CHECK(rendered == 3);
+  CHECK(raised == 2);
+  std::ofstream(dir.file("bad.json")) << "{not json";
+  const std::string cmd = std::string(COMBS_TEMPLATE_BIN) + " --template " + data(names[0]) + " --context " +
+                          dir.file("bad.json") + " > /dev/null 2>&1";
+  CHECK(WEXITSTATUS(std::system(cmd.c_str())) == 1);
 }

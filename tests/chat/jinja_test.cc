@@ -92,7 +92,7 @@ TEST_CASE("jinja bounds depth, loops and output", "[chat]") {
   std::string nested;
   for (int i = 0; i < 1000; ++i) nested += "{% if true %}";
   CHECK(render(nested).starts_with("PARSE: "));
-  CHECK(render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").find("nest deeper") != std::string::npos);
+  CHECK(render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").find("nest") != std::string::npos);
   CHECK(render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}").find("limit") !=
         std::string::npos);
   CHECK(render("{% set s = 'x' * 1000000 %}{% for i in range(1000) %}{{ s }}{% endfor %}").find("output limit") !=

@@ -215,3 +215,35 @@ TEST_CASE("bad chat messages and a model without a template are refused", "[engi
   CHECK(s.code() == StatusCode::kFailedPrecondition);
   CHECK_THAT(s.message(), Catch::Contains("does not parse"));
 }
+
+TEST_CASE("a template that rewrites earlier turns rolls back to the rewrite", "[engine]") {
+  // Like templates that drop the reasoning of earlier replies: an assistant message that is not
+  // the last renders as a placeholder.
+  const std::string rewriting =
+      "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+      "{% if m.role == 'assistant' and not loop.last %}(earlier reply){% else %}{{ m.content }}{% endif %}"
+      "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}";
+  ChatModel cm;
+  auto e = cm.engine(rewriting);
+  const SessionId id = e->create_session().value();
+  Turn first;
+  chat(*e, id, turn("user", "First question"), first);
+  REQUIRE(first.started.ok());
+  REQUIRE(first.c.usage.output_tokens > 0);
+  // What the second rendering shares with the history: the first turn's prompt, up to the reply.
+  auto tok = Tokenizer::from_gguf(e->model().file());
+  auto tmpl = jinja::Template::parse(rewriting);
+  nlohmann::ordered_json one = nlohmann::ordered_json::array();
+  one.push_back({{"role", "user"}, {"content", "First question"}});
+  const auto prompt = (*tok)->encode(*tmpl->render({{"messages", one}, {"add_generation_prompt", true},
+                                                    {"bos_token", "<|begin_of_text|>"}}, 0), {false, true});
+  Turn second;
+  chat(*e, id, turn("user", "Second question"), second);
+  REQUIRE(second.started.ok());
+  CHECK(second.c.usage.cached_tokens == static_cast<int64_t>(prompt.size()));
+  CHECK(second.c.usage.prefilled_tokens == second.c.usage.input_tokens);
+  const auto conv = e->conversation(id).value();
+  REQUIRE(conv.size() == 4);
+  CHECK(conv[1]["role"] == "assistant");  // the conversation keeps the first reply as it was
+  CHECK(e->check_invariants().ok());
+}
