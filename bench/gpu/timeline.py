@@ -27,8 +27,8 @@ QUANT_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2
 
 
 def short(name):
-    if "quant_gemv_kernel" in name:  # quant_gemv_kernel<DType T, N, PAIRS>: ...IL5DType<T>ELi<N>ELb<PAIRS>E
-        m = re.search(r"DType(\d+)ELi(\d+)ELb(\d)E", name)
+    if "quant_gemv_kernel" in name:  # quant_gemv_kernel<DType T, N, PAIRS>: ...LN5combs5DTypeE<T>ELi<N>ELb<PAIRS>E
+        m = re.search(r"DTypeE?(\d+)ELi(\d+)ELb(\d)E", name)
         if m:
             t = QUANT_TYPES[int(m.group(1))] if int(m.group(1)) < len(QUANT_TYPES) else m.group(1)
             return ("q_gate_up_" if m.group(3) == "1" else "qgemv_") + t
