@@ -259,6 +259,37 @@ TEST_CASE("cuda block-quantized embedding equals the cpu's values and fused proj
   }
 }
 
+TEST_CASE("cuda projections stacked in parts of two formats round x once and equal the parts run alone", "[cuda][quant]") {
+  // A Q4_K_M layer's Q/K (Q4_K) and V (Q6_K): matmul_split_parts rounds x to 8 bits once for both;
+  // the outputs are bit for bit those of each part on its own (the same rounding, the same kernel).
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(21);
+  const int64_t in = 512, n = 2;
+  const std::vector<uint8_t> qk = weight_bytes(*quant_format(DType::kQ4_K), 96, in);
+  const std::vector<uint8_t> v = weight_bytes(*quant_format(DType::kQ6_K), 32, in);
+  const Tensor parts[] = {upload_bytes(*gpu, qk, Shape{96, in}, DType::kQ4_K), upload_bytes(*gpu, v, Shape{32, in}, DType::kQ6_K)};
+  const size_t outputs[] = {2, 1};
+  const auto x = random_floats(rng, n * in), nw = random_floats(rng, in);
+  const Tensor xd = upload(*gpu, x, Shape{n, in}), nwd = upload(*gpu, nw, Shape{in});
+  auto fresh = [&](int64_t rows) { return upload(*gpu, std::vector<float>(static_cast<size_t>(n * rows), std::nanf("")), Shape{n, rows}); };
+  const Tensor q1 = fresh(64), k1 = fresh(32), v1 = fresh(32), q2 = fresh(64), k2 = fresh(32), v2 = fresh(32);
+  const cuda::MatmulOut together[] = {{q1.data_as<float>(), 64}, {k1.data_as<float>(), 32}, {v1.data_as<float>(), 32}};
+  REQUIRE(cuda::matmul_split_parts(*gpu, parts, outputs, xd.data_as<float>(), n, together, nwd.data_as<float>(), 1e-5f).ok());
+  const cuda::MatmulOut qk_alone[] = {{q2.data_as<float>(), 64}, {k2.data_as<float>(), 32}};
+  const cuda::MatmulOut v_alone[] = {{v2.data_as<float>(), 32}};
+  REQUIRE(cuda::matmul_split(*gpu, parts[0], xd.data_as<float>(), n, qk_alone, nwd.data_as<float>(), 1e-5f).ok());
+  REQUIRE(cuda::matmul_split(*gpu, parts[1], xd.data_as<float>(), n, v_alone, nwd.data_as<float>(), 1e-5f).ok());
+  for (const auto& [a, b] : {std::pair{&q1, &q2}, std::pair{&k1, &k2}, std::pair{&v1, &v2}}) {
+    const std::vector<float> ga = download(*gpu, *a), gb = download(*gpu, *b);
+    for (float f : ga) REQUIRE(std::isfinite(f));
+    CHECK(std::memcmp(ga.data(), gb.data(), ga.size() * 4) == 0);
+  }
+  const size_t wrong[] = {2, 2};  // more outputs than given
+  CHECK(cuda::matmul_split_parts(*gpu, parts, wrong, xd.data_as<float>(), n, together, nwd.data_as<float>(), 1e-5f).code() ==
+        StatusCode::kInvalidArgument);
+}
+
 TEST_CASE("cuda block-quantized projections at a real model's shapes follow float64 on sampled rows", "[cuda][quant]") {
   auto gpu = gpu_or_skip();
   if (!gpu) return;

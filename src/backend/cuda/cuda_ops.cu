@@ -650,6 +650,36 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   return gemm_parts(b, w, xin, n, outs);
 }
 
+Status matmul_split_parts(CudaBackend& b, std::span<const Tensor> parts, std::span<const size_t> outputs,
+                          const float* x, int64_t n, std::span<const MatmulOut> outs, const float* norm_weight, float eps) {
+  if (parts.size() != outputs.size() || parts.empty()) return invalid_argument_error("cuda matmul_split_parts: parts and outputs differ");
+  bool once = parts.size() > 1 && n > 0;
+  for (const Tensor& p : parts) {
+    once = once && is_block_quant(p.dtype()) && gemv_fits(p, n) && p.dim(1) == parts[0].dim(1) &&
+           p.dim(1) % dtype_block_elems(p.dtype()) == 0;
+  }
+  size_t at = 0;
+  if (!once) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (at + outputs[i] > outs.size()) return invalid_argument_error("cuda matmul_split_parts: more outputs than outs");
+      COMBS_RETURN_IF_ERROR(matmul_split(b, parts[i], x, n, outs.subspan(at, outputs[i]), norm_weight, eps));
+      at += outputs[i];
+    }
+    return ok_status();
+  }
+  const int64_t in = parts[0].dim(1);
+  COMBS_ASSIGN_OR_RETURN(void* xq, b.scratch(activation_bytes(n, in)));
+  COMBS_RETURN_IF_ERROR(quantize_activations(stream_of(b), x, n, in, norm_weight, eps, xq));
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (at + outputs[i] > outs.size()) return invalid_argument_error("cuda matmul_split_parts: more outputs than outs");
+    const auto part_outs = outs.subspan(at, outputs[i]);
+    COMBS_RETURN_IF_ERROR(check_split(parts[i], part_outs));
+    COMBS_RETURN_IF_ERROR(quant_gemv(stream_of(b), parts[i], xq, static_cast<int>(n), gemv_out(part_outs, false, nullptr, 0.0f), false));
+    at += outputs[i];
+  }
+  return ok_status();
+}
+
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs) {
   COMBS_RETURN_IF_ERROR(check_split(w, outs));
   if (is_block_quant(w.dtype())) {

@@ -249,7 +249,9 @@ __device__ __forceinline__ const uint8_t* unit_block(const uint8_t* row, int64_t
   return row + (gu / kUnits<T>) * kBlockBytes<T>;
 }
 
-// x rows to 8 bits (quant_matmul.h): one block per row; each warp takes 256 elements at a time,
+// x rows to 8 bits (quant_matmul.h): one block of 1024 threads per row (a decode step's x is
+// one row: the kernel's time is its latency, so the whole row is in flight at once); each warp
+// takes 256 elements at a time,
 // eight per lane; a group's max over 4 lanes (32) or the warp (256). The rounding is the CPU's
 // (quantize_act in quant_dot_avx512vnni.cc): d = max / 127, q = nearest(x * (127 / max)).
 __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t in, const float* __restrict__ norm_w, float eps,
@@ -264,7 +266,10 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t in, con
   if (norm_w) {
     __shared__ float sums[32];
     float ss = 0.0f;
-    for (int64_t i = threadIdx.x; i < in; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * 4; i < in; i += static_cast<int64_t>(blockDim.x) * 4) {
+      const float4 a = *reinterpret_cast<const float4*>(xr + i);  // in is whole groups of 32
+      ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+    }
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
     if (lane == 0) sums[warp] = ss;
     __syncthreads();
@@ -498,7 +503,8 @@ Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t 
   if (n == 0) return ok_status();
   int8_t* q = static_cast<int8_t*>(xq);
   float* d = reinterpret_cast<float*>(q + activation_scales_offset(n, in));
-  launch_pdl(quantize_act_kernel, dim3(static_cast<unsigned>(n)), dim3(256), 0, st, x, in, norm_w, eps, q, d,
+  constexpr int kQuantizeThreads = 1024;
+  launch_pdl(quantize_act_kernel, dim3(static_cast<unsigned>(n)), dim3(kQuantizeThreads), 0, st, x, in, norm_w, eps, q, d,
              static_cast<int>(activation_group(in)));
   return cuda_status(cudaGetLastError(), "quantize_act_kernel");
 }

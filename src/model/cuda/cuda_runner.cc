@@ -229,13 +229,13 @@ DType input_dtype(const WeightStack& w) {
 // cuda::matmul_split over each part of w with its outputs (rounded: x is in input_dtype(w)).
 Status matmul_split(CudaBackend& b, const WeightStack& w, const void* x, int64_t n, std::span<const cuda::MatmulOut> outs,
                     bool rounded, const float* norm_weight = nullptr, float eps = 0.0f) {
+  if (!rounded) {  // x rounded to 8 bits once for every part where they all take the decode kernel
+    return cuda::matmul_split_parts(b, w.parts, w.outputs, static_cast<const float*>(x), n, outs, norm_weight, eps);
+  }
   size_t at = 0;
   for (size_t i = 0; i < w.parts.size(); ++i) {
-    const auto part_outs = outs.subspan(at, w.outputs[i]);
+    COMBS_RETURN_IF_ERROR(cuda::matmul_split_rounded(b, w.parts[i], x, n, outs.subspan(at, w.outputs[i])));
     at += w.outputs[i];
-    COMBS_RETURN_IF_ERROR(rounded ? cuda::matmul_split_rounded(b, w.parts[i], x, n, part_outs)
-                                  : cuda::matmul_split(b, w.parts[i], static_cast<const float*>(x), n, part_outs,
-                                                       norm_weight, eps));
   }
   return ok_status();
 }

@@ -38,6 +38,14 @@ struct MatmulOut {
 Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, std::span<const MatmulOut> outs,
                     const float* norm_weight = nullptr, float eps = 0.0f);
 
+// matmul_split over weights that take the same x, in parts (a projection stacked by runs of one
+// dtype: a Q4_K_M layer's Q4_K attn_q/attn_k and Q6_K attn_v): part i's outputs are the next
+// outputs[i] of outs. Where every part takes the quantized decode kernel, x is rounded to 8 bits
+// (normalized with norm_weight) once for all of them.
+Status matmul_split_parts(CudaBackend& b, std::span<const Tensor> parts, std::span<const size_t> outputs,
+                          const float* x, int64_t n, std::span<const MatmulOut> outs, const float* norm_weight = nullptr,
+                          float eps = 0.0f);
+
 // matmul_split of x [n, in] already in input_dtype(w) (add_rms_norm's y_dtype output), on cuBLAS
 // for any n (block types: as matmul).
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs);
