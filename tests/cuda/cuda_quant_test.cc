@@ -159,6 +159,9 @@ TEST_CASE("cuda block-quantized matmul of every format against float64 with deri
 }
 
 TEST_CASE("cuda block-quantized embedding equals the cpu's values and fused projections follow float64", "[cuda][quant]") {
+  // A decode step's one row of x and a few.
+  const int64_t n = GENERATE(as<int64_t>{}, 1, 3);
+  INFO("n " << n);
   auto gpu = gpu_or_skip();
   if (!gpu) return;
   std::mt19937 rng(9);
@@ -184,7 +187,7 @@ TEST_CASE("cuda block-quantized embedding equals the cpu's values and fused proj
     for (DType dt : {DType::kQ4_K, DType::kQ6_K, DType::kQ8_0}) {
       const QuantFormat& f = *quant_format(dt);
       INFO(f.name);
-      const int64_t in = 512, rows[3] = {64, 32, 32}, out = 128, n = 3;
+      const int64_t in = 512, rows[3] = {64, 32, 32}, out = 128;
       const std::vector<uint8_t> wb = weight_bytes(f, out, in);
       std::vector<float> w(static_cast<size_t>(out * in));
       cpu::dequantize_row(wb.data(), dt, w.data(), out * in);
