@@ -123,6 +123,9 @@ const Spec kSpecs[] = {
     // SentencePiece-style BPE over raw UTF-8: spaces are U+2581 first, only newlines cut.
     {{"gemma4", "granite-embed-multi-311m"}, {kLines}, kRawUtf8 | kEscapesSpaces | kNewlineTokens},
     {{"sarvam-moe"}, {kLines}, kRawUtf8 | kEscapesSpaces},
+    // jina-embeddings-v2-base-zh's: whole runs of non-space over raw UTF-8 (its "whitespace"
+    // tokenizer model, which also drops the spaces, is not served here).
+    {{"whitespace"}, {"\\S+"}, kRawUtf8},
     {{"minicpm5"},
      {"\\p{N}{1,3}",
       CONTRACTIONS "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}+| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},

@@ -119,6 +119,7 @@ TEST_CASE("known cuts of the expressions", "[tokenizer]") {
   CHECK(cut("superbpe", "1234567") == V{"1", "234", "567"});           // groups of three from the right
   CHECK(cut("afmoe", "1234567 x") == V{"1", "234", "567", " x"});      // the remainder first
   CHECK(cut("gemma4", "a b\n\nc") == V{"a b", "\n\n", "c"});
+  CHECK(cut("whitespace", "ab  c") == V{"ab", "  ", "c"});
   CHECK(cut("deepseek-llm", "ab\ncd") == V{"ab", "\n", "cd"});
   CHECK(cut("llama-bpe", "a\xff" "b") == V{"a", "\xff", "b"});         // an invalid byte: a word of its own
 }

@@ -163,7 +163,7 @@ int run_gpu(int argc, char** argv) {
                                          {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"},
                                          {"only", ""}, {"vocab", tools::default_vocab()}, {"models", ""}, {"dtypes", "bf16"}});
   flags.describe({{"vocab", kVocabHelp},
-                  {"dtypes", "weight types of the random models of --shapes (bf16, f16, q8_0; llama-quantize's files: --models)"},
+                  {"dtypes", "weight types of the random models of --shapes (bf16, f16, q8_0, or a llama.cpp file type such as q4_k_m, quantized by combs; llama-quantize's files: --models)"},
                   {"models", "GGUF files to measure instead of --shapes (e.g. llama-quantize's); a row is labelled by the file's name"}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
