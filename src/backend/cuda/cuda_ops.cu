@@ -345,20 +345,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
       }
       return;
     }
-    // Which output: selects, not an index (a runtime index would copy outs to local memory).
-    const int seg = row < outs.end[0] ? 0 : row < outs.end[1] ? 1 : 2;
-    const int64_t begin = seg == 0 ? 0 : seg == 1 ? outs.end[0] : outs.end[1];
-    const int64_t rows = (seg == 0 ? outs.end[0] : seg == 1 ? outs.end[1] : outs.end[2]) - begin, rr = row - begin;
-    float* const y = seg == 0 ? outs.y[0] : seg == 1 ? outs.y[1] : outs.y[2];
-    const float* const bias = seg == 0 ? outs.bias[0] : seg == 1 ? outs.bias[1] : outs.bias[2];
+    const GemvRow to = gemv_row(outs, row);
 #pragma unroll
     for (int r = 0; r < N; ++r) {
       float v = acc[r];
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
       acc[r] = 0.0f;
       if (lane == 0 && r < n) {
-        float* dst = y + r * rows + rr;
-        *dst = (outs.accumulate ? *dst : 0.0f) + v + (bias ? bias[rr] : 0.0f);
+        float* dst = to.y + r * to.rows + to.index;
+        *dst = (outs.accumulate ? *dst : 0.0f) + v + (to.bias ? to.bias[to.index] : 0.0f);
       }
     }
   };

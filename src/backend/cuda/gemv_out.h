@@ -19,6 +19,21 @@ struct GemvOut {
   float eps;
 };
 
+// Where weight row `row`'s result goes: its output's y and bias, that output's rows and the row's
+// index in it. Selects, not an index (a runtime index into outs would copy it to local memory).
+struct GemvRow {
+  float* y;
+  const float* bias;
+  int64_t rows, index;
+};
+__device__ __forceinline__ GemvRow gemv_row(const GemvOut& outs, int64_t row) {
+  const int seg = row < outs.end[0] ? 0 : row < outs.end[1] ? 1 : 2;
+  const int64_t begin = seg == 0 ? 0 : seg == 1 ? outs.end[0] : outs.end[1];
+  return {seg == 0 ? outs.y[0] : seg == 1 ? outs.y[1] : outs.y[2],
+          seg == 0 ? outs.bias[0] : seg == 1 ? outs.bias[1] : outs.bias[2],
+          (seg == 0 ? outs.end[0] : seg == 1 ? outs.end[1] : outs.end[2]) - begin, row - begin};
+}
+
 __device__ inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 }  // namespace combs::cuda

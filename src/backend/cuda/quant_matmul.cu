@@ -389,12 +389,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       }
     }
     __syncwarp();  // every lane is done with this buffer before it is staged into again
-    // Sum over the warp, then lane 0 writes (as the BF16 kernel's outputs, cuda_ops.cu).
-    const int seg = row < outs.end[0] ? 0 : row < outs.end[1] ? 1 : 2;
-    const int64_t begin = seg == 0 ? 0 : seg == 1 ? outs.end[0] : outs.end[1];
-    const int64_t seg_rows = (seg == 0 ? outs.end[0] : seg == 1 ? outs.end[1] : outs.end[2]) - begin, rr = row - begin;
-    float* const y = seg == 0 ? outs.y[0] : seg == 1 ? outs.y[1] : outs.y[2];
-    const float* const bias = seg == 0 ? outs.bias[0] : seg == 1 ? outs.bias[1] : outs.bias[2];
+    // Sum over the warp, then lane 0 writes.
+    const GemvRow to = gemv_row(outs, row);
 #pragma unroll
     for (int r = 0; r < N; ++r) {
       float v = acc[r];
@@ -404,8 +400,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
         for (int o = 16; o > 0; o >>= 1) up += __shfl_xor_sync(0xffffffff, up, o);
         if (lane == 0 && r < n) outs.y[0][r * rows + row] = silu(v) * up;
       } else if (lane == 0 && r < n) {
-        float* dst = y + r * seg_rows + rr;
-        *dst = (outs.accumulate ? *dst : 0.0f) + v + (bias ? bias[rr] : 0.0f);
+        float* dst = to.y + r * to.rows + to.index;
+        *dst = (outs.accumulate ? *dst : 0.0f) + v + (to.bias ? to.bias[to.index] : 0.0f);
       }
     }
   }
