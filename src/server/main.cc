@@ -11,11 +11,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <set>
 #include <thread>
 
-#include "combs/chat/jinja.h"
 #include "combs/engine/engine.h"
 #ifdef COMBS_HAVE_CUDA
 #include "combs/model/cuda_runner.h"
@@ -23,6 +21,7 @@
 #include "combs/model/random_model.h"
 #include "combs_service.h"
 #include "common/data_files.h"
+#include "common/files.h"
 #include "common/flags.h"
 #include "http_endpoint.h"
 #include "log.h"
@@ -108,8 +107,7 @@ int main(int argc, char** argv) {
     RandomModelOptions o;
     const std::string chat = tools::default_chat_template();
     if (!vocab.empty() && std::filesystem::path(vocab).filename() == "ggml-vocab-llama-bpe.gguf" && !chat.empty()) {
-      std::ifstream f(chat, std::ios::binary);
-      o.chat_template.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+      tools::read_file(chat, &o.chat_template);
     }
     path = dir + "/default-tiny" + (vocab.empty() ? "" : "-" + std::filesystem::path(vocab).stem().string()) +
            (o.chat_template.empty() ? "" : "-chat") + ".gguf";
@@ -127,13 +125,9 @@ int main(int argc, char** argv) {
   }
   EngineOptions eo;
   if (flags.given("chat-template")) {
-    std::ifstream f(flags.str("chat-template"), std::ios::binary);
-    if (!f) return std::fprintf(stderr, "combs-server: --chat-template %s: cannot read it\n", flags.str("chat-template").c_str()), 2;
-    eo.chat_template.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-    if (auto t = jinja::Template::parse(eo.chat_template); !t.ok()) {
-      return std::fprintf(stderr, "combs-server: --chat-template %s: %s\n", flags.str("chat-template").c_str(),
-                          t.status().message().c_str()), 2;
-    }
+    auto source = tools::read_chat_template(flags.str("chat-template"));
+    if (!source.ok()) return std::fprintf(stderr, "combs-server: --chat-template %s\n", source.status().message().c_str()), 2;
+    eo.chat_template = std::move(source).value();
   }
   // The device: the engine's runner (and so its KV pages) lives there.
   std::string device = flags.str("device");
@@ -208,12 +202,7 @@ int main(int argc, char** argv) {
     return std::fprintf(stderr, "combs-server: --tls-cert and --tls-key go together\n"), 2;
   }
   if (!flags.str("tls-cert").empty()) {
-    auto slurp = [](const std::string& path, std::string* out) {
-      std::ifstream f(path, std::ios::binary);
-      if (!f) return false;
-      out->assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-      return !out->empty();
-    };
+    auto slurp = [](const std::string& path, std::string* out) { return tools::read_file(path, out) && !out->empty(); };
     grpc::SslServerCredentialsOptions ssl;
     grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
     if (!slurp(flags.str("tls-cert"), &pair.cert_chain) || !slurp(flags.str("tls-key"), &pair.private_key)) {

@@ -1,11 +1,9 @@
 // combs-mkmodel: writes a GGUF model with random weights of a named shape.
 #include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <string>
 
-#include "combs/chat/jinja.h"
 #include "combs/model/random_model.h"
+#include "common/files.h"
 #include "common/flags.h"
 
 int main(int argc, char** argv) {
@@ -41,13 +39,9 @@ int main(int argc, char** argv) {
   o.seed = static_cast<uint64_t>(seed);
   o.vocab_path = flags.str("vocab");
   if (flags.given("chat-template")) {  // checked here: a template that does not parse is refused
-    std::ifstream f(flags.str("chat-template"), std::ios::binary);
-    if (!f) return std::fprintf(stderr, "combs-mkmodel: cannot read %s\n", flags.str("chat-template").c_str()), 1;
-    o.chat_template.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-    if (auto t = jinja::Template::parse(o.chat_template); !t.ok()) {
-      return std::fprintf(stderr, "combs-mkmodel: --chat-template %s: %s\n", flags.str("chat-template").c_str(),
-                          t.status().message().c_str()), 1;
-    }
+    auto source = tools::read_chat_template(flags.str("chat-template"));
+    if (!source.ok()) return std::fprintf(stderr, "combs-mkmodel: --chat-template %s\n", source.status().message().c_str()), 1;
+    o.chat_template = std::move(source).value();
   }
   const Status s = write_random_model(o, flags.str("out"));
   if (!s.ok()) {

@@ -5,23 +5,15 @@
 // and bos_token / eos_token default to the vocabulary's. On an error: exit 1, the message on stderr.
 #include <cstdio>
 #include <ctime>
-#include <fstream>
-#include <iterator>
 #include <string>
 
 #include "combs/chat/jinja.h"
 #include "combs/model/gguf.h"
 #include "combs/model/tokenizer.h"
+#include "common/files.h"
 #include "common/flags.h"
 
 namespace {
-
-bool read_file(const std::string& path, std::string* out) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return false;
-  out->assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-  return true;
-}
 
 int fail(const std::string& message) {
   std::fprintf(stderr, "combs-template: %s\n", message.c_str());
@@ -45,7 +37,7 @@ int main(int argc, char** argv) {
   nlohmann::ordered_json context = nlohmann::ordered_json::object();
   if (flags.given("context")) {
     std::string text;
-    if (!read_file(flags.str("context"), &text)) return fail("cannot read " + flags.str("context"));
+    if (!tools::read_file(flags.str("context"), &text)) return fail("cannot read " + flags.str("context"));
     context = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (context.is_discarded()) return fail(flags.str("context") + ": not valid JSON");
     if (!context.is_object()) return fail(flags.str("context") + ": the context must be a JSON object");
@@ -58,7 +50,7 @@ int main(int argc, char** argv) {
   }
   std::string source;
   if (flags.given("template")) {
-    if (!read_file(flags.str("template"), &source)) return fail("cannot read " + flags.str("template"));
+    if (!tools::read_file(flags.str("template"), &source)) return fail("cannot read " + flags.str("template"));
   } else {
     auto file = gguf::GgufFile::open(flags.str("model"));
     if (!file.ok()) return fail(file.status().to_string());
