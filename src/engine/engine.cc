@@ -129,6 +129,21 @@ struct Engine::Impl {
     return s;
   }
 
+  // The checks of a generate or chat request that need no session.
+  Status check_request(std::string_view who, int max_tokens, const std::vector<std::string>& stop_strings,
+                       const EventSink& sink) const {
+    const std::string w(who);
+    if (max_tokens < 0) return invalid_argument_error(w + ": max_tokens must be >= 0");
+    if (max_tokens > options.max_tokens_per_request) {
+      return resource_exhausted_error(w + ": max_tokens " + std::to_string(max_tokens) + " exceeds the limit of " +
+                                      std::to_string(options.max_tokens_per_request));
+    }
+    if (!sink) return invalid_argument_error(w + ": no event sink");
+    for (const std::string& stop : stop_strings) {
+      if (stop.empty()) return invalid_argument_error(w + ": empty stop string");
+    }
+    return ok_status();
+  }
   // Starts a generate on the idle session s (the lock held): the checks that need the session,
   // then the request joins the scheduler's work.
   StatusOr<std::shared_ptr<GenerateHandle>> start(Session* s, GenerateRequest request, EventSink sink,
@@ -238,15 +253,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::generate(const SessionId& id, 
                                     std::to_string(c.n_vocab) + ")");
     }
   }
-  if (request.max_tokens < 0) return invalid_argument_error("generate: max_tokens must be >= 0");
-  if (request.max_tokens > impl_->options.max_tokens_per_request) {
-    return resource_exhausted_error("generate: max_tokens " + std::to_string(request.max_tokens) +
-                                    " exceeds the limit of " + std::to_string(impl_->options.max_tokens_per_request));
-  }
-  if (!sink) return invalid_argument_error("generate: no event sink");
-  for (const std::string& stop : request.stop_strings) {
-    if (stop.empty()) return invalid_argument_error("generate: empty stop string");
-  }
+  COMBS_RETURN_IF_ERROR(impl_->check_request("generate", request.max_tokens, request.stop_strings, sink));
   if (!request.stop_strings.empty() && !impl_->tokenizer) {
     return invalid_argument_error("generate: stop strings need a model with a tokenizer");
   }
@@ -321,15 +328,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::chat(const SessionId& id, Chat
   if (!m.chat_template) return failed_precondition_error(m.no_chat_template);
   COMBS_RETURN_IF_ERROR(check_messages(request.messages));
   if (!request.variables.is_object()) return invalid_argument_error("chat: variables must be a JSON object");
-  if (request.max_tokens < 0) return invalid_argument_error("chat: max_tokens must be >= 0");
-  if (request.max_tokens > m.options.max_tokens_per_request) {
-    return resource_exhausted_error("chat: max_tokens " + std::to_string(request.max_tokens) + " exceeds the limit of " +
-                                    std::to_string(m.options.max_tokens_per_request));
-  }
-  if (!sink) return invalid_argument_error("chat: no event sink");
-  for (const std::string& stop : request.stop_strings) {
-    if (stop.empty()) return invalid_argument_error("chat: empty stop string");
-  }
+  COMBS_RETURN_IF_ERROR(m.check_request("chat", request.max_tokens, request.stop_strings, sink));
   // The conversation and what the history renders to, as they are now.
   nlohmann::ordered_json conversation;
   std::string before;
