@@ -33,6 +33,35 @@ inline void check_stack(const char* base) {
   }
 }
 
+// ---- Text: UTF-8 as Python's str sees it ----
+
+// The code point at s[i] and its byte length; an invalid or truncated lead byte b stands for itself
+// as U+DC00 + b (Python's surrogateescape), one byte long.
+inline uint32_t decode_utf8(std::string_view s, size_t i, size_t* len) {
+  const auto b0 = static_cast<uint8_t>(s[i]);
+  const size_t n = b0 < 0x80 ? 1 : (b0 >> 5) == 6 ? 2 : (b0 >> 4) == 0xe ? 3 : (b0 >> 3) == 0x1e ? 4 : 1;
+  *len = 1;
+  if (n == 1 || i + n > s.size()) return b0 < 0x80 ? b0 : 0xdc00u + b0;
+  uint32_t cp = b0 & (0x7f >> n);
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<uint8_t>(s[i + k]) & 0x3f);
+  *len = n;
+  return cp;
+}
+// f(code point, byte offset, byte length) for each code point of s.
+template <typename F>
+void each_code_point(std::string_view s, F&& f) {
+  for (size_t i = 0, len = 0; i < s.size(); i += len) {
+    const uint32_t cp = decode_utf8(s, i, &len);
+    f(cp, i, len);
+  }
+}
+// Python's str.isspace for one code point.
+inline bool py_space(uint32_t cp) {
+  return cp == ' ' || (cp >= 0x09 && cp <= 0x0d) || (cp >= 0x1c && cp <= 0x1f) || cp == 0x85 || cp == 0xa0 ||
+         cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200a) || cp == 0x2028 || cp == 0x2029 || cp == 0x202f ||
+         cp == 0x205f || cp == 0x3000;
+}
+
 // ---- Values ----
 
 struct Value;

@@ -9,21 +9,8 @@
 namespace combs::jinja {
 namespace {
 
-// Python's str.isspace for one code point at s[i] (its byte length in *len).
-bool py_space_at(std::string_view s, size_t i, size_t* len) {
-  const auto c = static_cast<uint8_t>(s[i]);
-  *len = 1;
-  if (c == ' ' || (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x1f)) return true;
-  if (c < 0x80) return false;
-  uint32_t cp = 0;
-  size_t n = (c >> 5) == 6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
-  if (n == 0 || i + n > s.size()) return false;
-  cp = c & (0x7f >> n);
-  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<uint8_t>(s[i + k]) & 0x3f);
-  *len = n;
-  return cp == 0x85 || cp == 0xa0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200a) || cp == 0x2028 ||
-         cp == 0x2029 || cp == 0x202f || cp == 0x205f || cp == 0x3000;
-}
+// Python's str.isspace for the code point at s[i] (its byte length in *len).
+bool py_space_at(std::string_view s, size_t i, size_t* len) { return py_space(decode_utf8(s, i, len)); }
 
 std::string_view rstrip(std::string_view s) {
   size_t end = s.size();

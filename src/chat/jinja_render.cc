@@ -36,21 +36,10 @@ enum class Flow : uint8_t { kNormal, kBreak, kContinue };
 
 // ---- UTF-8 and Python's str helpers ----
 
+// The code points of s; an invalid byte as that byte's value (re-encoded where a string is rebuilt).
 std::vector<uint32_t> code_points(std::string_view s) {
   std::vector<uint32_t> out;
-  for (size_t i = 0; i < s.size();) {
-    const auto b0 = static_cast<uint8_t>(s[i]);
-    const size_t n = b0 < 0x80 ? 1 : (b0 >> 5) == 6 ? 2 : (b0 >> 4) == 0xe ? 3 : (b0 >> 3) == 0x1e ? 4 : 1;
-    if (n == 1 || i + n > s.size()) {
-      out.push_back(b0);
-      ++i;
-      continue;
-    }
-    uint32_t cp = b0 & (0x7f >> n);
-    for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<uint8_t>(s[i + k]) & 0x3f);
-    out.push_back(cp);
-    i += n;
-  }
+  each_code_point(s, [&](uint32_t cp, size_t, size_t len) { out.push_back(len == 1 && cp >= 0xdc80 ? cp - 0xdc00 : cp); });
   return out;
 }
 void put(uint32_t cp, std::string& out) { append_utf8(cp, out); }
@@ -58,11 +47,6 @@ std::string from_code_points(const std::vector<uint32_t>& cps, size_t b, size_t 
   std::string out;
   for (size_t k = b; k < e; ++k) put(cps[k], out);
   return out;
-}
-bool py_space(uint32_t cp) {
-  return cp == ' ' || (cp >= 0x09 && cp <= 0x0d) || (cp >= 0x1c && cp <= 0x1f) || cp == 0x85 || cp == 0xa0 ||
-         cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200a) || cp == 0x2028 || cp == 0x2029 || cp == 0x202f ||
-         cp == 0x205f || cp == 0x3000;
 }
 bool cased(uint32_t cp) { return u_isUUppercase(cp) || u_isULowercase(cp) || u_istitle(cp); }
 uint32_t upper(uint32_t cp) { return cp < 0x80 ? (cp >= 'a' && cp <= 'z' ? cp - 32 : cp) : u_toupper(cp); }
@@ -400,9 +384,9 @@ class Renderer {
       bind_targets(n, inner, items[k]);
       if (exec(n.body, inner, out) == Flow::kBreak) break;
     }
-    if (len == 0) {
+    if (len == 0) {  // the else body is outside this loop: a break there is an enclosing loop's
       Frame inner{&f, {}};
-      return exec(n.else_body, inner, out) == Flow::kNormal ? Flow::kNormal : Flow::kNormal;
+      return exec(n.else_body, inner, out);
     }
     return Flow::kNormal;
   }

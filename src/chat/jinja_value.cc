@@ -166,24 +166,6 @@ std::string float_repr(double d) {
 
 namespace {
 
-// The code points of UTF-8 text (an invalid byte stands for itself, as U+DC80+byte would in Python).
-template <typename F>
-void each_code_point(std::string_view s, F&& f) {
-  for (size_t i = 0; i < s.size();) {
-    const auto b0 = static_cast<uint8_t>(s[i]);
-    const int len = b0 < 0x80 ? 1 : (b0 >> 5) == 6 ? 2 : (b0 >> 4) == 0xe ? 3 : (b0 >> 3) == 0x1e ? 4 : 1;
-    if (len == 1 || i + len > s.size()) {
-      f(b0 < 0x80 ? b0 : 0xdc00u + b0, i, 1);
-      ++i;
-      continue;
-    }
-    uint32_t cp = b0 & (0x7f >> len);
-    for (int k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<uint8_t>(s[i + k]) & 0x3f);
-    f(cp, i, static_cast<size_t>(len));
-    i += len;
-  }
-}
-
 bool printable(uint32_t cp) {  // Python's str.isprintable for one character
   if (cp == ' ') return true;
   if (cp < 0x20 || cp == 0x7f) return false;

@@ -43,6 +43,9 @@ TEST_CASE("jinja expressions follow Python", "[chat]") {
   CHECK(render("a  {%- if true -%}  b  {%- endif %}") == "ab");
   CHECK(render("{% for x in [1,2,3] if x != 2 %}{{ loop.length }}{{ x }}{% else %}none{% endfor %}") == "2123");
   CHECK(render("{% for x in [] %}{{ x }}{% else %}none{% endfor %}") == "none");
+  // A break in a loop's else body belongs to the enclosing loop (jinja2: "12").
+  CHECK(render("{% for i in [1,2,3] %}{{ i }}{% for j in [] %}{% else %}{% if i == 2 %}{% break %}{% endif %}"
+               "{% endfor %}{% endfor %}") == "12");
   CHECK(render("{% for x in [1,2,3] %}{% if x == 2 %}{% continue %}{% endif %}{% if x == 3 %}{% break %}{% endif %}{{ x }}{% endfor %}") == "1");
   CHECK(render("{{ [3,1,2] | sort | join(',') }} {{ ['b','A','a'] | unique | list }} {{ {'b':1,'a':2} | dictsort }}") ==
         "1,2,3 ['b', 'A'] [('a', 2), ('b', 1)]");
