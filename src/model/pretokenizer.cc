@@ -35,7 +35,9 @@ constexpr const char* kDeepseek3Words =
     " ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 constexpr const char* kLines = "[^\\n]+|[\\n]+";
 
-enum Flag : uint8_t { kIgnoreMerges = 1, kAddsBos = 2, kRawUtf8 = 4, kEscapesSpaces = 8, kNewlineTokens = 16 };
+enum Flag : uint8_t {
+  kIgnoreMerges = 1, kAddsBos = 2, kRawUtf8 = 4, kEscapesSpaces = 8, kNewlineTokens = 16, kForcesBos = 32,
+};
 
 struct Spec {
   std::initializer_list<const char*> names;
@@ -121,7 +123,9 @@ const Spec kSpecs[] = {
      {CONTRACTIONS "|[^\\r\\n\\p{L}\\p{N}]?(?:\\p{L}\\p{M}*(?: \\p{L}\\p{M}*)*)+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]?|"
                    "\\s*[\\r\\n]|\\s+(?!\\S)|\\s+"}},
     // SentencePiece-style BPE over raw UTF-8: spaces are U+2581 first, only newlines cut.
-    {{"gemma4", "granite-embed-multi-311m"}, {kLines}, kRawUtf8 | kEscapesSpaces | kNewlineTokens},
+    // llama.cpp's Gemma 4 workarounds: runs of newlines looked up whole, BOS whatever the file says
+    // (its PRs 21343 and 21500).
+    {{"gemma4", "granite-embed-multi-311m"}, {kLines}, kRawUtf8 | kEscapesSpaces | kNewlineTokens | kForcesBos},
     {{"sarvam-moe"}, {kLines}, kRawUtf8 | kEscapesSpaces},
     // jina-embeddings-v2-base-zh's: whole runs of non-space over raw UTF-8 (its "whitespace"
     // tokenizer model, which also drops the spaces, is not served here).
@@ -310,6 +314,7 @@ StatusOr<std::unique_ptr<PreTokenizer>> PreTokenizer::create(std::string_view pr
   p->byte_level_ = !(spec->flags & kRawUtf8);
   p->escapes_spaces_ = spec->flags & kEscapesSpaces;
   p->newline_tokens_ = spec->flags & kNewlineTokens;
+  p->forces_bos_ = spec->flags & kForcesBos;
   const std::vector<const char*> regexes(spec->regexes);
   if (matcher == Matcher::kHandWritten && regexes.size() == 1) {
     if (regexes[0] == kGpt2) p->fast_ = Fast::kGpt2;

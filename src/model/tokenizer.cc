@@ -13,6 +13,25 @@ using unicode::Char;
 
 constexpr std::string_view kSpmSpace = "\xe2\x96\x81";  // U+2581, SentencePiece's space
 
+// text with each space as U+2581 (SentencePiece's), and one in front where asked.
+std::string spm_spaces(std::string_view text, bool prefix) {
+  std::string s;
+  s.reserve(text.size() * 2 + 3);
+  if (prefix) s += kSpmSpace;
+  for (char ch : text) {
+    if (ch == ' ') s += kSpmSpace;
+    else s += ch;
+  }
+  return s;
+}
+
+// The byte-fallback token of byte b: <0xNN>.
+std::string byte_token(uint8_t b) {
+  char name[8];
+  std::snprintf(name, sizeof name, "<0x%02X>", b);
+  return name;
+}
+
 bool mergeable(TokenType t) {
   return t == TokenType::kNormal || t == TokenType::kUserDefined;
 }
@@ -117,11 +136,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
   if (model == "gemma4") pre = "gemma4";
   if (t->model_ == Model::kSpm) {
     t->add_bos_ = true;
-    for (int b = 0; b < 256; ++b) {
-      char name[8];
-      std::snprintf(name, sizeof name, "<0x%02X>", b);
-      t->byte_tokens_.push_back(t->find(name));
-    }
+    for (int b = 0; b < 256; ++b) t->byte_tokens_.push_back(t->find(byte_token(static_cast<uint8_t>(b))));
     // Characters that are part of some multi-character token; text splits around the others.
     t->joins_.assign(0x30000, false);
     for (size_t i = 0; i < n; ++i) {
@@ -148,13 +163,8 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
     }
     for (int b = 0; b < 256; ++b) {  // GPT-2's symbol of the byte, or <0xNN> over raw UTF-8
       std::string sym;
-      if (t->pre_->byte_level()) {
-        append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(b)), sym);
-      } else {
-        char name[8];
-        std::snprintf(name, sizeof name, "<0x%02X>", b);
-        sym = name;
-      }
+      if (t->pre_->byte_level()) append_utf8(unicode::byte_to_symbol(static_cast<uint8_t>(b)), sym);
+      else sym = byte_token(static_cast<uint8_t>(b));
       t->byte_tokens_.push_back(t->find(sym));
     }
   }
@@ -167,8 +177,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const gguf::GgufFile& 
   if (f.find("tokenizer.ggml.add_space_prefix")) {
     COMBS_ASSIGN_OR_RETURN(t->add_space_prefix_, f.get_bool("tokenizer.ggml.add_space_prefix"));
   }
-  // llama.cpp's workaround for Gemma 4 files that say add_bos_token = false (its PR 21500).
-  if (model == "gemma4") t->add_bos_ = true;
+  if (t->pre_ && t->pre_->forces_bos()) t->add_bos_ = true;
   if (t->add_bos_ && t->bos_ < 0) return bad("tokenizer.ggml.add_bos_token", "set, but there is no bos_token_id");
   if (t->add_eos_ && t->eos_ < 0) return bad("tokenizer.ggml.add_eos_token", "set, but there is no eos_token_id");
   t->find_end_of_generation();
@@ -286,23 +295,12 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, EncodeOptions opti
 void Tokenizer::encode_fragment(std::string_view text, bool after_special,
                                 std::vector<int32_t>& out) const {
   if (model_ == Model::kSpm) {
-    std::string s;
-    s.reserve(text.size() * 2 + 3);
-    if (add_space_prefix_ && after_special) s += kSpmSpace;
-    for (char ch : text) {
-      if (ch == ' ') s += kSpmSpace;
-      else s += ch;
-    }
-    encode_spm(s, out);
+    encode_spm(spm_spaces(text, add_space_prefix_ && after_special), out);
     return;
   }
   std::string escaped;
   if (pre_->escapes_spaces()) {
-    escaped.reserve(text.size() * 2);
-    for (char ch : text) {
-      if (ch == ' ') escaped += kSpmSpace;
-      else escaped += ch;
-    }
+    escaped = spm_spaces(text, false);
     text = escaped;
   }
   std::vector<PreTokenizer::Word> words;
@@ -318,6 +316,15 @@ void Tokenizer::encode_fragment(std::string_view text, bool after_special,
       it = cache.emplace(word, std::move(ids)).first;
     }
     out.insert(out.end(), it->second.begin(), it->second.end());
+  }
+}
+
+// Each byte of s as its byte token, or the unknown token where the vocabulary has none.
+void Tokenizer::byte_fallback(std::string_view s, std::vector<int32_t>& out) const {
+  for (char ch : s) {
+    const int32_t bt = byte_tokens_[static_cast<uint8_t>(ch)];
+    if (bt >= 0) out.push_back(bt);
+    else if (unk_ >= 0) out.push_back(unk_);
   }
 }
 
@@ -353,11 +360,7 @@ void Tokenizer::encode_spm(std::string_view text, std::vector<int32_t>& out) con
         out.push_back(id);
         continue;
       }
-      for (char ch : s) {  // byte fallback
-        const int32_t bt = byte_tokens_[static_cast<uint8_t>(ch)];
-        if (bt >= 0) out.push_back(bt);
-        else if (unk_ >= 0) out.push_back(unk_);
-      }
+      byte_fallback(s, out);
     }
   };
   size_t start = 0;
@@ -414,11 +417,7 @@ void Tokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>& out
       continue;
     }
     if (!pre_->byte_level()) {  // raw UTF-8: byte fallback to <0xNN>
-      for (char ch : piece) {
-        const int32_t bt = byte_tokens_[static_cast<uint8_t>(ch)];
-        if (bt >= 0) out.push_back(bt);
-        else if (unk_ >= 0) out.push_back(unk_);
-      }
+      byte_fallback(piece, out);
       continue;
     }
     for (const Char& c : unicode::split_utf8(piece)) {  // symbols the merges never reached

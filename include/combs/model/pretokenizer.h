@@ -44,6 +44,7 @@ class PreTokenizer {
   // What the value implies besides its expressions (llama.cpp's flags for it):
   bool ignore_merges() const { return ignore_merges_; }   // a word that is a token is that token
   bool adds_bos() const { return adds_bos_; }             // add_bos when the file does not say
+  bool forces_bos() const { return forces_bos_; }         // add_bos even where the file says no
   bool byte_level() const { return byte_level_; }         // GPT-2's byte-to-symbol alphabet
   bool escapes_spaces() const { return escapes_spaces_; } // ' ' becomes U+2581 before the split
   bool newline_runs_are_tokens() const { return newline_tokens_; }  // "\n\n" is looked up whole
@@ -58,7 +59,8 @@ class PreTokenizer {
   std::string name_;
   std::vector<std::unique_ptr<Regex>> regexes_;
   Fast fast_ = Fast::kNone;
-  bool ignore_merges_ = false, adds_bos_ = false, byte_level_ = true, escapes_spaces_ = false, newline_tokens_ = false;
+  bool ignore_merges_ = false, adds_bos_ = false, byte_level_ = true, escapes_spaces_ = false, newline_tokens_ = false,
+       forces_bos_ = false;
 };
 
 }  // namespace combs

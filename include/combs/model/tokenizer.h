@@ -87,6 +87,7 @@ class Tokenizer {
   void encode_fragment(std::string_view text, bool at_start, std::vector<int32_t>& out) const;
   void encode_spm(std::string_view text, std::vector<int32_t>& out) const;
   void encode_bpe_word(std::string_view word, std::vector<int32_t>& out) const;
+  void byte_fallback(std::string_view s, std::vector<int32_t>& out) const;
   int32_t find(std::string_view text) const;
   void find_end_of_generation();
 
