@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <random>
+#include <map>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -11,6 +12,7 @@
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/chat/jinja.h"
 #include "combs/kv/paged_kv_cache.h"
+#include "combs/kv/prefix_cache.h"
 #include "combs/model/runner.h"
 #include "combs/model/tokenizer.h"
 
@@ -41,7 +43,7 @@ struct Active {
   std::string generated_text;  // for stop strings
   std::vector<int32_t> generated;
   Usage usage;
-  bool counted_cache = false;
+  bool counted_cache = false;  // usage.cached_tokens set and the prefix cache looked up
   size_t history_before = 0;  // a request that fails leaves the session as it found it
   // A chat turn's: the conversation it rendered and the rendering (the reply joins them at the end).
   std::optional<nlohmann::ordered_json> chat_conversation;
@@ -66,6 +68,10 @@ struct Session {
   nlohmann::ordered_json conversation = nlohmann::ordered_json::array();
   std::string chat_text;
   bool chat_text_valid = false;
+  // The prefix cache's keys of the history's full pages: chain[i] names pages 0..i (extended as
+  // needed, cut where the history shrinks); chain_root is link 0 (the model and the namespace).
+  Digest chain_root{};
+  std::vector<Digest> chain;
 };
 
 void snapshot(Session& s) {
@@ -96,6 +102,8 @@ struct Engine::Impl {
   CpuBackend backend;                    // the CPU runner's
   std::unique_ptr<ModelRunner> runner;   // its backend holds the pool's memory: declared first,
   std::unique_ptr<PagePool> pool;        // destroyed after the pool
+  std::unique_ptr<PrefixCache> prefix;   // null when off; goes before the pool
+  std::string model_fingerprint;
 
   std::mutex mu;
   std::condition_variable wake;
@@ -106,6 +114,7 @@ struct Engine::Impl {
   bool stopping = false;
   int64_t evictions = 0, steps = 0;
   int64_t waiting = 0, batch_sequences = 0, batch_tokens = 0, forward_tokens = 0;  // for stats()
+  int64_t prefix_lookups = 0, prefix_hits = 0, prefix_hit_tokens = 0;
   Status abort;  // set by abort_generating(); the scheduler ends the running requests with it
   std::thread scheduler;
 
@@ -148,6 +157,22 @@ struct Engine::Impl {
   // then the request joins the scheduler's work.
   StatusOr<std::shared_ptr<GenerateHandle>> start(Session* s, GenerateRequest request, EventSink sink,
                                                   std::unique_ptr<Active> a);
+  // The prefix cache's key of history page i of s (the chain extended as needed).
+  const Digest& page_key(Session& s, int64_t i);
+  // After s's history shrank: its chain keeps only the pages still whole.
+  void trim_chain(Session& s) {
+    s.chain.resize(std::min(s.chain.size(), s.history.size() / static_cast<size_t>(pool->page_size())));
+  }
+  // Maps the cached pages that continue s's cache (at a page boundary), leaving at least the
+  // history's last position to compute; the positions mapped.
+  int64_t map_cached_prefix(Session& s, bool* looked);
+  // When s's cache ends mid-page and the page after that one is cached (and would be mapped): the
+  // position where the current page ends; else 0.
+  int64_t next_page_cached(Session& s);
+  // Names s's pages that positions [from, to) completed in the prefix cache.
+  void cache_filled_pages(Session& s, int64_t from, int64_t to);
+  // A conversation rendered with the chat template (chat() and render_chat()).
+  StatusOr<std::string> render(const nlohmann::ordered_json& conversation, const nlohmann::ordered_json& variables) const;
   void run();
   void step(std::unique_lock<std::mutex>& lock);
   void sweep_expired();
@@ -202,6 +227,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   }
   PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size, pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, kv_bytes)};
   COMBS_ASSIGN_OR_RETURN(impl->pool, PagePool::create(impl->runner->backend(), po));
+  if (o.prefix_cache) {
+    impl->prefix = std::make_unique<PrefixCache>(*impl->pool);
+    impl->model_fingerprint = to_hex(impl->model->file().fingerprint());
+  }
   impl->logits.resize(c.n_vocab);
   Impl* raw = impl.get();
   impl->scheduler = std::thread([raw] { raw->run(); });
@@ -224,6 +253,8 @@ Engine::~Engine() {
 }
 
 const Model& Engine::model() const { return *impl_->model; }
+int64_t Engine::max_context() const { return impl_->options.max_context; }
+int Engine::max_tokens_per_request() const { return impl_->options.max_tokens_per_request; }
 
 StatusOr<SessionId> Engine::create_session(const SessionOptions& options) {
   COMBS_RETURN_IF_ERROR(validate(options.sampling, impl_->model->config().n_vocab));
@@ -238,6 +269,7 @@ StatusOr<SessionId> Engine::create_session(const SessionOptions& options) {
   s->max_context = options.max_context > 0 ? std::min(options.max_context, impl_->options.max_context)
                                            : impl_->options.max_context;
   COMBS_ASSIGN_OR_RETURN(s->cache, PagedKVCache::create(*impl_->pool, s->max_context));
+  if (impl_->prefix) s->chain_root = impl_->prefix->chain_root(impl_->model_fingerprint, options.cache_namespace);
   s->last_used = Clock::now();
   SessionId id = s->id;
   impl_->sessions.emplace(id, std::move(s));
@@ -344,15 +376,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::chat(const SessionId& id, Chat
   }
   for (const auto& msg : request.messages) conversation.push_back(msg);
   // Rendering and tokenizing run outside the lock (the scheduler's steps do not wait for them).
-  nlohmann::ordered_json context = request.variables;
-  context["messages"] = conversation;
-  context["add_generation_prompt"] = true;
-  auto token_text = [&](int32_t t) { return t >= 0 ? m.tokenizer->token_text(t) : std::string(); };
-  if (!context.contains("bos_token")) context["bos_token"] = token_text(m.tokenizer->bos_id());
-  if (!context.contains("eos_token")) context["eos_token"] = token_text(m.tokenizer->eos_id());
-  auto rendered = m.chat_template->render(context);
-  if (!rendered.ok()) return invalid_argument_error("chat template: " + rendered.status().message());
-  const std::string& text = *rendered;
+  COMBS_ASSIGN_OR_RETURN(const std::string text, m.render(conversation, request.variables));
   // The template's text spells its special tokens; nothing is added around it (as Hugging Face's
   // apply_chat_template tokenizes).
   const bool extends = before_valid && text.size() >= before.size() && text.compare(0, before.size(), before) == 0;
@@ -382,6 +406,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::chat(const SessionId& id, Chat
     s->history.resize(keep);
     const int64_t cached = s->cache->seq_len();
     if (cached > static_cast<int64_t>(keep)) s->cache->popn(cached - static_cast<int64_t>(keep));
+    m.trim_chain(*s);
     s->chat_text_valid = false;
     ++s->edits;
   }
@@ -401,6 +426,30 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::chat(const SessionId& id, Chat
 
 bool Engine::has_chat_template() const { return impl_->chat_template.has_value(); }
 
+StatusOr<std::string> Engine::Impl::render(const nlohmann::ordered_json& conversation,
+                                           const nlohmann::ordered_json& variables) const {
+  nlohmann::ordered_json context = variables;
+  context["messages"] = conversation;
+  context["add_generation_prompt"] = true;
+  auto token_text = [&](int32_t t) { return t >= 0 ? tokenizer->token_text(t) : std::string(); };
+  if (!context.contains("bos_token")) context["bos_token"] = token_text(tokenizer->bos_id());
+  if (!context.contains("eos_token")) context["eos_token"] = token_text(tokenizer->eos_id());
+  auto rendered = chat_template->render(context);
+  if (!rendered.ok()) return invalid_argument_error("chat template: " + rendered.status().message());
+  return rendered;
+}
+
+StatusOr<std::vector<int32_t>> Engine::render_chat(const nlohmann::ordered_json& messages,
+                                                   const nlohmann::ordered_json& variables) const {
+  const Impl& m = *impl_;
+  if (!m.tokenizer) return failed_precondition_error("chat: the model has no tokenizer");
+  if (!m.chat_template) return failed_precondition_error(m.no_chat_template);
+  COMBS_RETURN_IF_ERROR(check_messages(messages));
+  if (!variables.is_object()) return invalid_argument_error("chat: variables must be a JSON object");
+  COMBS_ASSIGN_OR_RETURN(const std::string text, m.render(messages, variables));
+  return m.tokenizer->encode(text, {false, true});
+}
+
 StatusOr<nlohmann::ordered_json> Engine::conversation(const SessionId& id) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Session* s = impl_->find(id);
@@ -419,6 +468,7 @@ StatusOr<int64_t> Engine::rollback(const SessionId& id, int64_t n) {
   s->history.resize(len - n);
   const int64_t cached = s->cache->seq_len();
   if (cached > len - n) s->cache->popn(cached - (len - n));
+  impl_->trim_chain(*s);
   s->last_used = Clock::now();
   if (n > 0) {
     s->chat_text_valid = false;
@@ -432,6 +482,7 @@ Status Engine::reset(const SessionId& id) {
   COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
   s->history.clear();
   s->cache->reset();
+  s->chain.clear();
   s->conversation = nlohmann::ordered_json::array();
   s->chat_text.clear();
   s->chat_text_valid = false;
@@ -460,6 +511,8 @@ StatusOr<SessionId> Engine::fork(const SessionId& id) {
   child->conversation = s->conversation;
   child->chat_text = s->chat_text;
   child->chat_text_valid = s->chat_text_valid;
+  child->chain_root = s->chain_root;
+  child->chain = s->chain;
   child->cache = std::move(forked).value();
   child->last_used = s->last_used = Clock::now();
   SessionId cid = child->id;
@@ -534,6 +587,12 @@ EngineStats Engine::stats() {
   st.batch_sequences = impl_->batch_sequences;
   st.batch_tokens = impl_->batch_tokens;
   st.forward_tokens = impl_->forward_tokens;
+  st.prefix_lookups = impl_->prefix_lookups;
+  st.prefix_hits = impl_->prefix_hits;
+  st.prefix_hit_tokens = impl_->prefix_hit_tokens;
+  st.pages_cached = impl_->pool->num_cached();
+  st.pages_reclaimable = impl_->pool->num_reclaimable();
+  st.cached_pages_reclaimed = impl_->pool->num_reclaimed();
   return st;
 }
 
@@ -548,17 +607,52 @@ void Engine::abort_generating(const Status& why) {
 Status Engine::check_invariants() {
   std::unique_lock<std::mutex> lock(impl_->mu);
   impl_->forward_done.wait(lock, [&] { return !impl_->in_forward; });
-  std::set<int32_t> held;
-  for (auto& [id, s] : impl_->sessions) {
-    for (int32_t p : s->cache->page_table()) held.insert(p);
-    if (s->cache->seq_len() > static_cast<int64_t>(s->history.size())) {
+  Impl& m = *impl_;
+  PagePool& pool = *m.pool;
+  auto pool_lock = pool.bookkeeping_lock();
+  std::map<int32_t, int32_t> holders;  // page -> sessions holding it
+  const int ps = pool.page_size();
+  for (auto& [id, s] : m.sessions) {
+    std::span<const int32_t> table = s->cache->page_table();
+    for (int32_t p : table) ++holders[p];
+    const int64_t cached = s->cache->seq_len();
+    if (cached > static_cast<int64_t>(s->history.size())) {
       return internal_error("session " + id + " caches more positions than its history holds");
     }
+    if (s->chain.size() > s->history.size() / ps) return internal_error("session " + id + " has keys of pages it lost");
+    Digest prev = s->chain_root;
+    for (size_t i = 0; i < s->chain.size(); ++i) {
+      prev = PrefixCache::chain_next(prev, {s->history.data() + i * ps, static_cast<size_t>(ps)});
+      if (prev != s->chain[i]) return internal_error("session " + id + ": the key of page " + std::to_string(i) + " is stale");
+    }
+    if (!m.prefix) continue;
+    for (int64_t i = 0; i < cached / ps; ++i) {  // a cached page holds what its key says
+      if (auto key = m.prefix->key_of(table[i]); key && *key != m.page_key(*s, i)) {
+        return internal_error("session " + id + ": page " + std::to_string(i) + " is cached under another prefix's key");
+      }
+    }
   }
-  if (static_cast<int64_t>(held.size()) != impl_->pool->num_used()) {
-    return internal_error("pages in use " + std::to_string(impl_->pool->num_used()) + " != distinct pages held " +
-                          std::to_string(held.size()));
+  int64_t reclaimable = 0, used = static_cast<int64_t>(holders.size());
+  for (int32_t p = 0; p < pool.num_pages(); ++p) {
+    const auto it = holders.find(p);
+    const int32_t held = it == holders.end() ? 0 : it->second;
+    const bool cached = pool.is_cached(p);
+    if (pool.refcount(p) != held + (cached ? 1 : 0)) {
+      return internal_error("page " + std::to_string(p) + " has " + std::to_string(pool.refcount(p)) + " references, " +
+                            std::to_string(held) + " sessions hold it" + (cached ? " and it is cached" : ""));
+    }
+    if (cached && held == 0) ++reclaimable, ++used;
   }
+  if (used != pool.num_used()) {
+    return internal_error("pages in use " + std::to_string(pool.num_used()) + " != distinct pages held or cached " +
+                          std::to_string(used));
+  }
+  if (reclaimable != pool.num_reclaimable()) {
+    return internal_error("reclaimable pages " + std::to_string(pool.num_reclaimable()) + " != cached pages no session holds " +
+                          std::to_string(reclaimable));
+  }
+  if (m.prefix && !m.prefix->consistent()) return internal_error("the prefix cache's index and the pool's marks differ");
+  if (!m.prefix && pool.num_cached() != 0) return internal_error("pages are cached with the prefix cache off");
   return ok_status();
 }
 
@@ -579,6 +673,7 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
     s.history.resize(a.history_before);
     const int64_t cached = s.cache->seq_len();
     if (cached > static_cast<int64_t>(a.history_before)) s.cache->popn(cached - static_cast<int64_t>(a.history_before));
+    trim_chain(s);
   }
   if (a.chat_conversation && kind != FinishKind::kError) {  // the reply joins the conversation
     std::vector<int32_t> reply = a.generated;
@@ -594,6 +689,52 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
   out.back().second.session_length = static_cast<int64_t>(s.history.size());
   s.active.reset();
   s.last_used = Clock::now();
+}
+
+const Digest& Engine::Impl::page_key(Session& s, int64_t i) {
+  const size_t ps = static_cast<size_t>(pool->page_size());
+  while (s.chain.size() <= static_cast<size_t>(i)) {
+    const Digest& prev = s.chain.empty() ? s.chain_root : s.chain.back();
+    s.chain.push_back(PrefixCache::chain_next(prev, {s.history.data() + s.chain.size() * ps, ps}));
+  }
+  return s.chain[i];
+}
+
+int64_t Engine::Impl::map_cached_prefix(Session& s, bool* looked) {
+  const int64_t ps = pool->page_size();
+  const int64_t cached = s.cache->seq_len();
+  const int64_t len = static_cast<int64_t>(s.history.size());
+  if (!prefix || cached % ps != 0 || cached + ps >= len) return 0;
+  *looked = true;
+  // Found pages are retained before anything can reclaim them: the pool's lock across both.
+  auto lock = pool->bookkeeping_lock();
+  std::vector<int32_t> pages;
+  for (int64_t i = cached / ps; (i + 1) * ps < len; ++i) {
+    std::optional<int32_t> page = prefix->find(page_key(s, i));
+    if (!page) break;
+    pages.push_back(*page);
+  }
+  if (pages.empty()) return 0;
+  // A whole number of pages at a boundary, within the context: cannot fail.
+  s.cache->adopt_pages(pages).ignore();
+  return static_cast<int64_t>(pages.size()) * ps;
+}
+
+int64_t Engine::Impl::next_page_cached(Session& s) {
+  const int64_t ps = pool->page_size();
+  const int64_t cached = s.cache->seq_len();
+  const int64_t next = cached / ps + 1;  // the page after the partly filled one
+  if (!prefix || cached % ps == 0 || (next + 1) * ps >= static_cast<int64_t>(s.history.size())) return 0;
+  return prefix->find(page_key(s, next)) ? next * ps : 0;
+}
+
+void Engine::Impl::cache_filled_pages(Session& s, int64_t from, int64_t to) {
+  if (!prefix) return;
+  const int64_t ps = pool->page_size();
+  std::span<const int32_t> table = s.cache->page_table();
+  for (int64_t i = from / ps; i < to / ps; ++i) {
+    if (!pool->is_cached(table[i])) prefix->insert(page_key(s, i), table[i]);
+  }
 }
 
 bool Engine::Impl::evict_one_idle(const std::set<Session*>& keep) {
@@ -662,29 +803,42 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   std::vector<Work> work;
   std::set<Session*> chosen;
   int64_t budget = options.step_token_budget;
-  int64_t free_pages = pool->num_free();
+  int64_t reserved = 0;  // pages the work chosen so far takes
   std::vector<Session*> deferred;
   for (Session* s : order) {
-    const int64_t cached = s->cache->seq_len();
     const int64_t len = static_cast<int64_t>(s->history.size());
-    if (!s->active->counted_cache) {
-      s->active->usage.cached_tokens = std::min(cached, len - static_cast<int64_t>(s->active->request.input.size()));
-      s->active->counted_cache = true;
-    }
-    if (cached >= len) {  // the last token's logits are needed again: recompute it
-      s->cache->popn(cached - len + 1);
+    if (s->cache->seq_len() >= len) {  // the last token's logits are needed again: recompute it
+      s->cache->popn(s->cache->seq_len() - len + 1);
       continue;  // next step
     }
+    bool looked = false;
+    const int64_t mapped = map_cached_prefix(*s, &looked);
+    Active& act = *s->active;
+    if (!act.counted_cache) {  // positions this request need not compute
+      act.usage.cached_tokens = s->cache->seq_len();
+      act.counted_cache = true;
+      prefix_lookups += looked;
+      prefix_hits += mapped > 0;
+    } else {
+      act.usage.cached_tokens += mapped;
+    }
+    prefix_hit_tokens += mapped;
+    const int64_t cached = s->cache->seq_len();
     // Chunk boundaries at multiples of prefill_chunk, whatever else shares the step.
     const int64_t boundary = (cached / options.prefill_chunk + 1) * options.prefill_chunk;
     int64_t n = std::min(len, boundary) - cached;
+    // Mid-page with cached pages after this one (a rollback into a page): compute only to the
+    // page's end, and map the rest next step.
+    if (const int64_t page_end = next_page_cached(*s)) n = std::min(n, page_end - cached);
     if (n > budget) {
       if (!work.empty()) continue;  // waits for a step with room
       // Alone in the step it may exceed the budget by at most one chunk.
     }
     const int64_t need = s->cache->pages_to_grow(cached + n);
-    while (need > free_pages && evict_one_idle(chosen)) free_pages = pool->num_free();
-    if (need > free_pages) {
+    // Free and reclaimable cached pages first, then the pages of idle sessions, oldest first.
+    while (need > pool->num_available() - reserved && evict_one_idle(chosen)) {
+    }
+    if (need > pool->num_available() - reserved) {
       if (pages_for_tokens(cached + n, pool->page_size()) > pool->num_pages() || options.when_full == EngineOptions::WhenFull::kFail ||
           (work.empty() && [&] {  // nothing runs and nothing else can free pages for it
             for (Session* o : order)
@@ -700,7 +854,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       }
       continue;
     }
-    free_pages -= need;
+    reserved += need;
     budget -= n;
     work.push_back({s, cached, n});
     chosen.insert(s);
@@ -764,6 +918,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
         continue;
       }
       a.usage.prefilled_tokens += work[i].n > 1 || a.generated.empty() ? work[i].n : 0;
+      cache_filled_pages(s, work[i].from, work[i].from + work[i].n);
       s.last_used = Clock::now();
       if (s.cache->seq_len() < static_cast<int64_t>(s.history.size())) continue;  // more prefill
       if (a.request.max_tokens == 0) {

@@ -127,10 +127,10 @@ Status reserve_batch_pages(std::span<const SeqAttention> seqs) {
     }
   }
   for (const auto& [pool, n] : demand) {
-    if (n > pool->num_free()) {
+    if (n > pool->num_available()) {
       return resource_exhausted_error("attention: page pool exhausted: the batch needs " + std::to_string(n) +
-                                      " pages, " + std::to_string(pool->num_free()) + " of " +
-                                      std::to_string(pool->num_pages()) + " are free");
+                                      " pages, " + std::to_string(pool->num_available()) + " of " +
+                                      std::to_string(pool->num_pages()) + " are free or reclaimable");
     }
   }
   for (const SeqAttention& s : seqs) s.cache->reserve(s.pos + s.n_new);

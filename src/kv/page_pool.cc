@@ -45,14 +45,29 @@ StatusOr<std::unique_ptr<PagePool>> PagePool::create(Backend& backend,
 }
 
 PagePool::PagePool(Backend& backend, const PagePoolOptions& options)
-    : backend_(&backend), options_(options), refcount_(options.num_pages, 0) {
+    : backend_(&backend),
+      options_(options),
+      refcount_(options.num_pages, 0),
+      cached_(options.num_pages, 0),
+      lru_prev_(options.num_pages, kNone),
+      lru_next_(options.num_pages, kNone) {
   free_.reserve(options.num_pages);
   for (int64_t p = options.num_pages - 1; p >= 0; --p) free_.push_back(static_cast<int32_t>(p));
 }
 
 std::optional<int32_t> PagePool::alloc() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  if (free_.empty()) return std::nullopt;
+  if (free_.empty()) {
+    if (lru_head_ == kNone) return std::nullopt;
+    const int32_t page = lru_head_;  // the cached page released longest ago
+    assert(cached_[page] && refcount_[page] == 1);
+    if (reclaim_hook_) reclaim_hook_(page);
+    lru_unlink(page);
+    cached_[page] = 0;
+    --cached_count_;
+    ++reclaimed_;
+    return page;  // the index's reference becomes the caller's
+  }
   const int32_t page = free_.back();
   free_.pop_back();
   assert(refcount_[page] == 0);
@@ -63,13 +78,52 @@ std::optional<int32_t> PagePool::alloc() {
 void PagePool::retain(int32_t page) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   assert(refcount_[page] > 0);
+  if (cached_[page] && refcount_[page] == 1) lru_unlink(page);
   ++refcount_[page];
 }
 
 void PagePool::release(int32_t page) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   assert(refcount_[page] > 0);
+  const int32_t left = --refcount_[page];
+  if (left == 0) free_.push_back(page);
+  else if (left == 1 && cached_[page]) lru_push_back(page);
+}
+
+void PagePool::cache_page(int32_t page) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  assert(refcount_[page] > 0 && !cached_[page]);
+  cached_[page] = 1;
+  ++cached_count_;
+  ++refcount_[page];
+}
+
+void PagePool::uncache_page(int32_t page) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  assert(cached_[page] && refcount_[page] > 0);
+  if (refcount_[page] == 1) lru_unlink(page);
+  cached_[page] = 0;
+  --cached_count_;
   if (--refcount_[page] == 0) free_.push_back(page);
+}
+
+void PagePool::lru_push_back(int32_t page) {
+  lru_prev_[page] = lru_tail_;
+  lru_next_[page] = kNone;
+  if (lru_tail_ != kNone) lru_next_[lru_tail_] = page;
+  else lru_head_ = page;
+  lru_tail_ = page;
+  ++reclaimable_;
+}
+
+void PagePool::lru_unlink(int32_t page) {
+  const int32_t prev = lru_prev_[page], next = lru_next_[page];
+  if (prev != kNone) lru_next_[prev] = next;
+  else lru_head_ = next;
+  if (next != kNone) lru_prev_[next] = prev;
+  else lru_tail_ = prev;
+  lru_prev_[page] = lru_next_[page] = kNone;
+  --reclaimable_;
 }
 
 void PagePool::copy_page(int32_t src, int32_t dst) {

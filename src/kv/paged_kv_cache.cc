@@ -70,9 +70,33 @@ void PagedKVCache::reset() {
   release_pages_from(0);
 }
 
+Status PagedKVCache::adopt_pages(std::span<const int32_t> pages) {
+  const int64_t len = seq_len();
+  const int ps = pool_->page_size();
+  for (int l = 0; l < geometry().num_layers; ++l) {
+    if (layer_len(l) != len) return failed_precondition_error("adopt_pages: layers hold different lengths");
+  }
+  if (len % ps != 0 || static_cast<int64_t>(table_.size()) != len / ps) {
+    return failed_precondition_error("adopt_pages: the cache does not end at a page boundary");
+  }
+  const int64_t end = len + static_cast<int64_t>(pages.size()) * ps;
+  if (end > max_seq_len_) {
+    return resource_exhausted_error("adopt_pages: " + std::to_string(end) + " positions exceed the capacity of " +
+                                    std::to_string(max_seq_len_));
+  }
+  for (int32_t p : pages) {
+    pool_->retain(p);
+    table_.push_back(p);
+  }
+  grow_layers_to(end);
+  return ok_status();
+}
+
 int64_t PagedKVCache::pages_shared() const {
-  return std::count_if(table_.begin(), table_.end(),
-                       [this](int32_t p) { return pool_->refcount(p) > 1; });
+  auto lock = pool_->bookkeeping_lock();
+  return std::count_if(table_.begin(), table_.end(), [this](int32_t p) {
+    return pool_->refcount(p) - (pool_->is_cached(p) ? 1 : 0) > 1;  // the prefix cache's is no holder
+  });
 }
 
 StatusOr<std::unique_ptr<PagedKVCache>> PagedKVCache::fork() const {

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <type_traits>
+#include <variant>
 
 #include "combs/backend/quant.h"
 
@@ -478,6 +480,49 @@ Status GgufWriter::write(const std::string& path, uint32_t alignment) const {
   f.close();
   if (!f) return internal_error(path + ": write failed: " + std::strerror(errno));
   return ok_status();
+}
+
+namespace {
+void hash_value(Sha256& h, const Value& v) {
+  h.update_pod(static_cast<uint32_t>(v.type));
+  h.update_pod(static_cast<uint32_t>(v.v.index()));
+  std::visit(
+      [&h](const auto& x) {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          h.update_framed(x);
+        } else if constexpr (std::is_same_v<T, Array>) {
+          h.update_pod(static_cast<uint32_t>(x.type));
+          h.update_pod(static_cast<uint64_t>(x.items.size()));
+          for (const Value& item : x.items) hash_value(h, item);
+        } else {
+          h.update_pod(x);
+        }
+      },
+      v.v);
+}
+}  // namespace
+
+Digest GgufFile::fingerprint() const {
+  Sha256 h;
+  h.update_framed("gguf model");
+  h.update_pod(version_);
+  h.update_pod(static_cast<uint64_t>(metadata_.size()));
+  for (const auto& [key, value] : metadata_) {
+    h.update_framed(key);
+    hash_value(h, value);
+  }
+  h.update_pod(static_cast<uint64_t>(tensors_.size()));
+  for (const TensorInfo& t : tensors_) {
+    h.update_framed(t.name);
+    h.update_pod(static_cast<uint64_t>(t.dims.size()));
+    for (int64_t d : t.dims) h.update_pod(d);
+    h.update_framed(dtype_name(t.dtype));
+    h.update_pod(t.offset);
+    h.update_pod(t.nbytes);
+    if (t.data != nullptr) h.update(t.data, std::min<uint64_t>(t.nbytes, 64));
+  }
+  return h.finish();
 }
 
 }  // namespace combs::gguf

@@ -247,21 +247,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
 }  // namespace
 
 StatusOr<std::string> CombsService::caller(grpc::CallbackServerContext* ctx) const {
-  if (keys_.empty()) return std::string();
   const auto& md = ctx->client_metadata();
   auto it = md.find("authorization");
-  if (it == md.end()) return Status(StatusCode::kUnauthenticated, "missing 'authorization: Bearer <key>' metadata");
-  const std::string value(it->second.data(), it->second.size());
-  const std::string prefix = "Bearer ";
-  if (value.rfind(prefix, 0) != 0 || !keys_.count(value.substr(prefix.size()))) {
-    return Status(StatusCode::kUnauthenticated, "unknown API key");
-  }
-  return value.substr(prefix.size());
+  if (it == md.end()) return keys_.authenticate(std::nullopt);
+  return keys_.authenticate(std::string_view(it->second.data(), it->second.size()));
 }
 
 Status CombsService::check_owner(grpc::CallbackServerContext* ctx, const std::string& session) {
   COMBS_ASSIGN_OR_RETURN(std::string key, caller(ctx));
-  if (keys_.empty()) return ok_status();
+  if (!keys_.enabled()) return ok_status();
   std::lock_guard<std::mutex> lock(owners_mu_);
   auto it = owners_.find(session);
   if (it == owners_.end() || it->second != key) return not_found_error("session " + session + " not found");
@@ -269,7 +263,7 @@ Status CombsService::check_owner(grpc::CallbackServerContext* ctx, const std::st
 }
 
 void CombsService::own(const std::string& session, const std::string& key) {
-  if (keys_.empty()) return;
+  if (!keys_.enabled()) return;
   std::lock_guard<std::mutex> lock(owners_mu_);
   owners_[session] = key;
   // Sessions also end by expiring (TTL) in the engine: drop their owners now and then, so the
@@ -295,6 +289,7 @@ grpc::ServerUnaryReactor* CombsService::CreateSession(grpc::CallbackServerContex
   SessionOptions o;
   o.sampling = merge(SamplingParams{}, req->sampling());
   o.max_context = req->max_context();
+  o.cache_namespace = keys_.prefix_namespace(*key);
   auto id = engine_->create_session(o);
   if (id.ok()) {
     own(*id, *key);
@@ -422,7 +417,7 @@ grpc::ServerUnaryReactor* CombsService::CloseSession(grpc::CallbackServerContext
   const Call call(ctx, "CloseSession", req->session_id(), options_.metrics);
   if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, call, a);
   Status s = engine_->close(req->session_id());
-  if (s.ok() && !keys_.empty()) {
+  if (s.ok() && keys_.enabled()) {
     std::lock_guard<std::mutex> lock(owners_mu_);
     owners_.erase(req->session_id());
   }
@@ -446,7 +441,7 @@ grpc::ServerUnaryReactor* CombsService::ListSessions(grpc::CallbackServerContext
   std::lock_guard<std::mutex> lock(owners_mu_);
   std::unordered_map<std::string, std::string> live;
   for (const SessionInfo& i : engine_->list()) {
-    if (!keys_.empty()) {
+    if (keys_.enabled()) {
       auto it = owners_.find(i.id);
       if (it == owners_.end()) continue;
       live.insert(*it);  // ownership of sessions that expired is dropped below
@@ -454,7 +449,7 @@ grpc::ServerUnaryReactor* CombsService::ListSessions(grpc::CallbackServerContext
     }
     fill_info(i, resp->add_sessions());
   }
-  if (!keys_.empty()) owners_.swap(live);
+  if (keys_.enabled()) owners_.swap(live);
   return done(ctx, call, ok_status());
 }
 

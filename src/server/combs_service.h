@@ -19,12 +19,13 @@
 #include "combs/engine/engine.h"
 #include "combs/model/tokenizer.h"
 #include "combs/v1/combs.grpc.pb.h"
+#include "api_keys.h"
 #include "metrics.h"
 
 namespace combs::server {
 
 struct ServiceOptions {
-  std::set<std::string> api_keys;  // empty: no authentication, every caller sees every session
+  ApiKeys api_keys;  // none: no authentication, every caller sees every session
   int64_t max_input_tokens = 0;    // per Generate request; 0: up to the session's context
   Metrics* metrics = nullptr;      // optional
 };
@@ -33,7 +34,7 @@ class CombsService final : public combs::v1::Combs::CallbackService {
  public:
   // tokenizer may be null (a model without one: text input and output are refused).
   CombsService(Engine& engine, const Tokenizer* tokenizer, ServiceOptions options = {})
-      : engine_(&engine), tokenizer_(tokenizer), keys_(std::move(options.api_keys)), options_(std::move(options)) {}
+      : engine_(&engine), tokenizer_(tokenizer), keys_(options.api_keys), options_(std::move(options)) {}
 
   // Shutdown has begun: CreateSession, Fork and Generate are UNAVAILABLE (a client retries on
   // another replica); calls on existing sessions and running streams go on.
@@ -75,7 +76,7 @@ class CombsService final : public combs::v1::Combs::CallbackService {
 
   Engine* engine_;
   const Tokenizer* tokenizer_;
-  std::set<std::string> keys_;
+  ApiKeys keys_;
   ServiceOptions options_;
   std::atomic<bool> draining_{false};
   std::mutex owners_mu_;

@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
                       {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
                       {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()}, {"chat-template", ""},
-                      {"api-keys", ""}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}});
+                      {"api-keys", ""}, {"prefix-cache", "on"}, {"prefix-cache-sharing", "key"}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}});
   flags.describe({
       {"config", "config file of 'name = value' lines (the flags below without --); the command line wins"},
       {"model", "GGUF model to serve; none: a small random-weight model written once into --cache-dir"},
@@ -59,6 +59,8 @@ int main(int argc, char** argv) {
       {"vocab", "vocabulary GGUF of the default model (default: Llama 3's, from share/combs beside the binary); none or empty: a built-in byte-level vocabulary"},
       {"chat-template", "Jinja chat template for Chat (default: the model's tokenizer.chat_template; the default model carries Llama 3's)"},
       {"api-keys", "file of API keys, one a line; callers send 'authorization: Bearer <key>'"},
+      {"prefix-cache", "on: sessions whose histories begin alike share the KV pages of the common prefix; off: never"},
+      {"prefix-cache-sharing", "key: cached prefixes serve only sessions of the API key that made them; all: every key's"},
       {"tls-cert", "PEM certificate chain (with --tls-key: serve TLS)"},
       {"tls-key", "PEM private key of --tls-cert"},
       {"log-format", "text (key=value) or json"},
@@ -162,25 +164,31 @@ int main(int argc, char** argv) {
   eo.session_ttl = std::chrono::seconds(ttl);
   eo.max_context = max_context;
   eo.max_tokens_per_request = static_cast<int>(max_new);
+  if (flags.str("prefix-cache") != "on" && flags.str("prefix-cache") != "off") {
+    return std::fprintf(stderr, "combs-server: --prefix-cache %s: expected on or off\n", flags.str("prefix-cache").c_str()), 2;
+  }
+  eo.prefix_cache = flags.str("prefix-cache") == "on";
+  if (flags.str("prefix-cache-sharing") != "key" && flags.str("prefix-cache-sharing") != "all") {
+    return std::fprintf(stderr, "combs-server: --prefix-cache-sharing %s: expected key or all\n",
+                        flags.str("prefix-cache-sharing").c_str()),
+           2;
+  }
+  const bool share_prefixes = flags.str("prefix-cache-sharing") == "all";
   auto engine = Engine::create(std::move(model).value(), eo);
   if (!engine.ok()) return std::fprintf(stderr, "combs-server: %s\n", engine.status().to_string().c_str()), 1;
 
   // API keys: one a line ('#' comments and blank lines ignored); none: no authentication.
-  std::set<std::string> keys;
+  server::ApiKeys keys;
   if (!flags.str("api-keys").empty()) {
-    std::ifstream f(flags.str("api-keys"));
-    if (!f) return std::fprintf(stderr, "combs-server: --api-keys %s: cannot read\n", flags.str("api-keys").c_str()), 2;
-    for (std::string line; std::getline(f, line);) {
-      while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
-      if (!line.empty() && line[0] != '#') keys.insert(line);
-    }
-    if (keys.empty()) return std::fprintf(stderr, "combs-server: --api-keys %s holds no key\n", flags.str("api-keys").c_str()), 2;
+    auto loaded = server::ApiKeys::load(flags.str("api-keys"), share_prefixes);
+    if (!loaded.ok()) return std::fprintf(stderr, "combs-server: %s\n", loaded.status().message().c_str()), 2;
+    keys = std::move(loaded).value();
   }
   Engine& eng = **engine;
   server::Metrics metrics([&eng] { return eng.stats(); });
   server::ServiceOptions so;
-  const bool auth = !keys.empty();
-  so.api_keys = std::move(keys);
+  const bool auth = keys.enabled();
+  so.api_keys = keys;
   so.max_input_tokens = max_input;
   so.metrics = &metrics;
   server::CombsService service(eng, tokenizer.get(), std::move(so));

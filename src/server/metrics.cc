@@ -103,8 +103,10 @@ std::string Metrics::render() const {
       {"combs_batch_sequences", {"Sequences in the last engine step.", st.batch_sequences}},
       {"combs_batch_tokens", {"Tokens in the last engine step.", st.batch_tokens}},
       {"combs_kv_pages_total", {"KV cache pages in the pool.", st.pages_total}},
-      {"combs_kv_pages_used", {"KV cache pages held by sessions.", st.pages_used}},
+      {"combs_kv_pages_used", {"KV cache pages held by sessions or the prefix cache.", st.pages_used}},
       {"combs_kv_pages_free", {"KV cache pages free.", st.pages_free}},
+      {"combs_kv_pages_cached", {"KV cache pages the prefix cache names.", st.pages_cached}},
+      {"combs_kv_pages_reclaimable", {"Cached pages no session holds (reused first when pages run out).", st.pages_reclaimable}},
   };
   for (const auto& [name, g] : gauges) {
     header(&out, name, "gauge", g.first);
@@ -114,6 +116,10 @@ std::string Metrics::render() const {
       {"combs_engine_steps_total", {"Engine steps (model forwards).", st.steps}},
       {"combs_forward_tokens_total", {"Tokens through the model (prefill and decode).", st.forward_tokens}},
       {"combs_kv_evictions_total", {"Idle sessions whose pages were taken for others.", st.evictions}},
+      {"combs_prefix_cache_lookups_total", {"Requests that looked their prefix up in the prefix cache.", st.prefix_lookups}},
+      {"combs_prefix_cache_hits_total", {"Requests that found cached pages of their prefix.", st.prefix_hits}},
+      {"combs_prefix_cache_hit_tokens_total", {"Positions mapped from the prefix cache instead of prefilled.", st.prefix_hit_tokens}},
+      {"combs_prefix_cache_evictions_total", {"Cached pages taken back for reuse.", st.cached_pages_reclaimed}},
   };
   for (const auto& [name, c] : counters) {
     header(&out, name, "counter", c.first);

@@ -9,6 +9,7 @@
 #include "combs/engine/engine.h"
 #include "combs/model/random_model.h"
 #include "support/engine_helpers.h"
+#include "support/engine_model.h"
 #include "support/random.h"
 #include "support/temp_dir.h"
 
@@ -16,30 +17,6 @@ using namespace combs;
 using namespace combs::testing;
 
 namespace {
-
-struct ModelFile {
-  TempDir dir;
-  std::string path;
-  // weights: bf16, or a llama.cpp file type such as q4_k_m (Q4_K with Q6_K on the output and on
-  // some layers' attn_v and ffn_down, quantized by combs).
-  explicit ModelFile(const std::string& weights = "bf16") {
-    RandomModelOptions o;
-    o.shape = std::move(named_shape("tiny")).value();
-    REQUIRE(set_weight_type(weights, &o).ok());
-    o.seed = 3;
-    path = dir.file("tiny.gguf");
-    REQUIRE(write_random_model(o, path).ok());
-  }
-  std::unique_ptr<Engine> engine(EngineOptions eo = {}) const {
-    eo.threads = 2;
-    if (eo.kv_memory_bytes == (int64_t{1} << 30)) eo.kv_memory_bytes = 64 << 20;
-    auto m = Model::load(path);
-    REQUIRE(m.ok());
-    auto e = Engine::create(std::move(m).value(), eo);
-    REQUIRE(e.ok());
-    return std::move(e).value();
-  }
-};
 
 std::vector<int32_t> prompt_of(Rng& rng, int n, int vocab) {
   std::vector<int32_t> p(n);
@@ -160,7 +137,10 @@ TEST_CASE("forks continue independently and share pages counted once", "[engine]
   CHECK(run(*e, child, request({3}, 5, 0.0f, 0)).size() == 5);
   CHECK(e->close(child).ok());
   CHECK(e->close(twin).ok());
-  CHECK(e->stats().pages_used == 0);
+  // What stays in use is the prefix cache's, and only it holds it.
+  CHECK(e->stats().pages_used == e->stats().pages_cached);
+  CHECK(e->stats().pages_reclaimable == e->stats().pages_cached);
+  REQUIRE(e->check_invariants().ok());
 }
 
 TEST_CASE("evicted sessions rebuild transparently and produce the same tokens", "[engine]") {
@@ -275,12 +255,19 @@ TEST_CASE("a cancelled generate stops and keeps its tokens", "[engine]") {
 TEST_CASE("thousands of mixed operations from many threads keep the page invariants", "[engine]") {
   Rng seed_rng(test_seed());
   const uint64_t seed = seed_rng.integer(0, 1 << 30);
-  INFO("seed " << seed);
+  const bool prefix_cache = GENERATE(true, false);
+  INFO("seed " << seed << ", prefix cache " << (prefix_cache ? "on" : "off"));
   ModelFile mf;
   EngineOptions o;
   o.kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 40;  // 40 pages: eviction and waiting happen
   o.max_context = 256;
+  o.prefix_cache = prefix_cache;
   auto e = mf.engine(o);
+  // Sessions in two namespaces start from a few shared prefixes (cache hits, copy-on-write after
+  // rollbacks into cached pages, cached pages reclaimed under pressure).
+  Rng prefix_rng(seed);
+  std::vector<std::vector<int32_t>> prefixes;
+  for (int i = 0; i < 3; ++i) prefixes.push_back(prompt_of(prefix_rng, static_cast<int>(prefix_rng.integer(16, 56)), 259));
   std::mutex ids_mu;
   std::vector<SessionId> ids;
   std::atomic<int> failures{0};
@@ -294,7 +281,9 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
       }
       switch (id.empty() ? 0 : rng.integer(0, 7)) {
         case 0: {
-          auto s = e->create_session();
+          SessionOptions so;
+          so.cache_namespace = rng.integer(0, 1) ? "tenant-a" : "tenant-b";
+          auto s = e->create_session(so);
           if (s.ok()) {
             std::lock_guard<std::mutex> lock(ids_mu);
             ids.push_back(*s);
@@ -304,7 +293,12 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
         case 1:
         case 2: {
           auto c = std::make_shared<Collector>();
-          auto h = e->generate(id, request(prompt_of(rng, rng.integer(1, 20), 259), rng.integer(0, 6), 0.7f, op), c->sink());
+          std::vector<int32_t> input = prompt_of(rng, rng.integer(1, 20), 259);
+          if (rng.integer(0, 1) == 0) {  // a shared prefix, then its own tokens
+            std::vector<int32_t> shared = prefixes[rng.integer(0, prefixes.size() - 1)];
+            input.insert(input.begin(), shared.begin(), shared.end());
+          }
+          auto h = e->generate(id, request(std::move(input), rng.integer(0, 6), 0.7f, op), c->sink());
           if (h.ok()) {
             if (rng.integer(0, 3) == 0) (*h)->cancel();
             c->wait();
@@ -338,8 +332,11 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
   for (auto& t : threads) t.join();
   CHECK(failures == 0);
   for (const SessionInfo& s : e->list()) CHECK(e->close(s.id).ok());
-  CHECK(e->stats().pages_used == 0);
+  CHECK(e->stats().pages_used == e->stats().pages_cached);
+  CHECK(e->stats().pages_reclaimable == e->stats().pages_cached);
+  if (!prefix_cache) CHECK(e->stats().pages_used == 0);
   CHECK(e->stats().sessions == 0);
+  REQUIRE(e->check_invariants().ok());
 }
 
 TEST_CASE("idle sessions expire after their time to live", "[engine]") {

@@ -16,6 +16,13 @@
 // - Cancellation stops a generate at the next step; the tokens generated so far stay in the
 //   session's history (and cache). The request finishes with reason "cancelled". A request that
 //   fails (kError) is undone: the session's history is as before it.
+// - Prefix cache (EngineOptions::prefix_cache): every full page of a session's history stays
+//   addressed by its content (kv/prefix_cache.h) after the session moves on, rolls back, resets,
+//   closes or is evicted, until the pool needs the memory (least recently released first; cached
+//   pages never make a request wait or fail). A session whose history (a new one's prompt, one
+//   after a rollback, an evicted one's) begins with cached pages of its namespace maps them, shared
+//   as a fork's pages are, instead of prefilling them; the tokens are bitwise those of a prefill
+//   (the runner is batch-invariant and its attention does not depend on how a sequence was split).
 // - When pages run out and nothing idle can be dropped: requests that do not fit wait for running
 //   ones to finish (EngineOptions::when_full = kWait) or fail with RESOURCE_EXHAUSTED (kFail); a
 //   request that could not fit even in an empty pool fails with RESOURCE_EXHAUSTED either way, and
@@ -71,11 +78,17 @@ struct EngineOptions {
   // A model with neither refuses chat turns (FAILED_PRECONDITION): a guessed default would give it
   // prompts in a format it was not trained on.
   std::string chat_template;
+  // The prefix cache (see Semantics above); off: pages go back to the pool when no session holds
+  // them, as they did before it.
+  bool prefix_cache = true;
 };
 
 struct SessionOptions {
   SamplingParams sampling;  // defaults of its generates
   int64_t max_context = 0;  // 0: the engine's
+  // Sessions share cached prefix pages only within one namespace (a server gives each tenant its
+  // own, so one tenant's prompts never serve, or time-signal, another's). Forks inherit it.
+  std::string cache_namespace;
 };
 
 struct GenerateRequest {
@@ -113,7 +126,7 @@ struct Usage {
   int64_t input_tokens = 0;      // appended by the request
   int64_t output_tokens = 0;     // generated
   int64_t prefilled_tokens = 0;  // positions computed by prefill (input + rebuilt history)
-  int64_t cached_tokens = 0;     // history positions whose pages were reused
+  int64_t cached_tokens = 0;     // history positions whose pages were reused (the session's own or the prefix cache's)
 };
 
 enum class FinishKind : uint8_t { kLength, kEos, kStop, kCancelled, kError };
@@ -158,6 +171,10 @@ struct EngineStats {
   int64_t batch_sequences = 0;  // sequences in the last step's forward
   int64_t batch_tokens = 0;     // tokens in the last step's forward
   int64_t forward_tokens = 0;   // tokens through the model since the start
+  // The prefix cache: requests that looked a prefix up, those that found at least one page, the
+  // positions they mapped; pages it names (of which only it holds), pages taken back for reuse.
+  int64_t prefix_lookups = 0, prefix_hits = 0, prefix_hit_tokens = 0;
+  int64_t pages_cached = 0, pages_reclaimable = 0, cached_pages_reclaimed = 0;
 };
 
 class Engine {
@@ -177,6 +194,10 @@ class Engine {
   // text without the end-of-generation token) joins the conversation as the assistant's message.
   StatusOr<std::shared_ptr<GenerateHandle>> chat(const SessionId& id, ChatRequest request, EventSink sink);
   bool has_chat_template() const;  // chat() can run
+  // The prompt chat() would give a new session: `messages` rendered with the chat template and
+  // tokenized (for a stateless API whose requests carry the whole conversation). Errors as chat().
+  StatusOr<std::vector<int32_t>> render_chat(const nlohmann::ordered_json& messages,
+                                             const nlohmann::ordered_json& variables = nlohmann::ordered_json::object()) const;
   // The session's conversation (chat turns' messages and replies; reset empties it).
   StatusOr<nlohmann::ordered_json> conversation(const SessionId& id);
   // Drops the last n tokens; returns the new length. n > length is OUT_OF_RANGE.
@@ -191,8 +212,14 @@ class Engine {
   // in progress; returns at once); for a server whose shutdown grace period ran out.
   void abort_generating(const Status& why);
   const Model& model() const;
+  // The limits requests meet: positions per session (EngineOptions::max_context, or the model's
+  // context length) and max_tokens per request.
+  int64_t max_context() const;
+  int max_tokens_per_request() const;
 
-  // Test hook: pages in use must equal the distinct pages the sessions hold.
+  // Test hook: pages in use equal the distinct pages the sessions hold or the prefix cache names;
+  // every page's reference count is its holders (+1 when cached); cached pages that sessions hold
+  // at full positions are named by those positions' keys.
   Status check_invariants();
 
  private:

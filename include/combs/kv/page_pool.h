@@ -6,6 +6,12 @@
 // pages; a page goes back to the free list when its count reaches zero. The free list is a LIFO
 // stack that hands out page 0 first, so allocation order is deterministic.
 //
+// Cached pages (the prefix cache's, kv/prefix_cache.h): a full page whose K/V a content index
+// names holds one more reference, the index's. While nothing else holds it, a cached page is
+// reclaimable: it stays filled, in least-recently-released order, and alloc() takes the oldest one
+// when the free list is empty (the reclaim hook tells the index first). So cached pages never make
+// an allocation fail: num_available() = free + reclaimable is what a caller can count on.
+//
 // Bookkeeping (free list, counts) is plain host data; the arenas live on the backend's device.
 // Thread-safety: the bookkeeping is guarded by the pool's own (recursive) mutex, so caches of
 // different sequences may grow, shrink and fork from different threads at once; hold
@@ -14,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -52,21 +59,58 @@ class PagePool {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     return static_cast<int64_t>(free_.size());
   }
-  int64_t num_used() const { return num_pages() - num_free(); }
+  int64_t num_used() const { return num_pages() - num_free(); }  // held or cached
+  // Free pages and reclaimable cached ones: what alloc() can hand out.
+  int64_t num_available() const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return static_cast<int64_t>(free_.size()) + reclaimable_;
+  }
   std::unique_lock<std::recursive_mutex> bookkeeping_lock() const {
     return std::unique_lock<std::recursive_mutex>(mu_);
   }
   Backend& backend() const { return *backend_; }
 
-  // A free page with reference count 1, or nullopt when none is free.
+  // A page with reference count 1: a free one, else the least recently released reclaimable
+  // cached one (the reclaim hook is called with it first); nullopt when neither exists.
   std::optional<int32_t> alloc();
-  // Adds a reference to a page in use.
+  // Adds a reference to a page in use (a reclaimable cached page is held again).
   void retain(int32_t page);
-  // Drops a reference; at zero the page returns to the free list.
+  // Drops a reference; at zero the page returns to the free list (a cached page left with only
+  // the index's reference becomes reclaimable instead).
   void release(int32_t page);
   int32_t refcount(int32_t page) const {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     return refcount_[page];
+  }
+
+  // --- Cached pages (for the prefix cache) ---
+  // Marks a page in use as cached, adding the index's reference. The page must not be cached.
+  void cache_page(int32_t page);
+  // Unmarks a cached page, dropping the index's reference (freeing it when nothing else holds it).
+  void uncache_page(int32_t page);
+  bool is_cached(int32_t page) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return cached_[page] != 0;
+  }
+  int64_t num_cached() const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return cached_count_;
+  }
+  // Cached pages that only the index holds.
+  int64_t num_reclaimable() const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return reclaimable_;
+  }
+  // Cached pages alloc() has taken back since the pool was made.
+  int64_t num_reclaimed() const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return reclaimed_;
+  }
+  // Called (with the bookkeeping lock held) with a cached page alloc() is about to reuse, before
+  // its mark goes: the index forgets it. One hook per pool; empty: none.
+  void set_reclaim_hook(std::function<void(int32_t page)> hook) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    reclaim_hook_ = std::move(hook);
   }
 
   // Copies page src into page dst in every layer, K and V.
@@ -84,9 +128,19 @@ class PagePool {
   Backend* backend_;
   PagePoolOptions options_;
   std::vector<Tensor> k_, v_;
-  mutable std::recursive_mutex mu_;  // guards free_ and refcount_
+  // The reclaimable pages' list (intrusive, doubly linked by page id; kNone ends it).
+  static constexpr int32_t kNone = -1;
+  void lru_push_back(int32_t page);
+  void lru_unlink(int32_t page);
+
+  mutable std::recursive_mutex mu_;  // guards everything below
   std::vector<int32_t> free_;  // stack: back() is handed out next
   std::vector<int32_t> refcount_;
+  std::vector<uint8_t> cached_;
+  std::vector<int32_t> lru_prev_, lru_next_;
+  int32_t lru_head_ = kNone, lru_tail_ = kNone;  // oldest, newest
+  int64_t cached_count_ = 0, reclaimable_ = 0, reclaimed_ = 0;
+  std::function<void(int32_t)> reclaim_hook_;
 };
 
 }  // namespace combs

@@ -27,6 +27,12 @@ class PagedKVCache final : public KVCache {
   // last page cannot be copied for want of a free page.
   StatusOr<std::unique_ptr<PagedKVCache>> fork() const;
 
+  // Appends full pages that hold the next positions' K/V (the prefix cache's), sharing them as a
+  // fork does (a reference each; writing into one copies it first). FAILED_PRECONDITION unless
+  // every layer holds seq_len() positions and seq_len() is a whole number of pages;
+  // RESOURCE_EXHAUSTED past capacity(). On error nothing changes.
+  Status adopt_pages(std::span<const int32_t> pages);
+
   int64_t popn(int64_t n) override;
   void reset() override;
   std::optional<int64_t> pages_used() const override {
@@ -36,7 +42,7 @@ class PagedKVCache final : public KVCache {
 
   // Logical page -> physical page id.
   std::span<const int32_t> page_table() const { return table_; }
-  // Pages of this cache that another cache also holds.
+  // Pages of this cache that another cache also holds (the prefix cache's reference aside).
   int64_t pages_shared() const;
   // Pages that growing to `end` positions would take from the pool (new and copy-on-write).
   int64_t pages_to_grow(int64_t end) const { return pages_needed(end); }

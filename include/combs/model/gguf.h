@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "combs/backend/dtype.h"
+#include "combs/base/sha256.h"
 #include "combs/base/status.h"
 
 namespace combs::gguf {
@@ -96,6 +97,11 @@ class GgufFile {
   StatusOr<double> get_float(std::string_view key) const;   // f32/f64 (or an integer)
   StatusOr<bool> get_bool(std::string_view key) const;
   StatusOr<const Array*> get_array(std::string_view key) const;
+
+  // Names the model this file holds: SHA-256 over the metadata, the tensor table and the first
+  // bytes of every tensor (so random-weight files of one shape differ too). Files that differ only
+  // deep inside a tensor's data share it; the whole data is not read.
+  Digest fingerprint() const;
 
  private:
   GgufFile() = default;
