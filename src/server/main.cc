@@ -23,9 +23,10 @@
 #include "common/data_files.h"
 #include "common/files.h"
 #include "common/flags.h"
-#include "http_endpoint.h"
+#include "http_server.h"
 #include "log.h"
 #include "metrics.h"
+#include "openai_api.h"
 
 namespace {
 volatile std::sig_atomic_t g_signal = 0;
@@ -35,7 +36,7 @@ void on_signal(int sig) { g_signal = sig; }
 int main(int argc, char** argv) {
   using namespace combs;
   tools::Flags flags("combs-server",
-                     {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""},
+                     {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""}, {"http-listen", ""}, {"http-threads", "64"}, {"max-body-bytes", "8388608"}, {"model-name", ""},
                       {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
                       {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()}, {"chat-template", ""},
@@ -45,6 +46,10 @@ int main(int argc, char** argv) {
       {"model", "GGUF model to serve; none: a small random-weight model written once into --cache-dir"},
       {"listen", "gRPC address HOST:PORT (port 0: any free port, printed at start)"},
       {"metrics-listen", "Prometheus endpoint HOST:PORT serving GET /metrics; none: no metrics endpoint"},
+      {"http-listen", "OpenAI-compatible HTTP API HOST:PORT (/v1/chat/completions, /v1/completions, /v1/models; also GET /metrics); none: off"},
+      {"http-threads", "HTTP requests served at once (a streaming one holds its thread)"},
+      {"max-body-bytes", "largest HTTP request body accepted (413 beyond)"},
+      {"model-name", "the model's name in the HTTP API (default: the model file's name without .gguf)"},
       {"threads", "CPU threads; 0: all cores"},
       {"kv-memory-mib", "KV cache page pool budget (MiB); 0: 1024 on the CPU, --kv-memory-fraction on a GPU"},
       {"kv-memory-fraction", "on a GPU without --kv-memory-mib: this fraction of the memory free after the weights"},
@@ -73,6 +78,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (flags.given("config") && !flags.load_config(flags.str("config"))) return 2;
+  long long http_threads, max_body;
+  if (!flags.integer("http-threads", &http_threads, 1, 4096) || !flags.integer("max-body-bytes", &max_body, 1024, 1ll << 32)) return 2;
   long long threads, kv_mib, max_sessions, ttl, grace, max_context, max_input, max_new, max_message;
   if (!flags.integer("threads", &threads, 0, 1024) || !flags.integer("kv-memory-mib", &kv_mib, 0, 1 << 24) ||
       !flags.integer("max-sessions", &max_sessions, 1, 1 << 24) || !flags.integer("session-ttl-s", &ttl, 1, 1ll << 31) ||
@@ -192,15 +199,32 @@ int main(int argc, char** argv) {
   so.max_input_tokens = max_input;
   so.metrics = &metrics;
   server::CombsService service(eng, tokenizer.get(), std::move(so));
-  std::unique_ptr<server::HttpEndpoint> metrics_http;
+  server::HttpServerOptions ho;
+  ho.threads = static_cast<int>(http_threads);
+  ho.max_body_bytes = static_cast<size_t>(max_body);
+  std::unique_ptr<server::HttpServer> metrics_http;
+  auto render_metrics = [&metrics] { return metrics.render(); };
   if (!flags.str("metrics-listen").empty()) {
-    auto h = server::HttpEndpoint::start(flags.str("metrics-listen"), [&metrics] { return metrics.render(); });
-    if (!h.ok()) return std::fprintf(stderr, "combs-server: %s\n", h.status().message().c_str()), 1;
+    auto h = server::HttpServer::start(flags.str("metrics-listen"), ho,
+                                       [&](httplib::Server& s) { server::add_metrics_routes(s, render_metrics); });
+    if (!h.ok()) return std::fprintf(stderr, "combs-server: --metrics-listen: %s\n", h.status().message().c_str()), 1;
     metrics_http = std::move(h).value();
-    std::string host;
-    int ignored;
-    server::split_host_port(flags.str("metrics-listen"), &host, &ignored);
-    std::printf("combs-server: metrics on http://%s:%d/metrics\n", host.c_str(), metrics_http->port());
+    std::printf("combs-server: metrics on http://%s:%d/metrics\n", metrics_http->host().c_str(), metrics_http->port());
+  }
+  server::OpenAiOptions oo;
+  oo.model_id = flags.str("model-name").empty() ? std::filesystem::path(path).stem().string() : flags.str("model-name");
+  oo.max_input_tokens = max_input;
+  server::OpenAiApi openai(eng, tokenizer.get(), keys, oo, &metrics);
+  std::unique_ptr<server::HttpServer> api_http;
+  if (!flags.str("http-listen").empty()) {
+    auto h = server::HttpServer::start(flags.str("http-listen"), ho, [&](httplib::Server& s) {
+      openai.add_routes(s);
+      server::add_metrics_routes(s, render_metrics);
+    });
+    if (!h.ok()) return std::fprintf(stderr, "combs-server: --http-listen: %s\n", h.status().message().c_str()), 1;
+    api_http = std::move(h).value();
+    std::printf("combs-server: OpenAI API on http://%s:%d/v1 (model %s)\n", api_http->host().c_str(), api_http->port(),
+                oo.model_id.c_str());
   }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -223,6 +247,7 @@ int main(int argc, char** argv) {
   // supervisor, a test) must drain, not kill (it did when the handlers came after the line).
   std::signal(SIGTERM, on_signal);
   std::signal(SIGINT, on_signal);
+  std::signal(SIGPIPE, SIG_IGN);  // a client that went away is a failed write, not the end of the server
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(flags.str("listen"), creds, &port);
@@ -248,6 +273,7 @@ int main(int argc, char** argv) {
   server::LogLine("drain").add("signal", static_cast<int>(g_signal)).add("grace_s", static_cast<int64_t>(grace)).info();
   srv->GetHealthCheckService()->SetServingStatus(false);
   service.drain();
+  openai.drain();
   // Waits up to `limit` for the engine to have no request running; what is still running.
   auto wait_idle = [&eng](std::chrono::seconds limit) {
     const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -262,7 +288,9 @@ int main(int argc, char** argv) {
     wait_idle(std::chrono::seconds(5));
   }
   srv->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  srv.reset();  // every call is done (their last log lines written) before the logger stops
+  srv.reset();
+  api_http.reset();  // its streams have ended with the engine's requests
+  metrics_http.reset();  // every call is done (their last log lines written) before the logger stops
   server::LogLine("stopped").add("streams_aborted", aborted).info();
   spdlog::default_logger()->flush();
   return 0;

@@ -24,6 +24,7 @@ struct ServerProcess {
   pid_t pid = -1;
   std::string address;          // gRPC HOST:PORT
   std::string metrics_address;  // HOST:PORT of /metrics, when --metrics-listen was given
+  std::string http_address;     // HOST:PORT of the OpenAI API, when --http-listen was given
   TempDir dir;
 
   // Extra flags after the defaults (a small pool, 2 threads, the Llama 3 vocabulary of the test
@@ -56,10 +57,15 @@ struct ServerProcess {
     close(out[1]);
     FILE* f = fdopen(out[0], "r");
     char line[512];
-    // "combs-server: metrics on http://HOST:PORT/metrics" (optional), then "... serving X on HOST:PORT".
+    // "combs-server: metrics on http://HOST:PORT/metrics" and "... OpenAI API on http://HOST:PORT/v1"
+    // (optional), then "... serving X on HOST:PORT".
     while (std::fgets(line, sizeof line, f) != nullptr) {
       std::string s(line);
       while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+      if (s.find("OpenAI API on http://") != std::string::npos) {
+        http_address = s.substr(s.find("http://") + 7);
+        http_address = http_address.substr(0, http_address.find('/'));
+      }
       if (s.find("metrics on http://") != std::string::npos) {
         metrics_address = s.substr(s.find("http://") + 7);
         metrics_address = metrics_address.substr(0, metrics_address.find('/'));
@@ -119,7 +125,9 @@ inline std::string http_get(const std::string& host_port, const std::string& pat
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   std::string resp;
   if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
-    const std::string req = method + " " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    // An empty body's length said, as clients do (cpp-httplib refuses a POST without one).
+    const std::string req = method + " " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n" +
+                            (method == "GET" ? "" : "Content-Length: 0\r\n") + "\r\n";
     (void)!write(fd, req.data(), req.size());
     char buf[4096];
     for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) resp.append(buf, static_cast<size_t>(n));

@@ -35,4 +35,11 @@ inline std::string read_file(const std::string& path) {
   return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
 }
 
+// Writes (replaces) a file; false when it cannot.
+inline bool write_file(const std::string& path, const std::string& contents) {
+  std::ofstream f(path, std::ios::binary);
+  f << contents;
+  return static_cast<bool>(f);
+}
+
 }  // namespace combs::testing
