@@ -804,6 +804,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   std::set<Session*> chosen;
   int64_t budget = options.step_token_budget;
   int64_t reserved = 0;  // pages the work chosen so far takes
+  std::set<Digest> in_flight;  // the prefix cache's keys of the first pages the chosen prefills write
   std::vector<Session*> deferred;
   for (Session* s : order) {
     const int64_t len = static_cast<int64_t>(s->history.size());
@@ -824,6 +825,13 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     }
     prefix_hit_tokens += mapped;
     const int64_t cached = s->cache->seq_len();
+    // A session of this step computes the same page (one prompt arriving many times at once): this
+    // one waits and maps that page next step instead of computing it again.
+    std::optional<Digest> first_page;
+    if (prefix && cached % pool->page_size() == 0 && cached + pool->page_size() < len) {
+      first_page = page_key(*s, cached / pool->page_size());
+      if (in_flight.count(*first_page)) continue;
+    }
     // Chunk boundaries at multiples of prefill_chunk, whatever else shares the step.
     const int64_t boundary = (cached / options.prefill_chunk + 1) * options.prefill_chunk;
     int64_t n = std::min(len, boundary) - cached;
@@ -857,6 +865,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     reserved += need;
     budget -= n;
     work.push_back({s, cached, n});
+    if (first_page) in_flight.insert(*first_page);
     chosen.insert(s);
   }
   waiting = static_cast<int64_t>(order.size() - work.size());

@@ -200,3 +200,36 @@ TEST_CASE("forks of a prefilled session share its pages with the prefix cache", 
   const SessionInfo info = e->info(kids[0]).value();
   CHECK(info.pages_shared == 12);  // 200 positions: 12 whole pages held by all (and cached)
 }
+
+TEST_CASE("sessions arriving together with one prompt compute it once", "[engine]") {
+  Rng rng(test_seed());
+  ModelFile mf;
+  auto e = mf.engine();
+  const std::vector<int32_t> shared = tokens_of(rng, 512);
+  std::vector<std::unique_ptr<Collector>> runs;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 8; ++i) {  // submitted back to back: they meet in the scheduler's first steps
+    prompts.push_back(concat(shared, tokens_of(rng, 20)));
+    runs.push_back(std::make_unique<Collector>());
+    REQUIRE(e->generate(session(*e), request(prompts.back(), 4), runs.back()->sink()).ok());
+  }
+  int64_t prefilled = 0;
+  for (auto& c : runs) {
+    c->wait();
+    REQUIRE(c->finish == FinishKind::kLength);
+    prefilled += c->usage.prefilled_tokens;
+  }
+  // One session computes the 512 shared positions; the others wait for its pages and map them.
+  CHECK(prefilled == 512 + 8 * 20);
+  // And each got the tokens it gets alone.
+  EngineOptions off;
+  off.prefix_cache = false;
+  auto plain = mf.engine(off);
+  for (int i = 0; i < 8; ++i) {
+    Collector alone;
+    REQUIRE(plain->generate(session(*plain), request(prompts[i], 4), alone.sink()).ok());
+    alone.wait();
+    CHECK(alone.tokens == runs[i]->tokens);
+  }
+  REQUIRE(e->check_invariants().ok());
+}

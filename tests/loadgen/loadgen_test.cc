@@ -2,7 +2,7 @@
 // open and closed loop, Ctrl-C, and its reports.
 #include <catch2/catch.hpp>
 
-#include <regex>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "combs/model/random_model.h"
@@ -16,27 +16,12 @@ using combs::testing::ServerProcess;
 namespace {
 
 
-// The number after "key": in a JSON text; -1 when absent.
-double json_number(const std::string& json, const std::string& key) {
-  std::smatch m;
-  if (!std::regex_search(json, m, std::regex("\"" + key + "\": ?([-0-9.e]+)"))) return -1;
-  return std::stod(m[1]);
-}
-
-// passed/failed of one check in the JSON report.
-std::pair<int, int> check_counts(const std::string& json, const std::string& name) {
-  std::smatch m;
-  if (!std::regex_search(json, m, std::regex("\"" + name + "\":\\{\"passed\":([0-9]+),\"failed\":([0-9]+)\\}"))) {
-    return {-1, -1};
-  }
-  return {std::stoi(m[1]), std::stoi(m[2])};
-}
-
-
+// The JSON report (null when it does not parse).
+nlohmann::json report(const std::string& path) { return nlohmann::json::parse(read_file(path), nullptr, false); }
 
 // A closed-loop run of every flow against a server started with `server_args`: no errors, and
 // every check of the flows passes.
-void check_closed_loop(std::vector<std::string> server_args) {
+nlohmann::json check_closed_loop(std::vector<std::string> server_args, const std::string& extra = "") {
   for (const char* a : {"--log-level", "warn", "--kv-memory-mib", "256"}) server_args.push_back(a);
   ServerProcess server(server_args);
   combs::testing::TempDir dir;
@@ -45,27 +30,32 @@ void check_closed_loop(std::vector<std::string> server_args) {
       std::string(COMBS_LOADGEN_BIN) + " --server " + server.address +
       " --concurrency 8 --duration-s 6 --warmup-s 0.5 --requests 60 --prompt-tokens uniform:8:48"
       " --output-tokens uniform:4:16 --mix chat=1,rollback=1,fork=1,reset=1,oneshot=1 --quiet"
-      " --json " + json + " --svg " + svg);
+      " --json " + json + " --svg " + svg + extra);
   INFO(out);
   CHECK(rc == 0);
   CHECK(out.find("time to first token") != std::string::npos);
-  const std::string r = read_file(json);
-  CHECK(json_number(r, "errors") == 0);
-  CHECK(json_number(r, "mismatches") == 0);
-  CHECK(json_number(r, "requests") >= 10);
-  CHECK(json_number(r, "output_tokens_per_s") > 0);
+  const nlohmann::json r = report(json);
+  REQUIRE(r.is_object());
+  CHECK(r["errors"] == 0);
+  CHECK(r["mismatches"] == 0);
+  CHECK(r["requests"].get<int64_t>() >= 10);
+  CHECK(r["output_tokens_per_s"].get<double>() > 0);
   for (const char* check : {"token-count", "finish-reason", "session-length", "rollback-length", "rollback-replay",
                             "fork-agree", "reset-repeat", "greedy-repeat"}) {
     INFO(check);
-    const auto [passed, failed] = check_counts(r, check);
-    CHECK(passed > 0);
-    CHECK(failed == 0);
+    REQUIRE(r["checks"].contains(check));
+    CHECK(r["checks"][check]["passed"].get<int64_t>() > 0);
+    CHECK(r["checks"][check]["failed"] == 0);
   }
+  // Later turns reuse their session's pages, repeated prompts the prefix cache's.
+  CHECK(r["cached_tokens_total"].get<int64_t>() > 0);
+  CHECK(r["prefilled_tokens_total"].get<int64_t>() > 0);
   const std::string chart = read_file(svg);
   CHECK(chart.rfind("<svg", 0) == 0);
   CHECK(chart.find("<polyline") != std::string::npos);
   CHECK(chart.find("</svg>") != std::string::npos);
   CHECK(server.stop() == 0);
+  return r;
 }
 
 }  // namespace
@@ -82,6 +72,13 @@ TEST_CASE("the loadgen's checks pass on a Q4_K_M model too", "[loadgen][quant]")
   const std::string model = dir.file("tiny-q4_k_m.gguf");
   REQUIRE(combs::write_random_model(o, model).ok());
   check_closed_loop({"--model", model});
+}
+
+TEST_CASE("a loadgen run whose prompts share a system prompt passes its checks", "[loadgen]") {
+  const nlohmann::json r = check_closed_loop({}, " --shared-prefix 100 --prompt-pool 64");
+  const double reused = r["cached_tokens_total"].get<double>(), prefilled = r["prefilled_tokens_total"].get<double>();
+  INFO("reused " << reused << ", prefilled " << prefilled);
+  CHECK(reused > prefilled);  // the shared 100 of every new session come from the prefix cache
 }
 
 TEST_CASE("an open-loop loadgen run with sampling stops by itself", "[loadgen]") {

@@ -45,6 +45,7 @@ int run_kv(int argc, char** argv);
 int run_model(int argc, char** argv);
 int run_tokenizer(int argc, char** argv);
 int run_engine(int argc, char** argv);
+int run_prefix(int argc, char** argv);
 int run_gpu(int argc, char** argv);  // where built with CUDA
 
 }  // namespace combs::bench

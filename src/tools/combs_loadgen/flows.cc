@@ -31,6 +31,8 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
       result_.finish_reason = resp_.finish_reason();
       result_.usage_input = resp_.usage().input_tokens();
       result_.usage_output = resp_.usage().output_tokens();
+      result_.usage_cached = resp_.usage().cached_tokens();
+      result_.usage_prefilled = resp_.usage().prefilled_tokens();
       result_.session_length = resp_.session_length();
     } else {
       if (result_.tokens.empty()) result_.first_token = now;
@@ -267,7 +269,13 @@ Driver::Driver(std::shared_ptr<grpc::Channel> channel, Options options, int n_vo
              Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                 std::chrono::duration<double>(o_.warmup_s + o_.duration_s))),
       rng_(o_.seed) {
-  for (int i = 0; i < o_.prompt_pool; ++i) prompts_.push_back(random_tokens(draw(o_.prompt_tokens)));
+  const std::vector<int32_t> shared = random_tokens(o_.shared_prefix);
+  for (int i = 0; i < o_.prompt_pool; ++i) {
+    std::vector<int32_t> p = shared;
+    const std::vector<int32_t> own = random_tokens(draw(o_.prompt_tokens));
+    p.insert(p.end(), own.begin(), own.end());
+    prompts_.push_back(std::move(p));
+  }
 }
 
 int Driver::uniform(int lo, int hi) {

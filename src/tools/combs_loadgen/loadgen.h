@@ -53,6 +53,7 @@ struct Options {
   Dist prompt_tokens, output_tokens, turn_tokens, turns, rollback_loops;
   int fork_width = 3;
   int prompt_pool = 8;   // distinct prompts (repeats make the greedy checks possible)
+  int shared_prefix = 0;  // tokens every prompt begins with (a system prompt the prefix cache can share)
   float temperature = 0;  // 0: greedy
   uint64_t seed = 1;
   std::string json_path, svg_path;
@@ -66,7 +67,7 @@ struct GenResult {
   std::vector<int32_t> tokens;
   bool finished = false;
   int finish_reason = 0;
-  int64_t usage_input = 0, usage_output = 0, session_length = -1;
+  int64_t usage_input = 0, usage_output = 0, usage_cached = 0, usage_prefilled = 0, session_length = -1;
   Clock::time_point start, first_token, end;
   std::vector<double> itl_s;  // gaps between consecutive tokens
 };
@@ -109,7 +110,7 @@ class Stats {
   Clock::time_point t0_, t1_;
   mutable std::mutex mu_;
   std::vector<double> ttft_, itl_, e2e_;
-  int64_t ok_requests_ = 0, output_tokens_ = 0;
+  int64_t ok_requests_ = 0, output_tokens_ = 0, prefilled_tokens_ = 0, cached_tokens_ = 0;
   std::map<std::string, int64_t> errors_;  // "Method CODE" -> count
   std::map<std::string, std::string> last_error_;
   std::map<std::string, std::pair<int64_t, int64_t>> checks_;  // name -> (passed, failed)

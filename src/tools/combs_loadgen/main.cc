@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
                       {"drain-s", "30"}, {"requests", "0"}, {"mix", "chat=4,rollback=2,fork=1,reset=1,oneshot=2"},
                       {"prompt-tokens", "uniform:16:128"}, {"output-tokens", "uniform:8:64"},
                       {"turn-tokens", "uniform:4:32"}, {"turns", "uniform:2:4"}, {"rollback-loops", "uniform:1:3"},
-                      {"fork-width", "3"}, {"prompt-pool", "8"}, {"temperature", "0"}, {"seed", "1"}, {"json", ""},
+                      {"fork-width", "3"}, {"prompt-pool", "8"}, {"shared-prefix", "0"}, {"temperature", "0"}, {"seed", "1"}, {"json", ""},
                       {"svg", ""}, {"config", ""}},
                      {"quiet"});
   flags.describe({
@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
       {"rollback-loops", "rollback: roll back and regenerate this many times"},
       {"fork-width", "fork: children per session"},
       {"prompt-pool", "distinct prompts (repeats let greedy outputs be compared across sessions)"},
+      {"shared-prefix", "tokens every prompt begins with, the same for all (a system prompt: the prefix cache shares it)"},
       {"temperature", "sampling temperature; 0: greedy (enables the determinism checks)"},
       {"seed", "seed of the workload (prompts, lengths, mix)"},
       {"json", "write the full report as JSON to this file"},
@@ -66,11 +67,11 @@ int main(int argc, char** argv) {
   o.server = flags.str("server");
   o.api_key = flags.str("api-key");
   o.tls_ca = flags.str("tls-ca");
-  long long concurrency, max_in_flight, requests, fork_width, pool, seed;
+  long long concurrency, max_in_flight, requests, fork_width, pool, seed, shared_prefix;
   double rate, temperature;
   if (!flags.integer("concurrency", &concurrency, 1, 1 << 20) || !flags.integer("max-in-flight", &max_in_flight, 1, 1 << 20) ||
       !flags.integer("requests", &requests, 0, 1ll << 40) || !flags.integer("fork-width", &fork_width, 1, 64) ||
-      !flags.integer("prompt-pool", &pool, 1, 1 << 20) || !flags.integer("seed", &seed, 0, 1ll << 62) ||
+      !flags.integer("prompt-pool", &pool, 1, 1 << 20) || !flags.integer("shared-prefix", &shared_prefix, 0, 1 << 20) || !flags.integer("seed", &seed, 0, 1ll << 62) ||
       !flags.number("rate", &rate) || !flags.number("duration-s", &o.duration_s) ||
       !flags.number("warmup-s", &o.warmup_s) || !flags.number("drain-s", &o.drain_s) ||
       !flags.number("temperature", &temperature)) {
@@ -84,6 +85,7 @@ int main(int argc, char** argv) {
   o.requests = requests;
   o.fork_width = static_cast<int>(fork_width);
   o.prompt_pool = static_cast<int>(pool);
+  o.shared_prefix = static_cast<int>(shared_prefix);
   o.seed = static_cast<uint64_t>(seed);
   o.rate = rate;
   o.temperature = static_cast<float>(temperature);

@@ -5,6 +5,8 @@
 #include <sstream>
 
 #include "combs/base/status.h"
+#include <nlohmann/json.hpp>
+
 #include "loadgen.h"
 
 namespace combs::loadgen {
@@ -92,6 +94,8 @@ void Stats::record_generate(const GenResult& r) {
   }
   if (r.end >= t0_ && r.end < t1_) {
     ++ok_requests_;
+    prefilled_tokens_ += r.usage_prefilled;
+    cached_tokens_ += r.usage_cached;
     ++second(r.end).requests;
   }
   if (r.start < t0_) return;  // warm-up: no latency samples
@@ -170,6 +174,13 @@ std::string Stats::table(const Options& o, double measured_s) const {
                 static_cast<long long>(ok_requests_), static_cast<double>(ok_requests_) / t,
                 static_cast<long long>(output_tokens_), static_cast<double>(output_tokens_) / t);
   out += buf;
+  // Of the positions each request needed before generating: those whose pages were there (its
+  // session's or the prefix cache's) and those prefilled.
+  const int64_t needed = cached_tokens_ + prefilled_tokens_;
+  std::snprintf(buf, sizeof buf, "  prompt positions   %8lld   %.1f%% reused from cached pages, the rest prefilled\n",
+                static_cast<long long>(needed),
+                needed > 0 ? 100.0 * static_cast<double>(cached_tokens_) / static_cast<double>(needed) : 0.0);
+  out += buf;
   out += "  latency (ms)          p50        p90        p99        max\n";
   for (const auto& [name, v] : {std::pair<const char*, const std::vector<double>*>{"time to first token", &ttft_},
                                 {"inter-token", &itl_},
@@ -195,21 +206,12 @@ std::string Stats::table(const Options& o, double measured_s) const {
 
 namespace {
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\', out += c;
-    else if (static_cast<unsigned char>(c) < 0x20) out += ' ';
-    else out += c;
-  }
-  return out + "\"";
-}
-
-std::string latency_json(const std::vector<double>& v) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, R"({"count":%zu,"p50_ms":%.3f,"p90_ms":%.3f,"p99_ms":%.3f,"max_ms":%.3f})", v.size(),
-                percentile(v, 50) * 1e3, percentile(v, 90) * 1e3, percentile(v, 99) * 1e3, percentile(v, 100) * 1e3);
-  return buf;
+nlohmann::ordered_json latency_json(const std::vector<double>& v) {
+  return {{"count", v.size()},
+          {"p50_ms", percentile(v, 50) * 1e3},
+          {"p90_ms", percentile(v, 90) * 1e3},
+          {"p99_ms", percentile(v, 99) * 1e3},
+          {"max_ms", percentile(v, 100) * 1e3}};
 }
 
 }  // namespace
@@ -217,52 +219,53 @@ std::string latency_json(const std::vector<double>& v) {
 std::string Stats::json(const Options& o, double measured_s) const {
   std::lock_guard<std::mutex> lock(mu_);
   const double t = std::max(measured_s, 1e-9);
-  std::string out = "{\n";
-  out += "  \"server\": " + json_string(o.server) + ",\n";
-  out += "  \"mode\": " + json_string(o.rate > 0 ? "open" : "closed") + ",\n";
-  out += "  \"concurrency\": " + std::to_string(o.concurrency) + ",\n  \"rate\": " + std::to_string(o.rate) + ",\n";
-  out += "  \"prompt_tokens\": " + json_string(o.prompt_tokens.spec) + ",\n  \"output_tokens\": " +
-         json_string(o.output_tokens.spec) + ",\n  \"temperature\": " + std::to_string(o.temperature) + ",\n";
-  out += "  \"mix\": {";
-  for (int i = 0; i < 5; ++i) out += std::string(i ? "," : "") + "\"" + kFlowNames[i] + "\":" + std::to_string(o.mix[i]);
-  out += "},\n";
-  out += "  \"warmup_s\": " + std::to_string(o.warmup_s) + ",\n  \"measured_s\": " + std::to_string(measured_s) + ",\n";
-  out += "  \"requests\": " + std::to_string(ok_requests_) + ",\n  \"requests_per_s\": " +
-         std::to_string(static_cast<double>(ok_requests_) / t) + ",\n";
-  out += "  \"output_tokens_total\": " + std::to_string(output_tokens_) + ",\n  \"output_tokens_per_s\": " +
-         std::to_string(static_cast<double>(output_tokens_) / t) + ",\n";
-  out += "  \"ttft\": " + latency_json(ttft_) + ",\n  \"itl\": " + latency_json(itl_) + ",\n  \"e2e\": " +
-         latency_json(e2e_) + ",\n";
+  nlohmann::ordered_json j;
+  j["server"] = o.server;
+  j["mode"] = o.rate > 0 ? "open" : "closed";
+  j["concurrency"] = o.concurrency;
+  j["rate"] = o.rate;
+  j["prompt_tokens"] = o.prompt_tokens.spec;
+  j["shared_prefix_tokens"] = o.shared_prefix;
+  j["output_tokens"] = o.output_tokens.spec;
+  j["temperature"] = o.temperature;
+  for (int i = 0; i < 5; ++i) j["mix"][kFlowNames[i]] = o.mix[i];
+  j["warmup_s"] = o.warmup_s;
+  j["measured_s"] = measured_s;
+  j["requests"] = ok_requests_;
+  j["requests_per_s"] = static_cast<double>(ok_requests_) / t;
+  j["output_tokens_total"] = output_tokens_;
+  j["output_tokens_per_s"] = static_cast<double>(output_tokens_) / t;
+  j["prefilled_tokens_total"] = prefilled_tokens_;
+  j["cached_tokens_total"] = cached_tokens_;
+  j["ttft"] = latency_json(ttft_);
+  j["itl"] = latency_json(itl_);
+  j["e2e"] = latency_json(e2e_);
   int64_t errs = 0;
-  out += "  \"errors_by_code\": {";
-  bool first = true;
+  j["errors_by_code"] = nlohmann::ordered_json::object();
   for (const auto& [k, n] : errors_) {
-    out += std::string(first ? "" : ",") + json_string(k) + ":" + std::to_string(n);
+    j["errors_by_code"][k] = n;
     errs += n;
-    first = false;
   }
-  out += "},\n  \"errors\": " + std::to_string(errs) + ",\n  \"dropped_arrivals\": " + std::to_string(dropped_.load()) + ",\n";
-  out += "  \"checks\": {";
-  first = true;
+  j["errors"] = errs;
+  j["dropped_arrivals"] = dropped_.load();
   int64_t failed = 0;
+  j["checks"] = nlohmann::ordered_json::object();
   for (const auto& [k, c] : checks_) {
-    out += std::string(first ? "" : ",") + json_string(k) + ":{\"passed\":" + std::to_string(c.first) +
-           ",\"failed\":" + std::to_string(c.second) + "}";
+    j["checks"][k] = {{"passed", c.first}, {"failed", c.second}};
     failed += c.second;
-    first = false;
   }
-  out += "},\n  \"mismatches\": " + std::to_string(failed) + ",\n";
-  out += "  \"timeline\": [";
+  j["mismatches"] = failed;
+  j["timeline"] = nlohmann::ordered_json::array();
   for (size_t i = 0; i < seconds_.size(); ++i) {
     const Second& s = seconds_[i];
-    char buf[256];
-    std::snprintf(buf, sizeof buf, R"(%s{"t":%zu,"requests":%lld,"tokens":%lld,"ttft_p50_ms":%.3f,"itl_p50_ms":%.3f,"e2e_p99_ms":%.3f})",
-                  i ? "," : "", i, static_cast<long long>(s.requests), static_cast<long long>(s.tokens),
-                  percentile(s.ttft, 50) * 1e3, percentile(s.itl, 50) * 1e3, percentile(s.e2e, 99) * 1e3);
-    out += buf;
+    j["timeline"].push_back({{"t", i},
+                             {"requests", s.requests},
+                             {"tokens", s.tokens},
+                             {"ttft_p50_ms", percentile(s.ttft, 50) * 1e3},
+                             {"itl_p50_ms", percentile(s.itl, 50) * 1e3},
+                             {"e2e_p99_ms", percentile(s.e2e, 99) * 1e3}});
   }
-  out += "]\n}\n";
-  return out;
+  return j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
 }
 
 // Two panels over the run's seconds: output tokens/s above, latency (TTFT p50, ITL p50, E2E p99)
