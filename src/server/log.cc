@@ -7,32 +7,17 @@
 #include <cstdio>
 #include <random>
 
+#include <nlohmann/json.hpp>
+
 namespace combs::server {
 
 namespace {
 
 bool g_json = false;
 
-std::string json_escape(std::string_view s) {
-  std::string out;
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out;
+// A JSON string literal (nlohmann-json's escaping; invalid UTF-8 becomes U+FFFD).
+std::string json_quoted(std::string_view s) {
+  return nlohmann::json(std::string(s)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 }  // namespace
@@ -55,12 +40,8 @@ Status init_logging(const std::string& format, const std::string& level) {
 }
 
 LogLine& LogLine::add(std::string_view key, std::string_view value) {
-  if (g_json) {
-    fields_.emplace_back(std::string(key), "\"" + json_escape(value) + "\"");
-  } else {
-    const bool plain = !value.empty() && value.find_first_of(" \"=\\\n\r\t") == std::string_view::npos;
-    fields_.emplace_back(std::string(key), plain ? std::string(value) : "\"" + json_escape(value) + "\"");
-  }
+  const bool plain = !g_json && !value.empty() && value.find_first_of(" \"=\\\n\r\t") == std::string_view::npos;
+  fields_.emplace_back(std::string(key), plain ? std::string(value) : json_quoted(value));
   return *this;
 }
 
@@ -80,7 +61,7 @@ std::string LogLine::render() const {
   std::string out;
   for (const auto& [k, v] : fields_) {
     if (!out.empty()) out += g_json ? "," : " ";
-    out += g_json ? "\"" + k + "\":" + v : k + "=" + v;
+    out += g_json ? json_quoted(k) + ":" + v : k + "=" + v;
   }
   return out;
 }

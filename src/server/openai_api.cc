@@ -24,6 +24,8 @@ using Clock = std::chrono::steady_clock;
 // than an exception.
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
+}  // namespace
+
 // ---- Errors ----
 
 struct ApiError {
@@ -33,6 +35,8 @@ struct ApiError {
   std::string param;  // the request field at fault; empty: null
   std::string code;   // empty: null
 };
+
+namespace {
 
 ApiError bad_request(std::string message, std::string param = "", std::string code = "") {
   return {400, std::move(message), "invalid_request_error", std::move(param), std::move(code)};
@@ -689,93 +693,91 @@ int Runner::run(const httplib::Request&, httplib::Response& res, std::shared_ptr
 
 }  // namespace
 
-void OpenAiApi::chat_completions(const httplib::Request& req, httplib::Response& res) {
-  int status = 400;
-  auto count = [&] {
-    if (metrics_) metrics_->count_request("http /v1/chat/completions", static_cast<int>(metric_code(status)));
-  };
-  auto fail = [&](const ApiError& e) {
-    send_error(res, e);
-    status = e.http;
-    count();
-  };
-  auto key = keys_->authenticate(req.has_header("Authorization") ? std::optional<std::string_view>(req.get_header_value("Authorization"))
-                                                                  : std::nullopt);
-  if (!key.ok()) return fail(api_error(key.status()));
-  if (draining_) return fail({503, "combs-server is shutting down", "server_error", "", "unavailable"});
-  json body = json::parse(req.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object()) return fail(bad_request("the body is not a JSON object"));
-  auto job = std::make_shared<Job>();
-  job->engine = engine_;
-  job->chat = true;
-  job->id = "chatcmpl-" + random_hex(24);
-  job->created = unix_now();
-  if (auto e = read_params(body, options_, engine_->model().config().n_vocab, &job->params)) return fail(*e);
+void OpenAiApi::chat_completions(const httplib::Request& req, httplib::Response& res) { serve(req, res, true); }
+
+void OpenAiApi::completions(const httplib::Request& req, httplib::Response& res) { serve(req, res, false); }
+
+std::optional<ApiError> OpenAiApi::chat_prompt(const json& body, std::vector<int32_t>* prompt) const {
   json messages;
-  if (auto e = read_messages(body, &messages)) return fail(*e);
+  if (auto e = read_messages(body, &messages)) return e;
   json variables = json::object();
   if (body.contains("tools") && !body["tools"].is_null()) variables["tools"] = body["tools"];
   if (body.contains("chat_template_kwargs") && body["chat_template_kwargs"].is_object()) {
     for (const auto& [k, v] : body["chat_template_kwargs"].items()) variables[k] = v;
   }
-  auto prompt = engine_->render_chat(messages, variables);
-  if (!prompt.ok()) return fail(api_error(prompt.status()));
-  Runner r{*engine_, *keys_, options_, fingerprint_, metrics_};
-  status = r.run(req, res, job, *prompt, *key);
-  count();
+  auto tokens = engine_->render_chat(messages, variables);
+  if (!tokens.ok()) return api_error(tokens.status());
+  *prompt = std::move(tokens).value();
+  return std::nullopt;
 }
 
-void OpenAiApi::completions(const httplib::Request& req, httplib::Response& res) {
-  int status = 400;
-  auto count = [&] {
-    if (metrics_) metrics_->count_request("http /v1/completions", static_cast<int>(metric_code(status)));
-  };
-  auto fail = [&](const ApiError& e) {
-    send_error(res, e);
-    status = e.http;
-    count();
-  };
-  auto key = keys_->authenticate(req.has_header("Authorization") ? std::optional<std::string_view>(req.get_header_value("Authorization"))
-                                                                  : std::nullopt);
-  if (!key.ok()) return fail(api_error(key.status()));
-  if (draining_) return fail({503, "combs-server is shutting down", "server_error", "", "unavailable"});
-  json body = json::parse(req.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object()) return fail(bad_request("the body is not a JSON object"));
-  auto job = std::make_shared<Job>();
-  job->engine = engine_;
-  job->chat = false;
-  job->id = "cmpl-" + random_hex(24);
-  job->created = unix_now();
-  const int n_vocab = engine_->model().config().n_vocab;
-  if (auto e = read_params(body, options_, n_vocab, &job->params)) return fail(*e);
+std::optional<ApiError> OpenAiApi::text_prompt(const json& body, std::vector<int32_t>* prompt) const {
   for (const char* unsupported : {"echo", "suffix", "best_of"}) {
     if (body.contains(unsupported) && !body[unsupported].is_null() && body[unsupported] != false &&
         !(std::string(unsupported) == "best_of" && body[unsupported] == 1)) {
-      return fail(bad_request(std::string(unsupported) + " is not supported", unsupported));
+      return bad_request(std::string(unsupported) + " is not supported", unsupported);
     }
   }
   // One prompt: a string, token ids, or an array holding one of those.
-  json prompt_field = body.contains("prompt") ? body["prompt"] : json(nullptr);
-  if (prompt_field.is_array() && prompt_field.size() == 1 && (prompt_field[0].is_string() || prompt_field[0].is_array())) {
-    prompt_field = prompt_field[0];
+  const int n_vocab = engine_->model().config().n_vocab;
+  json field = body.contains("prompt") ? body["prompt"] : json(nullptr);
+  if (field.is_array() && field.size() == 1 && (field[0].is_string() || field[0].is_array())) field = json(field[0]);
+  if (field.is_string()) {
+    if (tokenizer_ == nullptr) return bad_request("this model has no tokenizer: send the prompt as token ids", "prompt");
+    *prompt = tokenizer_->encode(field.get<std::string>(), {true, false});
+    return std::nullopt;
   }
-  std::vector<int32_t> prompt;
-  if (prompt_field.is_string()) {
-    if (tokenizer_ == nullptr) return fail(bad_request("this model has no tokenizer: send the prompt as token ids", "prompt"));
-    prompt = tokenizer_->encode(prompt_field.get<std::string>(), {true, false});
-  } else if (prompt_field.is_array() && !prompt_field.empty() && prompt_field[0].is_number_integer()) {
-    for (const json& t : prompt_field) {
+  if (field.is_array() && !field.empty() && field[0].is_number_integer()) {
+    for (const json& t : field) {
       if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= n_vocab) {
-        return fail(bad_request("prompt token ids must be integers in [0, " + std::to_string(n_vocab) + ")", "prompt"));
+        return bad_request("prompt token ids must be integers in [0, " + std::to_string(n_vocab) + ")", "prompt");
       }
-      prompt.push_back(t.get<int32_t>());
+      prompt->push_back(t.get<int32_t>());
     }
-  } else {
-    return fail(bad_request("prompt must be a string or an array of token ids (one prompt per request)", "prompt"));
+    return std::nullopt;
   }
+  return bad_request("prompt must be a string or an array of token ids (one prompt per request)", "prompt");
+}
+
+void OpenAiApi::serve(const httplib::Request& req, httplib::Response& res, bool chat) {
+  int status = 400;
+  auto answer = [&](const ApiError* e) {
+    if (e) {
+      send_error(res, *e);
+      status = e->http;
+    }
+    if (metrics_) {
+      metrics_->count_request(chat ? "http /v1/chat/completions" : "http /v1/completions",
+                              static_cast<int>(metric_code(status)));
+    }
+  };
+  auto key = keys_->authenticate(req.has_header("Authorization") ? std::optional<std::string_view>(req.get_header_value("Authorization"))
+                                                                  : std::nullopt);
+  if (!key.ok()) {
+    const ApiError e = api_error(key.status());
+    return answer(&e);
+  }
+  if (draining_) {
+    const ApiError e{503, "combs-server is shutting down", "server_error", "", "unavailable"};
+    return answer(&e);
+  }
+  json body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded() || !body.is_object()) {
+    const ApiError e = bad_request("the body is not a JSON object");
+    return answer(&e);
+  }
+  auto job = std::make_shared<Job>();
+  job->engine = engine_;
+  job->chat = chat;
+  job->id = (chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
+  job->created = unix_now();
+  std::vector<int32_t> prompt;
+  std::optional<ApiError> e = read_params(body, options_, engine_->model().config().n_vocab, &job->params);
+  if (!e) e = chat ? chat_prompt(body, &prompt) : text_prompt(body, &prompt);
+  if (e) return answer(&*e);
   Runner r{*engine_, *keys_, options_, fingerprint_, metrics_};
   status = r.run(req, res, job, prompt, *key);
-  count();
+  answer(nullptr);
 }
 
 }  // namespace combs::server

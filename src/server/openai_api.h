@@ -19,7 +19,11 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "api_keys.h"
 #include "combs/engine/engine.h"
@@ -27,6 +31,8 @@
 #include "metrics.h"
 
 namespace combs::server {
+
+struct ApiError;  // an OpenAI error object and its HTTP status (openai_api.cc)
 
 struct OpenAiOptions {
   std::string model_id = "combs";  // what /v1/models lists; requests must name it
@@ -50,6 +56,12 @@ class OpenAiApi {
  private:
   void chat_completions(const httplib::Request& req, httplib::Response& res);
   void completions(const httplib::Request& req, httplib::Response& res);
+  // Both: the key, the drain, the body, the shared fields, the prompt; then the run.
+  void serve(const httplib::Request& req, httplib::Response& res, bool chat);
+  // The prompt of a chat (messages through the template) or of a text completion; the error the
+  // request gets otherwise.
+  std::optional<ApiError> chat_prompt(const nlohmann::ordered_json& body, std::vector<int32_t>* prompt) const;
+  std::optional<ApiError> text_prompt(const nlohmann::ordered_json& body, std::vector<int32_t>* prompt) const;
   void models(const httplib::Request& req, httplib::Response& res, const std::string& id);
 
   Engine* engine_;

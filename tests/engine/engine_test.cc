@@ -24,19 +24,6 @@ std::vector<int32_t> prompt_of(Rng& rng, int n, int vocab) {
   return p;
 }
 
-GenerateRequest request(std::vector<int32_t> input, int max_tokens, float temperature, uint64_t seed) {
-  GenerateRequest r;
-  r.input = std::move(input);
-  r.max_tokens = max_tokens;
-  SamplingParams p;
-  p.temperature = temperature;
-  p.top_k = 40;
-  p.seed = seed;
-  r.sampling = p;
-  r.ignore_eos = true;
-  return r;
-}
-
 }  // namespace
 
 TEST_CASE("sessions decoded together produce exactly the tokens each produces alone", "[engine]") {

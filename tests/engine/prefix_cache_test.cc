@@ -24,34 +24,6 @@ std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& 
   return a;
 }
 
-GenerateRequest request(std::vector<int32_t> input, int max_tokens, float temperature = 0.0f, uint64_t seed = 0) {
-  GenerateRequest r;
-  r.input = std::move(input);
-  r.max_tokens = max_tokens;
-  SamplingParams p;
-  p.temperature = temperature;
-  p.top_k = 40;
-  p.seed = seed;
-  r.sampling = p;
-  r.ignore_eos = true;
-  return r;
-}
-
-struct Result {
-  std::vector<int32_t> tokens;
-  Usage usage;
-};
-
-Result generate(Engine& e, const SessionId& id, GenerateRequest r) {
-  Collector c;
-  auto h = e.generate(id, std::move(r), c.sink());
-  REQUIRE(h.ok());
-  c.wait();
-  INFO(c.status.to_string());
-  REQUIRE(c.finish != FinishKind::kError);
-  return {c.tokens, c.usage};
-}
-
 SessionId session(Engine& e, const std::string& ns = "") {
   SessionOptions o;
   o.cache_namespace = ns;
@@ -71,7 +43,7 @@ TEST_CASE("a session sharing a 1000-token prefix maps the cached pages and prefi
   const std::vector<int32_t> shared = tokens_of(rng, 1000);
   const std::vector<int32_t> mine = tokens_of(rng, 24), yours = tokens_of(rng, 24);
 
-  const Result first = generate(*e, session(*e, "k"), request(concat(shared, mine), 8));
+  const Generated first = generate(*e, session(*e, "k"), request(concat(shared, mine), 8));
   CHECK(first.usage.cached_tokens == 0);
   CHECK(first.usage.prefilled_tokens == 1024);
   const EngineStats before = e->stats();
@@ -80,7 +52,7 @@ TEST_CASE("a session sharing a 1000-token prefix maps the cached pages and prefi
   // Greedy and sampled, the second session's tokens are those of an engine without the cache.
   const float temperature = GENERATE(0.0f, 0.8f);
   INFO("temperature " << temperature);
-  const Result second = generate(*e, session(*e, "k"), request(concat(shared, yours), 16, temperature, 7));
+  const Generated second = generate(*e, session(*e, "k"), request(concat(shared, yours), 16, temperature, 7));
   CHECK(second.usage.cached_tokens == 992);  // 62 whole pages; the 63rd holds its own tokens
   CHECK(second.usage.prefilled_tokens == 1024 - 992);
   const EngineStats after = e->stats();
@@ -92,13 +64,13 @@ TEST_CASE("a session sharing a 1000-token prefix maps the cached pages and prefi
   EngineOptions off;
   off.prefix_cache = false;
   auto plain = mf.engine(off);
-  const Result alone = generate(*plain, session(*plain, "k"), request(concat(shared, yours), 16, temperature, 7));
+  const Generated alone = generate(*plain, session(*plain, "k"), request(concat(shared, yours), 16, temperature, 7));
   CHECK(alone.usage.cached_tokens == 0);
   CHECK(second.tokens == alone.tokens);
   CHECK(plain->stats().pages_cached == 0);
 
   // Another namespace sees none of it.
-  const Result other = generate(*e, session(*e, "other key"), request(concat(shared, yours), 4));
+  const Generated other = generate(*e, session(*e, "other key"), request(concat(shared, yours), 4));
   CHECK(other.usage.cached_tokens == 0);
   CHECK(other.usage.prefilled_tokens == 1024);
 }
@@ -113,47 +85,47 @@ TEST_CASE("cached pages outlive closed and reset and rolled-back and evicted ses
 
   SECTION("closed") {
     const SessionId a = session(*e);
-    const Result ra = generate(*e, a, request(prompt, 4));
+    const Generated ra = generate(*e, a, request(prompt, 4));
     REQUIRE(e->close(a).ok());
     CHECK(e->stats().pages_reclaimable == 10);  // the pages of positions 0..159; 160..163 are partial
-    const Result rb = generate(*e, session(*e), request(prompt, 4));
+    const Generated rb = generate(*e, session(*e), request(prompt, 4));
     CHECK(rb.usage.cached_tokens == 144);  // the last page holds the last position, computed again
     CHECK(rb.tokens == ra.tokens);
   }
   SECTION("reset") {
     const SessionId a = session(*e);
-    const Result ra = generate(*e, a, request(prompt, 4));
+    const Generated ra = generate(*e, a, request(prompt, 4));
     REQUIRE(e->reset(a).ok());
-    const Result again = generate(*e, a, request(prompt, 4));
+    const Generated again = generate(*e, a, request(prompt, 4));
     CHECK(again.usage.cached_tokens == 144);
     CHECK(again.tokens == ra.tokens);
   }
   SECTION("rolled back, then the same tokens again") {
     const SessionId a = session(*e);
-    const Result ra = generate(*e, a, request(prompt, 4));
+    const Generated ra = generate(*e, a, request(prompt, 4));
     REQUIRE(e->rollback(a, 164 - 40).ok());  // into page 2
     const std::vector<int32_t> rest(prompt.begin() + 40, prompt.end());
-    const Result again = generate(*e, a, request(rest, 4));
+    const Generated again = generate(*e, a, request(rest, 4));
     // Its own 40 positions, then (once page 2 is completed) pages 3..8 from the cache.
     CHECK(again.usage.cached_tokens == 40 + 96);
     CHECK(again.usage.prefilled_tokens == 8 + 16);
     CHECK(again.tokens == ra.tokens);
     REQUIRE(e->rollback(a, 164 - 48).ok());  // at a page boundary: pages 3..8 map back
     const std::vector<int32_t> rest48(prompt.begin() + 48, prompt.end());
-    const Result mapped = generate(*e, a, request(rest48, 4));
+    const Generated mapped = generate(*e, a, request(rest48, 4));
     CHECK(mapped.usage.cached_tokens == 144);
     CHECK(mapped.tokens == ra.tokens);
   }
   SECTION("evicted") {
     const SessionId a = session(*e);
-    const Result ra = generate(*e, a, request(prompt, 4));
+    const Generated ra = generate(*e, a, request(prompt, 4));
     // A second session's prompt needs the whole pool: a's pages go (evicted, then reclaimed).
     const SessionId b = session(*e);
     generate(*e, b, request(tokens_of(rng, 24 * 16 - 8), 4));
     CHECK(e->stats().evictions >= 1);
     CHECK(e->stats().cached_pages_reclaimed > 0);
     REQUIRE(e->close(b).ok());
-    const Result again = generate(*e, a, request({}, 4));  // rebuilt by prefill, partly from the cache
+    const Generated again = generate(*e, a, request({}, 4));  // rebuilt by prefill, partly from the cache
     CHECK(e->info(a)->length == 168);
     (void)again;
     REQUIRE(e->rollback(a, 8).ok());
@@ -177,7 +149,7 @@ TEST_CASE("cached pages never make a request wait or fail", "[engine]") {
   CHECK(e->stats().pages_cached > 0);
   CHECK(e->stats().pages_free < 12);
   // A prompt of the whole pool runs; the cached pages give way, least recently released first.
-  const Result r = generate(*e, session(*e), request(tokens_of(rng, 12 * 16 - 4), 2));
+  const Generated r = generate(*e, session(*e), request(tokens_of(rng, 12 * 16 - 4), 2));
   CHECK(r.tokens.size() == 2);
   CHECK(e->stats().cached_pages_reclaimed > 0);
   REQUIRE(e->check_invariants().ok());
@@ -192,7 +164,7 @@ TEST_CASE("forks of a prefilled session share its pages with the prefix cache", 
   std::vector<SessionId> kids;
   for (int i = 0; i < 3; ++i) kids.push_back(e->fork(parent).value());
   for (size_t i = 0; i < kids.size(); ++i) {
-    const Result r = generate(*e, kids[i], request({}, 20, 0.9f, i));
+    const Generated r = generate(*e, kids[i], request({}, 20, 0.9f, i));
     CHECK(r.usage.cached_tokens == 199);
     CHECK(r.usage.prefilled_tokens == 1);
   }

@@ -81,6 +81,33 @@ TEST_CASE("a loadgen run whose prompts share a system prompt passes its checks",
   CHECK(reused > prefilled);  // the shared 100 of every new session come from the prefix cache
 }
 
+TEST_CASE("the loadgen runs its flows over the OpenAI API and every check passes", "[loadgen]") {
+  ServerProcess server({"--log-level", "warn", "--http-listen", "127.0.0.1:0"});
+  REQUIRE(!server.http_address.empty());
+  combs::testing::TempDir dir;
+  const std::string json = dir.file("report.json");
+  const auto [rc, out] = run_command(std::string(COMBS_LOADGEN_BIN) + " --api openai --server " + server.http_address +
+                                     " --concurrency 6 --duration-s 8 --requests 40 --prompt-tokens uniform:8:40"
+                                     " --output-tokens uniform:4:12 --shared-prefix 30 --mix chat=1,rollback=1,fork=1,reset=1,oneshot=1"
+                                     " --quiet --json " + json);
+  INFO(out);
+  CHECK(rc == 0);
+  const nlohmann::json r = report(json);
+  REQUIRE(r.is_object());
+  CHECK(r["errors"] == 0);
+  CHECK(r["mismatches"] == 0);
+  CHECK(r["requests"].get<int64_t>() >= 10);
+  for (const char* check : {"stream-finished", "finish-reason", "rollback-replay", "fork-agree", "reset-repeat"}) {
+    INFO(check);
+    REQUIRE(r["checks"].contains(check));
+    CHECK(r["checks"][check]["passed"].get<int64_t>() > 0);
+    CHECK(r["checks"][check]["failed"] == 0);
+  }
+  // Stateless requests resend their conversations: most positions come from the prefix cache.
+  CHECK(r["cached_tokens_total"].get<double>() > r["prefilled_tokens_total"].get<double>());
+  CHECK(server.stop() == 0);
+}
+
 TEST_CASE("an open-loop loadgen run with sampling stops by itself", "[loadgen]") {
   ServerProcess server({"--log-level", "warn"});
   const auto [rc, out] = run_command(std::string(COMBS_LOADGEN_BIN) + " --server " + server.address +

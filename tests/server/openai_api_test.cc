@@ -93,6 +93,31 @@ double metric(const std::string& text, const std::string& series) {
   return at == std::string::npos ? -1 : std::stod(text.substr(at + series.size() + 2));
 }
 
+// Starts a streamed chat completion on a raw socket and reads until its first event: the socket
+// (the stream goes on until it is closed).
+int open_stream(int port, json body) {
+  body["stream"] = true;
+  const std::string payload = body.dump();
+  const std::string request = "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                              "Content-Length: " + std::to_string(payload.size()) + "\r\n\r\n" + payload;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size()));
+  std::string got;
+  char buf[4096];
+  while (got.find("data: ") == std::string::npos) {  // the stream has begun
+    const ssize_t n = read(fd, buf, sizeof buf);
+    REQUIRE(n > 0);
+    got.append(buf, static_cast<size_t>(n));
+  }
+  CHECK(got.rfind("HTTP/1.1 200", 0) == 0);
+  return fd;
+}
+
 }  // namespace
 
 TEST_CASE("the OpenAI API answers chat completions plain and streamed alike", "[server]") {
@@ -303,26 +328,7 @@ TEST_CASE("the OpenAI API reuses a key's cached prompt and never another key's",
 TEST_CASE("a client that leaves a stream cancels its generation", "[server]") {
   ServerProcess server({"--http-listen", "127.0.0.1:0", "--model-name", kModel, "--metrics-listen", "127.0.0.1:0"});
   Api api(server.http_address);
-  json body = chat_body("Tell me everything.", 1500);
-  body["stream"] = true;
-  const std::string payload = body.dump();
-  const std::string request = "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                              "Content-Length: " + std::to_string(payload.size()) + "\r\n\r\n" + payload;
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(api.port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  REQUIRE(write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size()));
-  std::string got;
-  char buf[4096];
-  while (got.find("data: ") == std::string::npos) {  // the stream has begun
-    const ssize_t n = read(fd, buf, sizeof buf);
-    REQUIRE(n > 0);
-    got.append(buf, static_cast<size_t>(n));
-  }
-  CHECK(got.rfind("HTTP/1.1 200", 0) == 0);
+  const int fd = open_stream(api.port, chat_body("Tell me everything.", 1500));
   close(fd);
   // The generation stops and its session goes, long before 1,500 tokens.
   std::string m;
@@ -384,4 +390,34 @@ TEST_CASE("curl sees server-sent events framed as the OpenAI API frames them", "
   CHECK(n >= 3);
   CHECK(n <= 7);
   CHECK(server.stop() == 0);
+}
+
+TEST_CASE("the OpenAI API answers 429 without room and 503 while draining", "[server]") {
+  ServerProcess server({"--http-listen", "127.0.0.1:0", "--model-name", kModel, "--max-sessions", "1", "--grace-s", "20"});
+  Api api(server.http_address);
+  // The one session a gRPC client holds: no room for a request's own.
+  auto stub = server.stub();
+  grpc::ClientContext ctx;
+  combs::v1::CreateSessionResponse created;
+  REQUIRE(stub->CreateSession(&ctx, combs::v1::CreateSessionRequest(), &created).ok());
+  auto [full, body] = api.call("/v1/chat/completions", chat_body("hi", 4));
+  CHECK(full == 429);
+  CHECK(body["error"]["message"].get<std::string>().find("sessions") != std::string::npos);
+  grpc::ClientContext ctx2;
+  combs::v1::CloseSessionRequest close_req;
+  close_req.set_session_id(created.session_id());
+  combs::v1::CloseSessionResponse closed;
+  REQUIRE(stub->CloseSession(&ctx2, close_req, &closed).ok());
+  CHECK(api.call("/v1/chat/completions", chat_body("hi", 4)).first == 200);
+  // A long stream holds the drain open; meanwhile new requests are 503.
+  const int fd = open_stream(api.port, chat_body("Tell me everything.", 1900));
+  server.signal(SIGTERM);
+  int status = 0;
+  for (int i = 0; i < 100 && status != 503; ++i) {
+    status = api.call("/v1/chat/completions", chat_body("hi", 4)).first;
+    if (status != 503) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  CHECK(status == 503);
+  close(fd);  // the stream ends: the server stops
+  CHECK(server.wait() == 0);
 }

@@ -41,15 +41,41 @@ struct Collector {
   }
 };
 
-// Generates synchronously; returns the tokens (REQUIREs success).
-inline std::vector<int32_t> run(Engine& e, const SessionId& id, GenerateRequest r) {
+// A request of exactly max_tokens new tokens (ignore_eos), top-k 40 at `temperature` (0: greedy).
+inline GenerateRequest request(std::vector<int32_t> input, int max_tokens, float temperature = 0.0f,
+                               uint64_t seed = 0) {
+  GenerateRequest r;
+  r.input = std::move(input);
+  r.max_tokens = max_tokens;
+  SamplingParams p;
+  p.temperature = temperature;
+  p.top_k = 40;
+  p.seed = seed;
+  r.sampling = p;
+  r.ignore_eos = true;
+  return r;
+}
+
+// A finished generate: its tokens and usage.
+struct Generated {
+  std::vector<int32_t> tokens;
+  Usage usage;
+};
+
+// Generates synchronously (REQUIREs success).
+inline Generated generate(Engine& e, const SessionId& id, GenerateRequest r) {
   Collector c;
   auto h = e.generate(id, std::move(r), c.sink());
   REQUIRE(h.ok());
   c.wait();
   INFO(c.status.to_string());
   REQUIRE(c.finish != FinishKind::kError);
-  return c.tokens;
+  return {c.tokens, c.usage};
+}
+
+// Generates synchronously; returns the tokens (REQUIREs success).
+inline std::vector<int32_t> run(Engine& e, const SessionId& id, GenerateRequest r) {
+  return generate(e, id, std::move(r)).tokens;
 }
 
 }  // namespace combs::testing

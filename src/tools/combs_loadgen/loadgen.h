@@ -1,5 +1,6 @@
 // combs-loadgen: drives session workloads against a combs deployment through the gRPC callback
-// API (thousands of streams from one process), checks what comes back, and reports.
+// API (thousands of streams from one process), checks what comes back, and reports. With
+// --api openai the same flows go over the OpenAI-compatible HTTP API (openai_flows.h).
 //
 // Workloads ("flows"), mixed by weight:
 //   chat      create; generate (prompt); then per turn append a user turn and generate; close

@@ -2,6 +2,9 @@
 //   combs-loadgen --server HOST:PORT [--concurrency N | --rate R] [--duration-s S] [--requests N] ...
 // Exit status: 0 when every call succeeded and every check passed, 1 otherwise, 2 on bad flags.
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
+
+#include <nlohmann/json.hpp>
 
 #include <csignal>
 #include <cstdio>
@@ -12,6 +15,7 @@
 
 #include "common/flags.h"
 #include "flows.h"
+#include "openai_flows.h"
 
 namespace {
 volatile std::sig_atomic_t g_signal = 0;
@@ -22,7 +26,7 @@ int main(int argc, char** argv) {
   using namespace combs;
   using namespace combs::loadgen;
   tools::Flags flags("combs-loadgen",
-                     {{"server", "127.0.0.1:50051"}, {"api-key", ""}, {"tls-ca", ""}, {"concurrency", "16"},
+                     {{"server", "127.0.0.1:50051"}, {"api", "grpc"}, {"api-key", ""}, {"tls-ca", ""}, {"concurrency", "16"},
                       {"rate", "0"}, {"max-in-flight", "1024"}, {"duration-s", "30"}, {"warmup-s", "0"},
                       {"drain-s", "30"}, {"requests", "0"}, {"mix", "chat=4,rollback=2,fork=1,reset=1,oneshot=2"},
                       {"prompt-tokens", "uniform:16:128"}, {"output-tokens", "uniform:8:64"},
@@ -31,7 +35,8 @@ int main(int argc, char** argv) {
                       {"svg", ""}, {"config", ""}},
                      {"quiet"});
   flags.describe({
-      {"server", "combs-server address HOST:PORT"},
+      {"server", "combs-server address HOST:PORT (its --listen; with --api openai its --http-listen)"},
+      {"api", "grpc (combs' sessions) or openai (the same flows over the OpenAI-compatible HTTP API, stateless)"},
       {"api-key", "sent as 'authorization: Bearer KEY'"},
       {"tls-ca", "PEM root certificate: connect with TLS"},
       {"concurrency", "closed loop: flows running at once"},
@@ -121,6 +126,55 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (flags.str("api") != "grpc" && flags.str("api") != "openai") {
+    return std::fprintf(stderr, "combs-loadgen: --api %s: expected grpc or openai\n", flags.str("api").c_str()), 2;
+  }
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  auto report = [&o](const Stats& st, double measured_s) {
+    std::printf("%s", st.table(o, measured_s).c_str());
+    if (!o.json_path.empty()) {
+      std::ofstream(o.json_path) << st.json(o, measured_s);
+      std::printf("  report: %s\n", o.json_path.c_str());
+    }
+    if (!o.svg_path.empty()) {
+      std::ofstream(o.svg_path) << st.svg(measured_s);
+      std::printf("  chart: %s\n", o.svg_path.c_str());
+    }
+    return st.errors() == 0 && st.mismatches() == 0 ? 0 : 1;
+  };
+  if (flags.str("api") == "openai") {
+    std::string host;
+    int port = 0;
+    const size_t colon = o.server.rfind(':');
+    if (colon == std::string::npos || (port = std::atoi(o.server.c_str() + colon + 1)) <= 0) {
+      return std::fprintf(stderr, "combs-loadgen: --server %s is not HOST:PORT\n", o.server.c_str()), 2;
+    }
+    host = o.server.substr(0, colon);
+    httplib::Client client(host, port);
+    httplib::Headers headers;
+    if (!o.api_key.empty()) headers.emplace("Authorization", "Bearer " + o.api_key);
+    auto models = client.Get("/v1/models", headers);
+    const auto list = models && models->status == 200 ? nlohmann::json::parse(models->body, nullptr, false) : nlohmann::json();
+    if (!list.is_object() || !list.contains("data") || list["data"].empty()) {
+      return std::fprintf(stderr, "combs-loadgen: GET http://%s/v1/models: %s\n", o.server.c_str(),
+                          models ? ("HTTP " + std::to_string(models->status)).c_str() : httplib::to_string(models.error()).c_str()),
+             1;
+    }
+    OpenAiDriver driver(o, host, port, list["data"][0].value("id", ""));
+    std::atomic<bool> finished{false};
+    std::thread watcher([&] {
+      while (!finished) {
+        if (g_signal != 0) driver.stop();
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    });
+    driver.run();
+    finished = true;
+    watcher.join();
+    return report(driver.stats(), driver.measured_seconds());
+  }
+
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!o.tls_ca.empty()) {
     std::ifstream f(o.tls_ca);
@@ -147,8 +201,6 @@ int main(int argc, char** argv) {
   }
 
   Driver driver(channel, o, n_vocab);
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
   std::atomic<bool> finished{false};
   std::thread watcher([&] {  // Ctrl-C: stop cleanly and still report
     while (!finished) {
@@ -160,15 +212,5 @@ int main(int argc, char** argv) {
   finished = true;
   watcher.join();
 
-  const Stats& st = driver.stats();
-  std::printf("%s", st.table(o, driver.measured_seconds()).c_str());
-  if (!o.json_path.empty()) {
-    std::ofstream(o.json_path) << st.json(o, driver.measured_seconds());
-    std::printf("  report: %s\n", o.json_path.c_str());
-  }
-  if (!o.svg_path.empty()) {
-    std::ofstream(o.svg_path) << st.svg(driver.measured_seconds());
-    std::printf("  chart: %s\n", o.svg_path.c_str());
-  }
-  return st.errors() == 0 && st.mismatches() == 0 ? 0 : 1;
+  return report(driver.stats(), driver.measured_seconds());
 }
