@@ -165,7 +165,9 @@ struct Engine::Impl {
   }
   // Maps the cached pages that continue s's cache (at a page boundary), leaving at least the
   // history's last position to compute; the positions mapped.
-  int64_t map_cached_prefix(Session& s, bool* looked);
+  // `spare`: reclaimable pages it may take (free and reclaimable pages beyond what the step has
+  // reserved for the work chosen before).
+  int64_t map_cached_prefix(Session& s, int64_t spare, bool* looked);
   // When s's cache ends mid-page and the page after that one is cached (and would be mapped): the
   // position where the current page ends; else 0.
   int64_t next_page_cached(Session& s);
@@ -255,6 +257,7 @@ Engine::~Engine() {
 const Model& Engine::model() const { return *impl_->model; }
 int64_t Engine::max_context() const { return impl_->options.max_context; }
 int Engine::max_tokens_per_request() const { return impl_->options.max_tokens_per_request; }
+int64_t Engine::kv_capacity_tokens() const { return impl_->pool->num_pages() * impl_->pool->page_size(); }
 
 StatusOr<SessionId> Engine::create_session(const SessionOptions& options) {
   COMBS_RETURN_IF_ERROR(validate(options.sampling, impl_->model->config().n_vocab));
@@ -700,7 +703,7 @@ const Digest& Engine::Impl::page_key(Session& s, int64_t i) {
   return s.chain[i];
 }
 
-int64_t Engine::Impl::map_cached_prefix(Session& s, bool* looked) {
+int64_t Engine::Impl::map_cached_prefix(Session& s, int64_t spare, bool* looked) {
   const int64_t ps = pool->page_size();
   const int64_t cached = s.cache->seq_len();
   const int64_t len = static_cast<int64_t>(s.history.size());
@@ -712,6 +715,10 @@ int64_t Engine::Impl::map_cached_prefix(Session& s, bool* looked) {
   for (int64_t i = cached / ps; (i + 1) * ps < len; ++i) {
     std::optional<int32_t> page = prefix->find(page_key(s, i));
     if (!page) break;
+    if (pool->refcount(*page) == 1) {  // reclaimable: mapping it takes a page the step may count on
+      if (spare <= 0) break;
+      --spare;
+    }
     pages.push_back(*page);
   }
   if (pages.empty()) return 0;
@@ -813,7 +820,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       continue;  // next step
     }
     bool looked = false;
-    const int64_t mapped = map_cached_prefix(*s, &looked);
+    const int64_t mapped = map_cached_prefix(*s, pool->num_available() - reserved, &looked);
     Active& act = *s->active;
     if (!act.counted_cache) {  // positions this request need not compute
       act.usage.cached_tokens = s->cache->seq_len();

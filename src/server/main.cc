@@ -36,7 +36,7 @@ void on_signal(int sig) { g_signal = sig; }
 int main(int argc, char** argv) {
   using namespace combs;
   tools::Flags flags("combs-server",
-                     {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""}, {"http-listen", ""}, {"http-threads", "64"}, {"max-body-bytes", "8388608"}, {"model-name", ""},
+                     {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""}, {"http-listen", ""}, {"http-threads", "64"}, {"http-keepalive-ms", "1000"}, {"max-body-bytes", "8388608"}, {"model-name", ""},
                       {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
                       {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()}, {"chat-template", ""},
@@ -47,7 +47,8 @@ int main(int argc, char** argv) {
       {"listen", "gRPC address HOST:PORT (port 0: any free port, printed at start)"},
       {"metrics-listen", "Prometheus endpoint HOST:PORT serving GET /metrics; none: no metrics endpoint"},
       {"http-listen", "OpenAI-compatible HTTP API HOST:PORT (/v1/chat/completions, /v1/completions, /v1/models; also GET /metrics); none: off"},
-      {"http-threads", "HTTP requests served at once (a streaming one holds its thread)"},
+      {"http-threads", "HTTP requests served at once (a streaming one holds its thread; completions beyond all but two: 429)"},
+      {"http-keepalive-ms", "HTTP API: an idle stream sends a comment, a waiting completion a space, this often (finds clients that left)"},
       {"max-body-bytes", "largest HTTP request body accepted (413 beyond)"},
       {"model-name", "the model's name in the HTTP API (default: the model file's name without .gguf)"},
       {"threads", "CPU threads; 0: all cores"},
@@ -78,8 +79,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (flags.given("config") && !flags.load_config(flags.str("config"))) return 2;
-  long long http_threads, max_body;
-  if (!flags.integer("http-threads", &http_threads, 1, 4096) || !flags.integer("max-body-bytes", &max_body, 1024, 1ll << 32)) return 2;
+  long long http_threads, max_body, keepalive_ms;
+  if (!flags.integer("http-threads", &http_threads, 3, 4096) || !flags.integer("max-body-bytes", &max_body, 1024, 1ll << 32) ||
+      !flags.integer("http-keepalive-ms", &keepalive_ms, 10, 60000)) {
+    return 2;
+  }
   long long threads, kv_mib, max_sessions, ttl, grace, max_context, max_input, max_new, max_message;
   if (!flags.integer("threads", &threads, 0, 1024) || !flags.integer("kv-memory-mib", &kv_mib, 0, 1 << 24) ||
       !flags.integer("max-sessions", &max_sessions, 1, 1 << 24) || !flags.integer("session-ttl-s", &ttl, 1, 1ll << 31) ||
@@ -214,6 +218,8 @@ int main(int argc, char** argv) {
   server::OpenAiOptions oo;
   oo.model_id = flags.str("model-name").empty() ? std::filesystem::path(path).stem().string() : flags.str("model-name");
   oo.max_input_tokens = max_input;
+  oo.max_running = static_cast<int>(http_threads) - 2;  // threads left for /metrics and /v1/models
+  oo.keepalive_ms = static_cast<int>(keepalive_ms);
   server::OpenAiApi openai(eng, tokenizer.get(), keys, oo, &metrics);
   std::unique_ptr<server::HttpServer> api_http;
   if (!flags.str("http-listen").empty()) {

@@ -1,6 +1,7 @@
 #include "openai_api.h"
 
 #include <chrono>
+#include <cstdint>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -19,6 +20,8 @@ namespace {
 
 using json = nlohmann::ordered_json;
 using Clock = std::chrono::steady_clock;
+
+constexpr int kMaxJsonDepth = 64;
 
 // Invalid UTF-8 (a token that ends mid-character at the end of a reply) becomes U+FFFD rather
 // than an exception.
@@ -230,7 +233,9 @@ std::optional<ApiError> read_messages(const json& body, json* out) {
     if (m.contains("content") && m["content"].is_array()) {
       std::string text;
       for (const json& part : m["content"]) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string()) {
+        const bool text_part = part.is_object() && part.contains("type") && part["type"] == "text" && part.contains("text") &&
+                               part["text"].is_string();
+        if (!text_part) {
           return bad_request(at + ".content: only text parts are supported", "messages");
         }
         text += part["text"].get<std::string>();
@@ -302,6 +307,7 @@ struct OpenAiApi::Job {
   int64_t prompt_tokens = 0;
   int64_t cached_tokens = 0;
   Clock::time_point start = Clock::now();
+  std::shared_ptr<void> slot;  // one of OpenAiOptions::max_running, held while the job lives
 
   // Filled by the engine's sinks (the scheduler thread), read by the handler's thread.
   struct Piece {
@@ -507,7 +513,7 @@ int Runner::run(const httplib::Request&, httplib::Response& res, std::shared_ptr
     return e.http;
   };
   Params& p = job->params;
-  const int64_t context = engine.max_context();
+  const int64_t context = std::min(engine.max_context(), engine.kv_capacity_tokens());
   job->prompt_tokens = static_cast<int64_t>(prompt.size());
   if (prompt.empty()) return fail(bad_request("the prompt is empty", job->chat ? "messages" : "prompt"));
   if (options.max_input_tokens > 0 && job->prompt_tokens > options.max_input_tokens) {
@@ -517,9 +523,9 @@ int Runner::run(const httplib::Request&, httplib::Response& res, std::shared_ptr
   }
   const int64_t room = std::min<int64_t>(context - job->prompt_tokens, engine.max_tokens_per_request());
   const int64_t max_tokens = p.max_tokens.value_or(room);
-  if (max_tokens < 1 || job->prompt_tokens + max_tokens > context) {
-    return fail(bad_request("This model's maximum context length is " + std::to_string(context) + " tokens. However, you requested " +
-                                std::to_string(job->prompt_tokens + max_tokens) + " tokens (" + std::to_string(prompt.size()) +
+  if (max_tokens < 1 || max_tokens > context - job->prompt_tokens) {
+    return fail(bad_request("This server's maximum context length is " + std::to_string(context) + " tokens. However, you requested " +
+                                std::to_string(job->prompt_tokens + std::min(max_tokens, INT64_MAX - job->prompt_tokens)) + " tokens (" + std::to_string(prompt.size()) +
                                 " in the prompt, " + std::to_string(max_tokens) + " for the completion).",
                             "messages", "context_length_exceeded"));
   }
@@ -597,20 +603,21 @@ int Runner::run(const httplib::Request&, httplib::Response& res, std::shared_ptr
   auto pending = std::make_shared<std::optional<OpenAiApi::Job::Piece>>(std::move(first));
   if (!p.stream) {
     // JSON may begin with whitespace: a space now and then while waiting finds a client that left.
+    // With the charset, cpp-httplib does not compress it (compression would hold the spaces back).
     res.set_chunked_content_provider(
-        "application/json",
+        "application/json; charset=utf-8",
         [job, pending, keepalive, model, fp, settle](size_t, httplib::DataSink& sink) {
           if (*pending) {
             job->apply(**pending);
             pending->reset();
           }
+          Clock::time_point last_write = Clock::now();
           while (job->remaining > 0) {
-            auto piece = job->next(keepalive);
-            if (!piece) {
+            if (auto piece = job->next(keepalive)) job->apply(*piece);
+            if (Clock::now() - last_write >= keepalive) {  // however fast the tokens come
               if (!sink.write(" ", 1)) return false;
-              continue;
+              last_write = Clock::now();
             }
-            job->apply(*piece);
           }
           settle();
           const std::string body = job->error() ? dump(error_json(api_error(*job->error())))
@@ -667,7 +674,7 @@ int Runner::run(const httplib::Request&, httplib::Response& res, std::shared_ptr
             sink.done();
             return true;
           }
-          if (!text.empty() || !c.role_sent) {
+          if (!text.empty() || (job->chat && !c.role_sent)) {
             json chunk = chunk_object(*job, model, fp, json::array({delta_choice(piece->index, text, nullptr)}));
             if (!send(sse(chunk))) return false;
           }
@@ -740,6 +747,14 @@ std::optional<ApiError> OpenAiApi::text_prompt(const json& body, std::vector<int
 }
 
 void OpenAiApi::serve(const httplib::Request& req, httplib::Response& res, bool chat) {
+  try {
+    serve_checked(req, res, chat);
+  } catch (const json::exception& e) {  // a field of an unexpected type that a check missed
+    send_error(res, bad_request(std::string("the request could not be read: ") + e.what()));
+  }
+}
+
+void OpenAiApi::serve_checked(const httplib::Request& req, httplib::Response& res, bool chat) {
   int status = 400;
   auto answer = [&](const ApiError* e) {
     if (e) {
@@ -761,13 +776,34 @@ void OpenAiApi::serve(const httplib::Request& req, httplib::Response& res, bool 
     const ApiError e{503, "combs-server is shutting down", "server_error", "", "unavailable"};
     return answer(&e);
   }
-  json body = json::parse(req.body, nullptr, false);
+  // Each running request holds an HTTP thread: beyond the cap, 429 rather than a silent queue
+  // in front of everything (GET /metrics included).
+  auto slot = std::shared_ptr<void>(nullptr, [running = running_](void*) { --*running; });
+  if (++*running_ > options_.max_running) {
+    const ApiError e{429, "the server is busy: " + std::to_string(options_.max_running) + " requests are running",
+                     "server_overloaded", "", "server_busy"};
+    return answer(&e);
+  }
+  // Nesting is bounded (copies of a value recurse: a deep one would overflow the stack).
+  bool too_deep = false;
+  json body = json::parse(
+      req.body,
+      [&too_deep](int depth, json::parse_event_t, json&) {
+        if (depth > kMaxJsonDepth) too_deep = true;
+        return depth <= kMaxJsonDepth;
+      },
+      false);
+  if (too_deep) {
+    const ApiError e = bad_request("the body nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+    return answer(&e);
+  }
   if (body.is_discarded() || !body.is_object()) {
     const ApiError e = bad_request("the body is not a JSON object");
     return answer(&e);
   }
   auto job = std::make_shared<Job>();
   job->engine = engine_;
+  job->slot = slot;
   job->chat = chat;
   job->id = (chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
   job->created = unix_now();

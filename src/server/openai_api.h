@@ -39,6 +39,7 @@ struct OpenAiOptions {
   int max_choices = 16;            // n at most
   int64_t max_input_tokens = 0;    // prompt tokens per request at most; 0: up to the context
   int keepalive_ms = 1000;         // idle streams send a comment, waiting requests a space
+  int max_running = 62;            // requests at once (each holds an HTTP thread); 429 beyond
 };
 
 class OpenAiApi {
@@ -58,6 +59,7 @@ class OpenAiApi {
   void completions(const httplib::Request& req, httplib::Response& res);
   // Both: the key, the drain, the body, the shared fields, the prompt; then the run.
   void serve(const httplib::Request& req, httplib::Response& res, bool chat);
+  void serve_checked(const httplib::Request& req, httplib::Response& res, bool chat);
   // The prompt of a chat (messages through the template) or of a text completion; the error the
   // request gets otherwise.
   std::optional<ApiError> chat_prompt(const nlohmann::ordered_json& body, std::vector<int32_t>* prompt) const;
@@ -71,6 +73,7 @@ class OpenAiApi {
   Metrics* metrics_;
   std::string fingerprint_;  // system_fingerprint
   std::atomic<bool> draining_{false};
+  std::shared_ptr<std::atomic<int>> running_ = std::make_shared<std::atomic<int>>(0);  // jobs alive
 };
 
 }  // namespace combs::server

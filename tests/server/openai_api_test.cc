@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -286,6 +287,11 @@ TEST_CASE("the OpenAI API refuses bad requests with OpenAI's error object and st
   expect("/v1/completions", json{{"model", kModel}, {"prompt", json::array({-1})}}.dump(), 400, "prompt");
   expect("/v1/completions", json{{"model", kModel}, {"prompt", "x"}, {"echo", true}}.dump(), 400, "echo");
   expect(chat, with(ok, "pad", std::string(8000, 'x')), 413);  // over --max-body-bytes
+  expect("/v1/completions", "{\"model\":\"tiny-test\",\"prompt\":" + std::string(2000, '[') + std::string(2000, ']') + "}", 400);
+  expect(chat, with(ok, "messages", json::array({{{"role", "user"}, {"content", json::array({{{"type", 1}, {"text", "x"}}})}}})), 400,
+         "messages");
+  expect(chat, with(ok, "n", "three"), 400, "n");
+  expect(chat, with(ok, "max_tokens", INT64_MAX), 400, "messages", "context_length_exceeded");
   expect("/v1/nothing", "{}", 404);
   CHECK(api.call(chat, ok).first == 200);  // and it goes on serving
   Api wrong(server.http_address, "key-three"), none(server.http_address);
@@ -325,11 +331,30 @@ TEST_CASE("the OpenAI API reuses a key's cached prompt and never another key's",
   CHECK(server.stop() == 0);
 }
 
-TEST_CASE("a client that leaves a stream cancels its generation", "[server]") {
-  ServerProcess server({"--http-listen", "127.0.0.1:0", "--model-name", kModel, "--metrics-listen", "127.0.0.1:0"});
+TEST_CASE("a client that leaves cancels its generation streamed or not", "[server]") {
+  ServerProcess server({"--http-listen", "127.0.0.1:0", "--model-name", kModel, "--metrics-listen", "127.0.0.1:0",
+                        "--http-keepalive-ms", "50"});
   Api api(server.http_address);
-  const int fd = open_stream(api.port, chat_body("Tell me everything.", 1500));
-  close(fd);
+  const bool stream = GENERATE(true, false);
+  INFO((stream ? "streamed" : "not streamed"));
+  if (stream) {
+    close(open_stream(api.port, chat_body("Tell me everything.", 1500)));
+  } else {  // a client that asks for compression, as the SDKs do, and hangs up while it waits
+    const std::string payload = chat_body("Tell me everything.", 1500).dump();
+    const std::string request = "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAccept-Encoding: gzip, br\r\n"
+                                "Content-Type: application/json\r\nContent-Length: " + std::to_string(payload.size()) +
+                                "\r\n\r\n" + payload;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(api.port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size()));
+    char buf[256];
+    REQUIRE(read(fd, buf, sizeof buf) > 0);  // the headers: the generation is under way
+    close(fd);
+  }
   // The generation stops and its session goes, long before 1,500 tokens.
   std::string m;
   for (int i = 0; i < 200; ++i) {
@@ -389,6 +414,29 @@ TEST_CASE("curl sees server-sent events framed as the OpenAI API frames them", "
   }
   CHECK(n >= 3);
   CHECK(n <= 7);
+  CHECK(server.stop() == 0);
+}
+
+TEST_CASE("the OpenAI API refuses what the KV pool cannot hold and more requests than its threads", "[server]") {
+  // 1 MiB of pages (the tiny model: 16 KiB a page of 16 positions) holds 1,024 positions.
+  ServerProcess server({"--http-listen", "127.0.0.1:0", "--model-name", kModel, "--kv-memory-mib", "1", "--http-threads", "3"});
+  Api api(server.http_address);
+  auto [big, body] = api.call("/v1/chat/completions", chat_body("hi", 1500));
+  CHECK(big == 400);
+  CHECK(body["error"]["code"] == "context_length_exceeded");
+  // Three threads: one completion at a time; a second one while it streams is 429.
+  const int fd = open_stream(api.port, chat_body("Tell me everything.", 900));
+  auto [busy, why] = api.call("/v1/chat/completions", chat_body("hi", 4));
+  CHECK(busy == 429);
+  CHECK(why["error"]["code"] == "server_busy");
+  CHECK(api.get("/v1/models").first == 200);  // the other routes still answer
+  close(fd);
+  int status = 429;
+  for (int i = 0; i < 200 && status == 429; ++i) {
+    status = api.call("/v1/chat/completions", chat_body("hi", 4)).first;
+    if (status == 429) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  CHECK(status == 200);
   CHECK(server.stop() == 0);
 }
 

@@ -144,6 +144,7 @@ int main(int argc, char** argv) {
     return st.errors() == 0 && st.mismatches() == 0 ? 0 : 1;
   };
   if (flags.str("api") == "openai") {
+    if (!o.tls_ca.empty()) return std::fprintf(stderr, "combs-loadgen: --tls-ca is for --api grpc only\n"), 2;
     std::string host;
     int port = 0;
     const size_t colon = o.server.rfind(':');

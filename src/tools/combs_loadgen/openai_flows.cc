@@ -87,24 +87,35 @@ OpenAiDriver::Reply OpenAiDriver::complete(const json& messages, int max_tokens,
         continue;
       }
       const json j = json::parse(payload, nullptr, false);
-      if (j.is_discarded() || j.contains("error")) {
-        r.timing.error = j.is_discarded() ? "an event that is not JSON" : j["error"].value("message", "error");
+      if (!j.is_object()) {
+        r.timing.error = "an event that is not a JSON object";
+        continue;
+      }
+      if (j.contains("error")) {
+        r.timing.error = j["error"].is_object() && j["error"].contains("message") ? j["error"]["message"].dump() : j["error"].dump();
         continue;
       }
       if (j.contains("usage") && j["usage"].is_object()) {
         const json& u = j["usage"];
-        r.completion_tokens = u.value("completion_tokens", -1);
-        r.timing.usage_input = u.value("prompt_tokens", 0);
+        auto integer = [](const json& o, const char* k, int64_t fallback) {
+          return o.contains(k) && o[k].is_number_integer() ? o[k].get<int64_t>() : fallback;
+        };
+        r.completion_tokens = integer(u, "completion_tokens", -1);
+        r.timing.usage_input = integer(u, "prompt_tokens", 0);
         if (u.contains("prompt_tokens_details") && u["prompt_tokens_details"].is_object()) {
-          r.timing.usage_cached = u["prompt_tokens_details"].value("cached_tokens", 0);
+          r.timing.usage_cached = integer(u["prompt_tokens_details"], "cached_tokens", 0);
         }
         r.timing.usage_prefilled = r.timing.usage_input - r.timing.usage_cached;
       }
-      for (const json& c : j.value("choices", json::array())) {
-        const int i = c.value("index", 0);
+      if (!j.contains("choices") || !j["choices"].is_array()) continue;
+      for (const json& c : j["choices"]) {
+        if (!c.is_object() || !c.contains("index") || !c["index"].is_number_integer()) continue;
+        const int64_t i = c["index"].get<int64_t>();
         if (i < 0 || i >= n) continue;
         if (c.contains("finish_reason") && c["finish_reason"].is_string()) r.finish[i] = c["finish_reason"];
-        const std::string text = c.contains("delta") ? c["delta"].value("content", "") : "";
+        const bool has_text = c.contains("delta") && c["delta"].is_object() && c["delta"].contains("content") &&
+                              c["delta"]["content"].is_string();
+        const std::string text = has_text ? c["delta"]["content"].get<std::string>() : "";
         if (text.empty()) continue;
         r.texts[i] += text;
         const Clock::time_point now = Clock::now();
@@ -128,7 +139,7 @@ OpenAiDriver::Reply OpenAiDriver::complete(const json& messages, int max_tokens,
                          : res->status == 400 ? static_cast<int>(StatusCode::kInvalidArgument)
                                               : static_cast<int>(StatusCode::kInternal);
     r.timing.error = "HTTP " + std::to_string(res->status) + ": " +
-                     (j.is_object() && j.contains("error") ? j["error"].value("message", "") : res->body.substr(0, 200));
+                     (j.is_object() && j.contains("error") ? j["error"].dump() : res->body.substr(0, 200));
   }
   r.timing.finished = r.done;
   r.timing.usage_output = r.completion_tokens;
@@ -222,8 +233,7 @@ void OpenAiDriver::flow() {
 
 void OpenAiDriver::run() {
   const Clock::time_point end = stats_.t1();
-  std::vector<std::thread> threads;
-  std::mutex threads_mu;
+  std::vector<std::thread> threads;  // the closed loop's workers
   auto bounded = [&] { return o_.requests > 0 && stats_.measured_requests() >= o_.requests; };
   auto worker = [&] {
     while (!stopping_ && Clock::now() < end && !bounded()) flow();
@@ -242,11 +252,10 @@ void OpenAiDriver::run() {
           continue;
         }
         ++running_;
-        std::lock_guard<std::mutex> lock(threads_mu);
-        threads.emplace_back([&] {
+        std::thread([this] {  // detached: run() waits for running_ to reach 0
           flow();
           --running_;
-        });
+        }).detach();
       }
     });
   } else {
@@ -265,8 +274,8 @@ void OpenAiDriver::run() {
   stats_.close_window(Clock::now());
   measured_s_ = std::max(0.0, seconds(stats_.t1() - stats_.t0()));
   if (arrivals.joinable()) arrivals.join();
-  std::lock_guard<std::mutex> lock(threads_mu);
   for (auto& t : threads) t.join();  // each ends its flow's current request (drain_s at most)
+  while (running_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   if (o_.progress) std::fprintf(stderr, "\r%s\n", stats_.progress_line(measured_s_).c_str());
 }
 
