@@ -216,6 +216,7 @@ class Engine {
   // context length) and max_tokens per request.
   int64_t max_context() const;
   int max_tokens_per_request() const;
+  int64_t kv_capacity_tokens() const;  // positions the page pool holds in all
 
   // Test hook: pages in use equal the distinct pages the sessions hold or the prefix cache names;
   // every page's reference count is its holders (+1 when cached); cached pages that sessions hold
