@@ -52,6 +52,7 @@ struct Active {
 
 struct Session {
   SessionId id;
+  SessionId parent;  // forked from
   SessionOptions options;
   int64_t max_context = 0;
   std::vector<int32_t> history;  // the source of truth
@@ -73,6 +74,19 @@ struct Session {
   Digest chain_root{};
   std::vector<Digest> chain;
 };
+
+SessionRecord record_of(const Session& s) {
+  SessionRecord r;
+  r.id = s.id;
+  r.parent = s.parent;
+  r.owner = s.options.owner;
+  r.cache_namespace = s.options.cache_namespace;
+  r.sampling = s.options.sampling;
+  r.max_context = s.max_context;
+  r.history = s.history;
+  r.conversation = s.conversation;
+  return r;
+}
 
 void snapshot(Session& s) {
   s.snap_cached = s.cache->seq_len();
@@ -229,10 +243,41 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   }
   PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size, pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, kv_bytes)};
   COMBS_ASSIGN_OR_RETURN(impl->pool, PagePool::create(impl->runner->backend(), po));
-  if (o.prefix_cache) {
-    impl->prefix = std::make_unique<PrefixCache>(*impl->pool);
-    impl->model_fingerprint = to_hex(impl->model->file().fingerprint());
+  impl->model_fingerprint = to_hex(impl->model->file().fingerprint());
+  if (o.prefix_cache) impl->prefix = std::make_unique<PrefixCache>(*impl->pool);
+  for (SessionRecord& r : impl->options.restore) {  // a journal's sessions: histories, no pages
+    const std::string at = "restoring session " + r.id + ": ";
+    if (r.id.size() != 32 || r.id.find_first_not_of("0123456789abcdef") != std::string::npos) {
+      return invalid_argument_error(at + "the id is not 32 hex digits");
+    }
+    if (impl->sessions.count(r.id)) return invalid_argument_error(at + "the id is there twice");
+    if (static_cast<int>(impl->sessions.size()) >= impl->options.max_sessions) {
+      return resource_exhausted_error(at + "more sessions than --max-sessions " + std::to_string(impl->options.max_sessions));
+    }
+    for (int32_t t : r.history) {
+      if (t < 0 || t >= c.n_vocab) return invalid_argument_error(at + "token " + std::to_string(t) + " is outside the vocabulary");
+    }
+    if (Status v = validate(r.sampling, c.n_vocab); !v.ok()) return invalid_argument_error(at + v.message());
+    auto s = std::make_unique<Session>();
+    s->id = r.id;
+    s->parent = r.parent;
+    s->options.sampling = r.sampling;
+    s->options.max_context = r.max_context;
+    s->options.cache_namespace = r.cache_namespace;
+    s->options.owner = r.owner;
+    s->max_context = r.max_context > 0 ? std::min(r.max_context, impl->options.max_context) : impl->options.max_context;
+    if (static_cast<int64_t>(r.history.size()) > s->max_context) {
+      return invalid_argument_error(at + std::to_string(r.history.size()) + " tokens exceed its context of " +
+                                    std::to_string(s->max_context));
+    }
+    s->history = std::move(r.history);
+    s->conversation = r.conversation.is_array() ? std::move(r.conversation) : nlohmann::ordered_json::array();
+    COMBS_ASSIGN_OR_RETURN(s->cache, PagedKVCache::create(*impl->pool, s->max_context));
+    if (impl->prefix) s->chain_root = impl->prefix->chain_root(impl->model_fingerprint, s->options.cache_namespace);
+    s->last_used = Clock::now();
+    impl->sessions.emplace(s->id, std::move(s));
   }
+  impl->options.restore.clear();
   impl->logits.resize(c.n_vocab);
   Impl* raw = impl.get();
   impl->scheduler = std::thread([raw] { raw->run(); });
@@ -274,6 +319,7 @@ StatusOr<SessionId> Engine::create_session(const SessionOptions& options) {
   COMBS_ASSIGN_OR_RETURN(s->cache, PagedKVCache::create(*impl_->pool, s->max_context));
   if (impl_->prefix) s->chain_root = impl_->prefix->chain_root(impl_->model_fingerprint, options.cache_namespace);
   s->last_used = Clock::now();
+  if (impl_->options.journal) impl_->options.journal->put(record_of(*s));
   SessionId id = s->id;
   impl_->sessions.emplace(id, std::move(s));
   return id;
@@ -325,6 +371,9 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::Impl::start(Session* s, Genera
   a->usage.input_tokens = static_cast<int64_t>(request.input.size());
   a->history_before = s->history.size();
   s->history.insert(s->history.end(), request.input.begin(), request.input.end());
+  if (options.journal && !request.input.empty()) {
+    options.journal->append(s->id, static_cast<int64_t>(a->history_before), request.input);
+  }
   // Sampling needs the last position's logits: recompute it when the cache already holds it.
   const int64_t len = static_cast<int64_t>(s->history.size());
   if (s->cache->seq_len() >= len) s->cache->popn(s->cache->seq_len() - len + 1);
@@ -410,6 +459,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::chat(const SessionId& id, Chat
     const int64_t cached = s->cache->seq_len();
     if (cached > static_cast<int64_t>(keep)) s->cache->popn(cached - static_cast<int64_t>(keep));
     m.trim_chain(*s);
+    if (m.options.journal) m.options.journal->truncate(s->id, static_cast<int64_t>(keep));
     s->chat_text_valid = false;
     ++s->edits;
   }
@@ -472,6 +522,7 @@ StatusOr<int64_t> Engine::rollback(const SessionId& id, int64_t n) {
   const int64_t cached = s->cache->seq_len();
   if (cached > len - n) s->cache->popn(cached - (len - n));
   impl_->trim_chain(*s);
+  if (impl_->options.journal && n > 0) impl_->options.journal->truncate(s->id, len - n);
   s->last_used = Clock::now();
   if (n > 0) {
     s->chat_text_valid = false;
@@ -486,6 +537,10 @@ Status Engine::reset(const SessionId& id) {
   s->history.clear();
   s->cache->reset();
   s->chain.clear();
+  if (impl_->options.journal) {
+    impl_->options.journal->truncate(s->id, 0);
+    impl_->options.journal->set_conversation(s->id, nlohmann::ordered_json::array());
+  }
   s->conversation = nlohmann::ordered_json::array();
   s->chat_text.clear();
   s->chat_text_valid = false;
@@ -516,6 +571,8 @@ StatusOr<SessionId> Engine::fork(const SessionId& id) {
   child->chat_text_valid = s->chat_text_valid;
   child->chain_root = s->chain_root;
   child->chain = s->chain;
+  child->parent = s->id;
+  if (impl_->options.journal) impl_->options.journal->put(record_of(*child));
   child->cache = std::move(forked).value();
   child->last_used = s->last_used = Clock::now();
   SessionId cid = child->id;
@@ -535,6 +592,7 @@ Status Engine::close(const SessionId& id) {
       s->closing = true;
     } else {
       impl_->sessions.erase(id);
+      if (impl_->options.journal) impl_->options.journal->erase(id);
     }
   }
   impl_->wake.notify_all();  // pages came free, or a request is to be ended
@@ -548,6 +606,8 @@ SessionInfo info_of(const Session& s) {
   i.length = static_cast<int64_t>(s.history.size());
   i.generating = s.active != nullptr;
   i.sampling = s.options.sampling;
+  i.owner = s.options.owner;
+  i.parent = s.parent;
   if (i.generating) {  // as of the last step
     i.cached = s.snap_cached;
     i.pages_held = s.snap_pages;
@@ -677,6 +737,7 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
     const int64_t cached = s.cache->seq_len();
     if (cached > static_cast<int64_t>(a.history_before)) s.cache->popn(cached - static_cast<int64_t>(a.history_before));
     trim_chain(s);
+    if (options.journal) options.journal->truncate(s.id, static_cast<int64_t>(a.history_before));
   }
   if (a.chat_conversation && kind != FinishKind::kError) {  // the reply joins the conversation
     std::vector<int32_t> reply = a.generated;
@@ -685,6 +746,7 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
     for (int32_t t : a.generated) spelled += tokenizer->piece(t, /*render_special=*/true);
     a.chat_conversation->push_back({{"role", "assistant"}, {"content", tokenizer->decode(reply)}});
     s.conversation = std::move(*a.chat_conversation);
+    if (options.journal) options.journal->set_conversation(s.id, s.conversation);
     s.chat_text = std::move(spelled);
     s.chat_text_valid = true;
   }
@@ -759,8 +821,12 @@ bool Engine::Impl::evict_one_idle(const std::set<Session*>& keep) {
 void Engine::Impl::sweep_expired() {
   const auto now = Clock::now();
   for (auto it = sessions.begin(); it != sessions.end();) {
-    if (!it->second->active && now - it->second->last_used > options.session_ttl) it = sessions.erase(it);
-    else ++it;
+    if (!it->second->active && now - it->second->last_used > options.session_ttl) {
+      if (options.journal) options.journal->erase(it->first);
+      it = sessions.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
@@ -794,8 +860,12 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   for (auto it = sessions.begin(); it != sessions.end();) {
     Session& s = *it->second;
     if (s.active && s.active->handle->cancelled()) finish(s, FinishKind::kCancelled, ok_status(), events);
-    if (s.closing && !s.active) it = sessions.erase(it);
-    else ++it;
+    if (s.closing && !s.active) {
+      if (options.journal) options.journal->erase(it->first);
+      it = sessions.erase(it);
+    } else {
+      ++it;
+    }
   }
   // Candidates, oldest activity first, so that every session gets its turn.
   std::vector<Session*> order;
@@ -945,6 +1015,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       const int32_t token = fo.token_ids ? token_ids[i] : a.sampler->sample(l, s.history);
       a.generated.push_back(token);
       s.history.push_back(token);
+      if (options.journal) options.journal->append(s.id, static_cast<int64_t>(s.history.size()) - 1, {&token, 1});
       GenerateEvent e;
       e.token = token;
       if (a.text) e.text = a.text->push(token);
@@ -980,7 +1051,14 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
            resource_exhausted_error("no free KV pages: the waiting requests hold the pool between them"), events);
   }
   lock.unlock();
-  for (auto& [sink, e] : events) sink(e);
+  for (auto& [sink, e] : events) {
+    // A finished request's last event waits for its tokens to be durable.
+    if (options.journal && e.type == GenerateEvent::Type::kFinished) {
+      options.journal->barrier([sink = std::move(sink), e = std::move(e)] { sink(e); });
+    } else {
+      sink(e);
+    }
+  }
   lock.lock();
 }
 

@@ -290,6 +290,7 @@ grpc::ServerUnaryReactor* CombsService::CreateSession(grpc::CallbackServerContex
   o.sampling = merge(SamplingParams{}, req->sampling());
   o.max_context = req->max_context();
   o.cache_namespace = keys_.prefix_namespace(*key);
+  o.owner = *key;
   auto id = engine_->create_session(o);
   if (id.ok()) {
     own(*id, *key);

@@ -33,8 +33,11 @@ struct ServiceOptions {
 class CombsService final : public combs::v1::Combs::CallbackService {
  public:
   // tokenizer may be null (a model without one: text input and output are refused).
+  // Sessions the engine already holds (restored from a journal) keep the owners they were made by.
   CombsService(Engine& engine, const Tokenizer* tokenizer, ServiceOptions options = {})
-      : engine_(&engine), tokenizer_(tokenizer), keys_(options.api_keys), options_(std::move(options)) {}
+      : engine_(&engine), tokenizer_(tokenizer), keys_(options.api_keys), options_(std::move(options)) {
+    for (const SessionInfo& i : engine.list()) owners_[i.id] = i.owner;
+  }
 
   // Shutdown has begun: CreateSession, Fork and Generate are UNAVAILABLE (a client retries on
   // another replica); calls on existing sessions and running streams go on.

@@ -12,9 +12,11 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <future>
 #include <thread>
 
 #include "combs/engine/engine.h"
+#include "combs/engine/sqlite_journal.h"
 #ifdef COMBS_HAVE_CUDA
 #include "combs/model/cuda_runner.h"
 #endif
@@ -40,7 +42,8 @@ int main(int argc, char** argv) {
                       {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
                       {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()}, {"chat-template", ""},
-                      {"api-keys", ""}, {"prefix-cache", "on"}, {"prefix-cache-sharing", "key"}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}});
+                      {"api-keys", ""}, {"prefix-cache", "on"}, {"state-dir", ""}, {"durability", "full"}, {"journal-flush-ms", "200"}, {"prefix-cache-sharing", "key"}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}},
+                     {"drop-foreign-sessions"});
   flags.describe({
       {"config", "config file of 'name = value' lines (the flags below without --); the command line wins"},
       {"model", "GGUF model to serve; none: a small random-weight model written once into --cache-dir"},
@@ -66,6 +69,10 @@ int main(int argc, char** argv) {
       {"chat-template", "Jinja chat template for Chat (default: the model's tokenizer.chat_template; the default model carries Llama 3's)"},
       {"api-keys", "file of API keys, one a line; callers send 'authorization: Bearer <key>'"},
       {"prefix-cache", "on: sessions whose histories begin alike share the KV pages of the common prefix; off: never"},
+      {"state-dir", "journal every session change in DIR/sessions.db (SQLite) and restore the sessions at start; none: sessions live in memory only"},
+      {"durability", "full: a finished request's tokens survive a process or machine crash (fsync per commit); fast: a process crash loses nothing, a machine crash at most --journal-flush-ms"},
+      {"journal-flush-ms", "--durability fast: how often the journal is synced to disk"},
+      {"drop-foreign-sessions", "a --state-dir journal written for another model: delete its sessions (else refuse to start)"},
       {"prefix-cache-sharing", "key: cached prefixes serve only sessions of the API key that made them; all: every key's"},
       {"tls-cert", "PEM certificate chain (with --tls-key: serve TLS)"},
       {"tls-key", "PEM private key of --tls-cert"},
@@ -185,6 +192,26 @@ int main(int argc, char** argv) {
            2;
   }
   const bool share_prefixes = flags.str("prefix-cache-sharing") == "all";
+  // The journal: every session change recorded off the scheduler thread; at start, its sessions.
+  std::unique_ptr<SqliteJournal> journal;
+  if (!flags.str("state-dir").empty()) {
+    SqliteJournalOptions jo;
+    jo.dir = flags.str("state-dir");
+    jo.model_fingerprint = to_hex((*model)->file().fingerprint());
+    if (flags.str("durability") != "full" && flags.str("durability") != "fast") {
+      return std::fprintf(stderr, "combs-server: --durability %s: expected full or fast\n", flags.str("durability").c_str()), 2;
+    }
+    jo.durability = flags.str("durability") == "full" ? SqliteJournalOptions::Durability::kFull : SqliteJournalOptions::Durability::kFast;
+    long long flush_ms;
+    if (!flags.integer("journal-flush-ms", &flush_ms, 1, 60000)) return 2;
+    jo.flush_ms = static_cast<int>(flush_ms);
+    jo.drop_foreign = flags.on("drop-foreign-sessions");
+    auto j = SqliteJournal::open(jo, &eo.restore);
+    if (!j.ok()) return std::fprintf(stderr, "combs-server: %s\n", j.status().message().c_str()), 1;
+    journal = std::move(j).value();
+    eo.journal = journal.get();
+  }
+  const size_t restored = eo.restore.size();
   auto engine = Engine::create(std::move(model).value(), eo);
   if (!engine.ok()) return std::fprintf(stderr, "combs-server: %s\n", engine.status().to_string().c_str()), 1;
 
@@ -269,6 +296,7 @@ int main(int argc, char** argv) {
       .add("tls", flags.str("tls-cert").empty() ? "off" : "on")
       .add("auth", auth ? "api-keys" : "off")
       .add("kv_pages", eng.stats().pages_total)
+      .add("sessions_restored", static_cast<int64_t>(restored))
       .info();
   std::printf("combs-server: serving %s on %s:%d\n", path.c_str(), host.c_str(), port);
   std::fflush(stdout);
@@ -292,6 +320,11 @@ int main(int argc, char** argv) {
   if (aborted > 0) {
     eng.abort_generating(unavailable_error("combs-server is shutting down"));
     wait_idle(std::chrono::seconds(5));
+  }
+  if (journal) {  // the finished requests' last events wait for the journal: let it deliver them
+    auto flushed = std::make_shared<std::promise<void>>();
+    journal->barrier([flushed] { flushed->set_value(); });
+    flushed->get_future().wait_for(std::chrono::seconds(5));
   }
   srv->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   srv.reset();

@@ -15,36 +15,11 @@ using combs::testing::http_get;
 using combs::testing::run_command;
 using combs::testing::ServerProcess;
 using combs::testing::Streamed;
+using combs::testing::create;
+using combs::testing::greedy;
+using combs::testing::info;
 
 namespace {
-
-std::string create(Combs::Stub& stub) {
-  grpc::ClientContext ctx;
-  CreateSessionResponse r;
-  REQUIRE(stub.CreateSession(&ctx, CreateSessionRequest(), &r).ok());
-  return r.session_id();
-}
-
-GenerateRequest greedy(const std::string& session, std::vector<int32_t> input, int max_tokens) {
-  GenerateRequest g;
-  g.set_session_id(session);
-  for (int32_t t : input) g.mutable_tokens()->add_ids(t);
-  g.set_max_tokens(max_tokens);
-  g.mutable_sampling()->set_temperature(0.0f);
-  g.set_ignore_eos(true);
-  return g;
-}
-
-SessionInfo info(Combs::Stub& stub, const std::string& session, grpc::StatusCode* code = nullptr) {
-  grpc::ClientContext ctx;
-  GetSessionRequest q;
-  q.set_session_id(session);
-  SessionInfo i;
-  grpc::Status s = stub.GetSession(&ctx, q, &i);
-  if (code) *code = s.error_code();
-  return i;
-}
-
 
 // The value of one sample line "name value" in a Prometheus text exposition; -1 when absent.
 double metric(const std::string& text, const std::string& series) {

@@ -136,6 +136,34 @@ inline std::string http_get(const std::string& host_port, const std::string& pat
   return resp;
 }
 
+// A new session (REQUIREs success).
+inline std::string create(v1::Combs::Stub& stub) {
+  grpc::ClientContext ctx;
+  v1::CreateSessionResponse r;
+  REQUIRE(stub.CreateSession(&ctx, v1::CreateSessionRequest(), &r).ok());
+  return r.session_id();
+}
+
+inline v1::GenerateRequest greedy(const std::string& session, std::vector<int32_t> input, int max_tokens) {
+  v1::GenerateRequest g;
+  g.set_session_id(session);
+  for (int32_t t : input) g.mutable_tokens()->add_ids(t);
+  g.set_max_tokens(max_tokens);
+  g.mutable_sampling()->set_temperature(0.0f);
+  g.set_ignore_eos(true);
+  return g;
+}
+
+inline v1::SessionInfo info(v1::Combs::Stub& stub, const std::string& session, grpc::StatusCode* code = nullptr) {
+  grpc::ClientContext ctx;
+  v1::GetSessionRequest q;
+  q.set_session_id(session);
+  v1::SessionInfo i;
+  grpc::Status s = stub.GetSession(&ctx, q, &i);
+  if (code) *code = s.error_code();
+  return i;
+}
+
 // A Generate stream read to its end.
 struct Streamed {
   std::vector<int32_t> tokens;

@@ -45,6 +45,7 @@
 #include <nlohmann/json.hpp>
 
 #include "combs/base/status.h"
+#include "combs/engine/journal.h"
 #include "combs/model/model.h"
 #include "combs/model/runner.h"
 #include "combs/model/sampler.h"
@@ -81,6 +82,14 @@ struct EngineOptions {
   // The prefix cache (see Semantics above); off: pages go back to the pool when no session holds
   // them, as they did before it.
   bool prefix_cache = true;
+  // Where every change to a session is recorded (engine/journal.h; not owned, outlives the
+  // engine); null: none. With one, a request's finished event is delivered by the journal once its
+  // tokens are durable (from the journal's thread).
+  SessionJournal* journal = nullptr;
+  // Sessions to start with (a journal's, at a restart): their histories, no pages (the first use
+  // prefills them, or maps them from the prefix cache). A record that does not fit this model or
+  // these limits makes create() fail naming it.
+  std::vector<SessionRecord> restore;
 };
 
 struct SessionOptions {
@@ -89,6 +98,7 @@ struct SessionOptions {
   // Sessions share cached prefix pages only within one namespace (a server gives each tenant its
   // own, so one tenant's prompts never serve, or time-signal, another's). Forks inherit it.
   std::string cache_namespace;
+  std::string owner;  // opaque to the engine (the server's API key); kept, journaled, inherited by forks
 };
 
 struct GenerateRequest {
@@ -162,6 +172,8 @@ struct SessionInfo {
   int64_t pages_shared = 0;   // held pages another session holds too
   bool generating = false;
   SamplingParams sampling;    // the session's defaults
+  std::string owner;          // SessionOptions::owner
+  SessionId parent;           // the session it was forked from, if any
 };
 
 struct EngineStats {

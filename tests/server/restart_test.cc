@@ -1,0 +1,137 @@
+// Sessions that survive the server: kill -9 of combs-server with --state-dir, restarted on the same
+// directory, again and again; every session that existed is there with every token of every
+// finished Generate, a Generate streaming at the kill kept a whole prefix of what it had, and a
+// greedy continuation of each session equals that of a new session fed the same history.
+#include <catch2/catch.hpp>
+
+#include <map>
+#include <thread>
+
+#include "support/random.h"
+#include "support/server_process.h"
+#include "support/temp_dir.h"
+
+using namespace combs::testing;
+using namespace combs::v1;
+
+namespace {
+
+std::vector<int32_t> tokens_of(Rng& rng, int n) {
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(rng.integer(1, 30000));
+  return t;
+}
+
+std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("sessions survive kill -9 of the server restart after restart", "[server]") {
+  Rng rng(test_seed());
+  TempDir state;
+  const std::string dir = state.file("state");
+  std::map<std::string, std::vector<int32_t>> known;  // each session's history as the client saw it
+  // The session that was streaming at the last kill: its id, input and what the client received.
+  struct Busy {
+    std::string id;
+    std::vector<int32_t> input, streamed;
+  } pending;
+  constexpr int kRestarts = 50;
+  for (int round = 0; round <= kRestarts; ++round) {
+    INFO("round " << round);
+    ServerProcess server({"--state-dir", dir, "--log-level", "warn", "--durability", round % 2 ? "fast" : "full"});
+    auto stub = server.stub();
+    if (!pending.id.empty()) {
+      // It holds nothing, its input, or its input and what it generated before the kill: when the
+      // client received all of that, it is known; else (the journal ran ahead of the stream) only
+      // its length is, and it goes.
+      grpc::StatusCode code;
+      const int64_t length = info(*stub, pending.id, &code).length();
+      const int64_t in = static_cast<int64_t>(pending.input.size());
+      INFO("the streaming session holds " << length << " tokens; " << pending.streamed.size() << " were streamed");
+      CHECK((code == grpc::StatusCode::OK || code == grpc::StatusCode::NOT_FOUND));
+      CHECK((length == 0 || (length >= in && length <= in + 1800)));
+      if (code == grpc::StatusCode::OK && length <= in + static_cast<int64_t>(pending.streamed.size())) {
+        known[pending.id] = length >= in ? concat(pending.input, {pending.streamed.begin(), pending.streamed.begin() + (length - in)})
+                                         : std::vector<int32_t>{};
+      } else if (code == grpc::StatusCode::OK) {
+        grpc::ClientContext ctx;
+        CloseSessionRequest q;
+        q.set_session_id(pending.id);
+        CloseSessionResponse a;
+        REQUIRE(stub->CloseSession(&ctx, q, &a).ok());
+      }
+      pending = {};
+    }
+    for (const auto& [id, history] : known) {
+      grpc::StatusCode code;
+      const SessionInfo i = info(*stub, id, &code);
+      INFO("session " << id);
+      REQUIRE(code == grpc::StatusCode::OK);
+      CHECK(i.length() == static_cast<int64_t>(history.size()));
+    }
+    if (round == kRestarts) {
+      // Every history is what the client saw: a session continues as a new one fed the same tokens.
+      for (const auto& [id, history] : known) {
+        if (history.empty()) continue;
+        const Streamed restored = generate(*stub, greedy(id, {}, 4));
+        const Streamed fresh = generate(*stub, greedy(create(*stub), history, 4));
+        INFO("session " << id << ", " << history.size() << " tokens");
+        REQUIRE(restored.status.ok());
+        CHECK(restored.tokens == fresh.tokens);
+      }
+      CHECK(server.stop() == 0);
+      break;
+    }
+    // A new session with a prompt and a reply.
+    const std::string s = create(*stub);
+    const std::vector<int32_t> prompt = tokens_of(rng, static_cast<int>(rng.integer(4, 24)));
+    const Streamed r = generate(*stub, greedy(s, prompt, 6));
+    REQUIRE(r.status.ok());
+    known[s] = concat(prompt, r.tokens);
+    // An earlier one goes on, rolls back or forks.
+    auto it = known.begin();
+    std::advance(it, rng.integer(0, known.size() - 1));
+    const std::string old = it->first;
+    switch (round % 3) {
+      case 0: {
+        const Streamed more = generate(*stub, greedy(old, {7, 8, 9}, 4));
+        REQUIRE(more.status.ok());
+        known[old] = concat(concat(known[old], {7, 8, 9}), more.tokens);
+        break;
+      }
+      case 1: {
+        grpc::ClientContext ctx;
+        RollbackRequest q;
+        q.set_session_id(old);
+        q.set_n(std::min<int64_t>(3, static_cast<int64_t>(known[old].size())));
+        RollbackResponse a;
+        REQUIRE(stub->Rollback(&ctx, q, &a).ok());
+        known[old].resize(known[old].size() - static_cast<size_t>(q.n()));
+        break;
+      }
+      default: {
+        grpc::ClientContext ctx;
+        ForkRequest q;
+        q.set_session_id(old);
+        ForkResponse a;
+        REQUIRE(stub->Fork(&ctx, q, &a).ok());
+        known[a.session_id()] = known[old];
+        break;
+      }
+    }
+    // A long Generate streams as the server is killed.
+    const std::string busy = create(*stub);
+    const std::vector<int32_t> input = tokens_of(rng, 8);
+    Streamed streaming;
+    std::thread t([&] { streaming = generate(*stub, greedy(busy, input, 1800)); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng.integer(20, 200)));
+    server.signal(SIGKILL);
+    t.join();
+    server.wait();
+    pending = {busy, input, streaming.tokens};
+  }
+}
