@@ -5,7 +5,9 @@
 // Thread-safety: every public method is thread-safe. One scheduler thread runs all forwards,
 // outside the engine's lock, so API calls do not wait for a step (info() on a generating session
 // reports its cache as of the last step). Event sinks are called from the scheduler thread, outside
-// the lock, in order per request; they must not block for long (a sink may call the engine).
+// the lock, in order per request; they must not block for long (a sink may call the engine). With a
+// journal (EngineOptions::journal) a request's finished event comes last as ever, but from the
+// journal's thread, once the request's tokens are durable.
 //
 // Semantics:
 // - A session's token history is the source of truth; its KV pages are a cache of it. Under memory
