@@ -189,6 +189,9 @@ struct Engine::Impl {
   void cache_filled_pages(Session& s, int64_t from, int64_t to);
   // A conversation rendered with the chat template (chat() and render_chat()).
   StatusOr<std::string> render(const nlohmann::ordered_json& conversation, const nlohmann::ordered_json& variables) const;
+  // A session of a record (a journal's or an import's), checked against the model and the limits;
+  // `what` begins its errors.
+  StatusOr<std::unique_ptr<Session>> session_from(SessionRecord r, const std::string& what);
   void run();
   void step(std::unique_lock<std::mutex>& lock);
   void sweep_expired();
@@ -196,6 +199,38 @@ struct Engine::Impl {
   void finish(Session& s, FinishKind kind, Status status,
               std::vector<std::pair<EventSink, GenerateEvent>>& out);
 };
+
+StatusOr<std::unique_ptr<Session>> Engine::Impl::session_from(SessionRecord r, const std::string& what) {
+  const std::string at = what + r.id + ": ";
+  const int n_vocab = model->config().n_vocab;
+  if (r.id.size() != 32 || r.id.find_first_not_of("0123456789abcdef") != std::string::npos) {
+    return invalid_argument_error(at + "the id is not 32 hex digits");
+  }
+  if (sessions.count(r.id)) return Status(StatusCode::kAlreadyExists, at + "a session with this id exists");
+  for (int32_t t : r.history) {
+    if (t < 0 || t >= n_vocab) return invalid_argument_error(at + "token " + std::to_string(t) + " is outside the vocabulary");
+  }
+  if (Status v = validate(r.sampling, n_vocab); !v.ok()) return invalid_argument_error(at + v.message());
+  if (r.max_context < 0) return invalid_argument_error(at + "a negative max_context");
+  auto s = std::make_unique<Session>();
+  s->id = r.id;
+  s->parent = r.parent;
+  s->options.sampling = r.sampling;
+  s->options.max_context = r.max_context;
+  s->options.cache_namespace = r.cache_namespace;
+  s->options.owner = r.owner;
+  s->max_context = r.max_context > 0 ? std::min(r.max_context, options.max_context) : options.max_context;
+  if (static_cast<int64_t>(r.history.size()) > s->max_context) {
+    return invalid_argument_error(at + std::to_string(r.history.size()) + " tokens exceed its context of " +
+                                  std::to_string(s->max_context));
+  }
+  s->history = std::move(r.history);
+  s->conversation = r.conversation.is_array() ? std::move(r.conversation) : nlohmann::ordered_json::array();
+  COMBS_ASSIGN_OR_RETURN(s->cache, PagedKVCache::create(*pool, s->max_context));
+  if (prefix) s->chain_root = prefix->chain_root(model_fingerprint, s->options.cache_namespace);
+  s->last_used = Clock::now();
+  return s;
+}
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -246,35 +281,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   impl->model_fingerprint = to_hex(impl->model->file().fingerprint());
   if (o.prefix_cache) impl->prefix = std::make_unique<PrefixCache>(*impl->pool);
   for (SessionRecord& r : impl->options.restore) {  // a journal's sessions: histories, no pages
-    const std::string at = "restoring session " + r.id + ": ";
-    if (r.id.size() != 32 || r.id.find_first_not_of("0123456789abcdef") != std::string::npos) {
-      return invalid_argument_error(at + "the id is not 32 hex digits");
-    }
-    if (impl->sessions.count(r.id)) return invalid_argument_error(at + "the id is there twice");
     if (static_cast<int>(impl->sessions.size()) >= impl->options.max_sessions) {
-      return resource_exhausted_error(at + "more sessions than --max-sessions " + std::to_string(impl->options.max_sessions));
+      return resource_exhausted_error("restoring session " + r.id + ": more sessions than --max-sessions " +
+                                      std::to_string(impl->options.max_sessions));
     }
-    for (int32_t t : r.history) {
-      if (t < 0 || t >= c.n_vocab) return invalid_argument_error(at + "token " + std::to_string(t) + " is outside the vocabulary");
-    }
-    if (Status v = validate(r.sampling, c.n_vocab); !v.ok()) return invalid_argument_error(at + v.message());
-    auto s = std::make_unique<Session>();
-    s->id = r.id;
-    s->parent = r.parent;
-    s->options.sampling = r.sampling;
-    s->options.max_context = r.max_context;
-    s->options.cache_namespace = r.cache_namespace;
-    s->options.owner = r.owner;
-    s->max_context = r.max_context > 0 ? std::min(r.max_context, impl->options.max_context) : impl->options.max_context;
-    if (static_cast<int64_t>(r.history.size()) > s->max_context) {
-      return invalid_argument_error(at + std::to_string(r.history.size()) + " tokens exceed its context of " +
-                                    std::to_string(s->max_context));
-    }
-    s->history = std::move(r.history);
-    s->conversation = r.conversation.is_array() ? std::move(r.conversation) : nlohmann::ordered_json::array();
-    COMBS_ASSIGN_OR_RETURN(s->cache, PagedKVCache::create(*impl->pool, s->max_context));
-    if (impl->prefix) s->chain_root = impl->prefix->chain_root(impl->model_fingerprint, s->options.cache_namespace);
-    s->last_used = Clock::now();
+    COMBS_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, impl->session_from(std::move(r), "restoring session "));
     impl->sessions.emplace(s->id, std::move(s));
   }
   impl->options.restore.clear();
@@ -597,6 +608,27 @@ Status Engine::close(const SessionId& id) {
   }
   impl_->wake.notify_all();  // pages came free, or a request is to be ended
   return ok_status();
+}
+
+StatusOr<std::string> Engine::export_session(const SessionId& id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
+  return encode_session(record_of(*s), impl_->model_fingerprint);
+}
+
+StatusOr<SessionId> Engine::import_session(std::string_view blob, const std::string& owner, const std::string& cache_namespace) {
+  COMBS_ASSIGN_OR_RETURN(SessionRecord r, decode_session(blob, impl_->model_fingerprint));
+  r.owner = owner;
+  r.cache_namespace = cache_namespace;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (static_cast<int>(impl_->sessions.size()) >= impl_->options.max_sessions) {
+    return resource_exhausted_error("import: the limit of " + std::to_string(impl_->options.max_sessions) + " sessions is reached");
+  }
+  COMBS_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, impl_->session_from(std::move(r), "import: session "));
+  if (impl_->options.journal) impl_->options.journal->put(record_of(*s));
+  SessionId id = s->id;
+  impl_->sessions.emplace(id, std::move(s));
+  return id;
 }
 
 namespace {

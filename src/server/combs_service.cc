@@ -413,6 +413,29 @@ grpc::ServerUnaryReactor* CombsService::Fork(grpc::CallbackServerContext* ctx, c
   return done(ctx, call, id.status());
 }
 
+grpc::ServerUnaryReactor* CombsService::ExportSession(grpc::CallbackServerContext* ctx,
+                                                      const v1::ExportSessionRequest* req, v1::ExportSessionResponse* resp) {
+  const Call call(ctx, "ExportSession", req->session_id(), options_.metrics);
+  if (Status a = check_owner(ctx, req->session_id()); !a.ok()) return done(ctx, call, a);
+  auto blob = engine_->export_session(req->session_id());
+  if (blob.ok()) resp->set_session(std::move(blob).value());
+  return done(ctx, call, blob.status());
+}
+
+grpc::ServerUnaryReactor* CombsService::ImportSession(grpc::CallbackServerContext* ctx,
+                                                      const v1::ImportSessionRequest* req, v1::ImportSessionResponse* resp) {
+  const Call call(ctx, "ImportSession", "", options_.metrics);
+  if (draining_) return done(ctx, call, unavailable_error("combs-server is shutting down"));
+  auto key = caller(ctx);
+  if (!key.ok()) return done(ctx, call, key.status());
+  auto id = engine_->import_session(req->session(), *key, keys_.prefix_namespace(*key));
+  if (id.ok()) {
+    own(*id, *key);
+    resp->set_session_id(*id);
+  }
+  return done(ctx, call, id.status());
+}
+
 grpc::ServerUnaryReactor* CombsService::CloseSession(grpc::CallbackServerContext* ctx,
                                                      const v1::CloseSessionRequest* req, v1::CloseSessionResponse*) {
   const Call call(ctx, "CloseSession", req->session_id(), options_.metrics);

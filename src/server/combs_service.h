@@ -69,6 +69,10 @@ class CombsService final : public combs::v1::Combs::CallbackService {
                                        v1::DetokenizeResponse* resp) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* ctx, const v1::GetModelInfoRequest* req,
                                          v1::ModelInfo* resp) override;
+  grpc::ServerUnaryReactor* ExportSession(grpc::CallbackServerContext* ctx, const v1::ExportSessionRequest* req,
+                                          v1::ExportSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* ImportSession(grpc::CallbackServerContext* ctx, const v1::ImportSessionRequest* req,
+                                          v1::ImportSessionResponse* resp) override;
 
  private:
   // The caller's key ("" without authentication), or UNAUTHENTICATED.

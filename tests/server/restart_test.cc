@@ -135,3 +135,53 @@ TEST_CASE("sessions survive kill -9 of the server restart after restart", "[serv
     pending = {busy, input, streaming.tokens};
   }
 }
+
+TEST_CASE("a session exported from one server continues on another", "[server]") {
+  Rng rng(test_seed());
+  ServerProcess a, b;
+  auto sa = a.stub(), sb = b.stub();
+  const std::string id = create(*sa);
+  REQUIRE(generate(*sa, greedy(id, tokens_of(rng, 20), 10)).status.ok());
+  auto export_of = [](Combs::Stub& stub, const std::string& session, grpc::Status* status) {
+    grpc::ClientContext ctx;
+    ExportSessionRequest q;
+    q.set_session_id(session);
+    ExportSessionResponse r;
+    *status = stub.ExportSession(&ctx, q, &r);
+    return r.session();
+  };
+  auto import_to = [](Combs::Stub& stub, const std::string& blob, std::string* id) {
+    grpc::ClientContext ctx;
+    ImportSessionRequest q;
+    q.set_session(blob);
+    ImportSessionResponse r;
+    grpc::Status s = stub.ImportSession(&ctx, q, &r);
+    *id = r.session_id();
+    return s.error_code();
+  };
+  grpc::Status st;
+  const std::string blob = export_of(*sa, id, &st);
+  REQUIRE(st.ok());
+  std::string imported;
+  REQUIRE(import_to(*sb, blob, &imported) == grpc::StatusCode::OK);
+  CHECK(imported == id);  // the same id: its family routes it as before
+  CHECK(info(*sb, id).length() == 30);
+  CHECK(generate(*sb, greedy(id, {}, 6)).tokens == generate(*sa, greedy(id, {}, 6)).tokens);
+  // Bad, damaged, repeated and foreign blobs import nothing.
+  std::string none;
+  CHECK(import_to(*sb, "not a session", &none) == grpc::StatusCode::INVALID_ARGUMENT);
+  std::string flipped = blob;
+  flipped[flipped.size() / 2] ^= 0x20;
+  CHECK(import_to(*sb, flipped, &none) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(import_to(*sb, blob.substr(0, blob.size() - 7), &none) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(import_to(*sb, blob, &none) == grpc::StatusCode::ALREADY_EXISTS);
+  ServerProcess other({"--vocab", "none"}, /*test_vocab=*/false);  // another model: the byte-level vocabulary
+  auto so = other.stub();
+  CHECK(import_to(*so, blob, &none) == grpc::StatusCode::FAILED_PRECONDITION);
+  export_of(*sa, "0123456789abcdef0123456789abcdef", &st);
+  CHECK(st.error_code() == grpc::StatusCode::NOT_FOUND);
+  grpc::ClientContext ctx;
+  ListSessionsResponse list;
+  REQUIRE(sb->ListSessions(&ctx, ListSessionsRequest(), &list).ok());
+  CHECK(list.sessions_size() == 1);
+}

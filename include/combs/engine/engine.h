@@ -219,6 +219,14 @@ class Engine {
   Status reset(const SessionId& id);
   StatusOr<SessionId> fork(const SessionId& id);
   Status close(const SessionId& id);
+  // A session as bytes (encode_session: history, defaults, lineage, the model's fingerprint, a
+  // checksum), to move it to another replica. FAILED_PRECONDITION while it generates.
+  StatusOr<std::string> export_session(const SessionId& id);
+  // Adds an exported session under its own id (its family keeps its routing), owned by `owner` and
+  // in `cache_namespace` (the importer's, not the blob's). INVALID_ARGUMENT / FAILED_PRECONDITION
+  // for a bad or foreign blob or one that does not fit this engine, ALREADY_EXISTS when the id is
+  // taken; nothing is imported then.
+  StatusOr<SessionId> import_session(std::string_view blob, const std::string& owner, const std::string& cache_namespace);
   StatusOr<SessionInfo> info(const SessionId& id);
   std::vector<SessionInfo> list();
   EngineStats stats();

@@ -11,6 +11,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -37,6 +38,14 @@ struct SessionRecord {
 // SamplingParams as JSON and back (INVALID_ARGUMENT naming a bad field).
 nlohmann::ordered_json sampling_to_json(const SamplingParams& p);
 StatusOr<SamplingParams> sampling_from_json(const nlohmann::ordered_json& j);
+
+// A session as bytes, for moving it between replicas of one model: "COMBSSES", a format version,
+// a JSON header (the model's fingerprint, the record's fields but the history), the history as
+// little-endian int32, and a SHA-256 of everything before it.
+std::string encode_session(const SessionRecord& record, std::string_view model_fingerprint);
+// INVALID_ARGUMENT for bytes that are not such a blob (or fail the checksum); FAILED_PRECONDITION
+// for one of another model.
+StatusOr<SessionRecord> decode_session(std::string_view blob, std::string_view model_fingerprint);
 
 class SessionJournal {
  public:
