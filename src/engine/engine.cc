@@ -45,6 +45,7 @@ struct Active {
   Usage usage;
   bool counted_cache = false;  // usage.cached_tokens set and the prefix cache looked up
   size_t history_before = 0;  // a request that fails leaves the session as it found it
+  Clock::time_point arrival = Clock::now();  // when it was accepted: its claim on pages
   // A chat turn's: the conversation it rendered and the rendering (the reply joins them at the end).
   std::optional<nlohmann::ordered_json> chat_conversation;
   std::string chat_rendering;
@@ -129,6 +130,9 @@ struct Engine::Impl {
   int64_t evictions = 0, steps = 0;
   int64_t waiting = 0, batch_sequences = 0, batch_tokens = 0, forward_tokens = 0;  // for stats()
   int64_t prefix_lookups = 0, prefix_hits = 0, prefix_hit_tokens = 0;
+  int64_t preemptions = 0;
+  // The arrival of the earliest request that waited for pages while holding some (see step()).
+  std::optional<Clock::time_point> page_priority;
   Status abort;  // set by abort_generating(); the scheduler ends the running requests with it
   std::thread scheduler;
 
@@ -683,6 +687,7 @@ EngineStats Engine::stats() {
   st.batch_tokens = impl_->batch_tokens;
   st.forward_tokens = impl_->forward_tokens;
   st.prefix_lookups = impl_->prefix_lookups;
+  st.preemptions = impl_->preemptions;
   st.prefix_hits = impl_->prefix_hits;
   st.prefix_hit_tokens = impl_->prefix_hit_tokens;
   st.pages_cached = impl_->pool->num_cached();
@@ -921,8 +926,12 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       s->cache->popn(s->cache->seq_len() - len + 1);
       continue;  // next step
     }
+    // A request that arrived earlier waits for pages it cannot get (it holds some): later ones take
+    // none until it has moved (not even reclaimable cached ones), so that what a preemption frees
+    // goes to it.
+    const bool yields = page_priority && s->active->arrival > *page_priority;
     bool looked = false;
-    const int64_t mapped = map_cached_prefix(*s, pool->num_available() - reserved, &looked);
+    const int64_t mapped = map_cached_prefix(*s, yields ? 0 : pool->num_available() - reserved, &looked);
     Active& act = *s->active;
     if (!act.counted_cache) {  // positions this request need not compute
       act.usage.cached_tokens = s->cache->seq_len();
@@ -952,6 +961,10 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       // Alone in the step it may exceed the budget by at most one chunk.
     }
     const int64_t need = s->cache->pages_to_grow(cached + n);
+    if (need > 0 && yields) {
+      deferred.push_back(s);
+      continue;
+    }
     // Free and reclaimable cached pages first, then the pages of idle sessions, oldest first.
     while (need > pool->num_available() - reserved && evict_one_idle(chosen)) {
     }
@@ -1075,12 +1088,25 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     }
   }
   // Nothing ran and requests wait for pages that only they hold among them: none can move, so the
-  // most recently active one gives way (its pages stay, the others may fit after eviction next step).
+  // most recently active one that holds pages is preempted — its pages go (its full ones stay in
+  // the prefix cache), it waits, and it resumes by rebuilding them (the same tokens: the runner is
+  // batch-invariant) once the others have moved on. Oldest first, so every request gets through.
   if (work.empty() && !deferred.empty()) {
-    Session* youngest = *std::max_element(deferred.begin(), deferred.end(),
-                                          [](Session* a, Session* b) { return a->last_used < b->last_used; });
-    finish(*youngest, FinishKind::kError,
-           resource_exhausted_error("no free KV pages: the waiting requests hold the pool between them"), events);
+    Session* youngest = nullptr;  // by arrival
+    for (Session* d : deferred) {
+      if (*d->cache->pages_used() > 0 && (youngest == nullptr || d->active->arrival > youngest->active->arrival)) youngest = d;
+    }
+    if (youngest != nullptr) {
+      youngest->cache->reset();
+      ++preemptions;
+    }
+  }
+  // The earliest request left waiting with pages has the first claim on pages next step.
+  page_priority.reset();
+  for (Session* d : deferred) {
+    if (d->active && *d->cache->pages_used() > 0 && (!page_priority || d->active->arrival < *page_priority)) {
+      page_priority = d->active->arrival;
+    }
   }
   lock.unlock();
   for (auto& [sink, e] : events) {

@@ -120,6 +120,7 @@ std::string Metrics::render() const {
       {"combs_prefix_cache_hits_total", {"Requests that found cached pages of their prefix.", st.prefix_hits}},
       {"combs_prefix_cache_hit_tokens_total", {"Positions mapped from the prefix cache instead of prefilled.", st.prefix_hit_tokens}},
       {"combs_prefix_cache_evictions_total", {"Cached pages taken back for reuse.", st.cached_pages_reclaimed}},
+      {"combs_preemptions_total", {"Waiting requests whose pages were taken so that others could run (they resume).", st.preemptions}},
   };
   for (const auto& [name, c] : counters) {
     header(&out, name, "counter", c.first);

@@ -397,3 +397,30 @@ TEST_CASE("an abort ends running generates from the scheduler thread and is not 
   CHECK(c2.tokens.size() == 3);
   REQUIRE(e->check_invariants().ok());
 }
+
+TEST_CASE("requests that fit the pool alone never fail for lack of pages: waiting ones are preempted", "[engine]") {
+  Rng rng(test_seed());
+  ModelFile mf;
+  EngineOptions tight;
+  tight.kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 12;  // 12 pages of 16: 192 positions
+  auto e = mf.engine(tight);
+  auto roomy = mf.engine();
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::unique_ptr<Collector>> runs;
+  // Each prompt takes 3 pages, its 100 tokens 6 more: four prompts fill the pool, and then none
+  // of the four can grow.
+  for (int i = 0; i < 8; ++i) {
+    prompts.push_back(prompt_of(rng, 40, 259));
+    runs.push_back(std::make_unique<Collector>());
+    REQUIRE(e->generate(e->create_session().value(), request(prompts.back(), 100, 0.0f, 0), runs.back()->sink()).ok());
+  }
+  for (int i = 0; i < 8; ++i) {
+    runs[i]->wait();
+    INFO("request " << i << ": " << runs[i]->status.to_string());
+    CHECK(runs[i]->finish == FinishKind::kLength);
+    // Preempted or not, the tokens a request gets alone.
+    CHECK(runs[i]->tokens == run(*roomy, roomy->create_session().value(), request(prompts[i], 100, 0.0f, 0)));
+  }
+  CHECK(e->stats().preemptions > 0);
+  REQUIRE(e->check_invariants().ok());
+}

@@ -27,9 +27,10 @@
 //   (the runner is batch-invariant and its attention does not depend on how a sequence was split).
 // - When pages run out and nothing idle can be dropped: requests that do not fit wait for running
 //   ones to finish (EngineOptions::when_full = kWait) or fail with RESOURCE_EXHAUSTED (kFail); a
-//   request that could not fit even in an empty pool fails with RESOURCE_EXHAUSTED either way, and
-//   when only waiting requests hold the pool (none can run), the most recent one fails so that the
-//   others can go on (its session keeps its pages, which become evictable).
+//   request that could not fit even in an empty pool fails with RESOURCE_EXHAUSTED either way. When
+//   only waiting requests hold the pool (none can run), the most recent one that holds pages is
+//   preempted: its pages go and it waits, then resumes by rebuilding them, its tokens unchanged; so
+//   with kWait a request that fits the pool alone never fails for lack of pages.
 // - Prompts are prefilled in chunks whose boundaries are multiples of prefill_chunk positions,
 //   whatever else is in the step, and the runner is batch-invariant: a session's tokens do not
 //   depend on the other sessions sharing its steps.
@@ -189,6 +190,7 @@ struct EngineStats {
   // positions they mapped; pages it names (of which only it holds), pages taken back for reuse.
   int64_t prefix_lookups = 0, prefix_hits = 0, prefix_hit_tokens = 0;
   int64_t pages_cached = 0, pages_reclaimable = 0, cached_pages_reclaimed = 0;
+  int64_t preemptions = 0;  // waiting requests whose pages were taken so that others could run
 };
 
 class Engine {
