@@ -46,6 +46,7 @@ int run_model(int argc, char** argv);
 int run_tokenizer(int argc, char** argv);
 int run_engine(int argc, char** argv);
 int run_prefix(int argc, char** argv);
+int run_journal(int argc, char** argv);
 int run_gpu(int argc, char** argv);  // where built with CUDA
 
 }  // namespace combs::bench
