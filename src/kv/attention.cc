@@ -2,6 +2,7 @@
 // per-device dispatch of the attention-in-cache call. Device choice happens here and nowhere else
 // in kv/.
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,6 +42,13 @@ Status check_tokens(const char* name, const Tensor& t, int64_t n_tokens, int64_t
 }
 
 DeviceAttentionFactory g_cuda_attention = nullptr;
+
+Status check_params(const AttentionParams& p) {
+  if (!std::isfinite(p.scale) || p.scale <= 0.0f) return invalid_argument_error("attention: the scale must be positive and finite");
+  if (p.window < 0) return invalid_argument_error("attention: negative window " + std::to_string(p.window));
+  if (!std::isfinite(p.softcap) || p.softcap < 0.0f) return invalid_argument_error("attention: the softcap must be >= 0 and finite");
+  return ok_status();
+}
 
 // The checks of a batch against its caches (everything but the tensors). layer >= 0: that layer
 // must hold pos positions; layer < 0: every layer must. On success *n_tokens is the new tokens.
@@ -142,11 +150,12 @@ void set_device_attention(DeviceType device, DeviceAttentionFactory factory) {
 }
 
 Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
-                       const Tensor& k, const Tensor& v, float scale, const Tensor* out,
+                       const Tensor& k, const Tensor& v, const AttentionParams& params, const Tensor* out,
                        AttentionImpl impl) {
   if (seqs.empty()) return ok_status();
   // ---- Check everything; change nothing. ----
   if (layer < 0) return invalid_argument_error("attention: layer " + std::to_string(layer) + " out of range");
+  COMBS_RETURN_IF_ERROR(check_params(params));
   int64_t n_tokens = 0;
   COMBS_RETURN_IF_ERROR(check_batch(seqs, layer, &n_tokens));
   const KVGeometry& g = seqs[0].cache->geometry();
@@ -167,14 +176,14 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
     std::unique_ptr<DeviceAttentionPlan> plan = g_cuda_attention(backend);
     COMBS_RETURN_IF_ERROR(plan->prepare(work, g.n_kv_heads, out ? static_cast<int>(q.dim(1)) : g.n_kv_heads,
                                         out != nullptr, impl, nullptr));
-    COMBS_RETURN_IF_ERROR(plan->launch(work, q, k, v, out, scale));
+    COMBS_RETURN_IF_ERROR(plan->launch(work, q, k, v, out, params, nullptr));
     for (const SeqAttention& s : seqs) s.cache->layer_len_[layer] = s.pos + s.n_new;
     return ok_status();
   }
   auto& cpu_backend = static_cast<CpuBackend&>(backend);
   cpu::write_kv(cpu_backend, work, g.n_kv_heads, k, v);
   for (const SeqAttention& s : seqs) s.cache->layer_len_[layer] = s.pos + s.n_new;
-  if (out != nullptr) cpu::attention(cpu_backend, work, g.n_kv_heads, q, *out, scale, impl);
+  if (out != nullptr) cpu::attention(cpu_backend, work, g.n_kv_heads, q, *out, params, impl);
   return ok_status();
 }
 
@@ -235,9 +244,11 @@ Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, c
   return ok_status();
 }
 
-Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Tensor& v, float scale,
-                          const Tensor& out) {
+Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionParams& params,
+                          const Tensor& out, const float* inv_freq) {
   if (!active_) return failed_precondition_error("attention step: run() outside begin() .. commit()");
+  COMBS_RETURN_IF_ERROR(check_params(params));
+  if (inv_freq && !rope_.inv_freq) return invalid_argument_error("attention step: layer frequencies without a rope");
   const KVGeometry& g = seqs_[0].cache->geometry();
   if (layer < 0 || layer >= g.num_layers) {
     return invalid_argument_error("attention step: layer " + std::to_string(layer) + " out of range [0, " +
@@ -253,19 +264,20 @@ Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Ten
     return invalid_argument_error("attention step: q and k must be f32 to be rotated");
   }
   for (size_t i = 0; i < seqs_.size(); ++i) work_[i].kv = seqs_[i].cache->layout(layer);
-  if (backend.device_type() == DeviceType::kCuda) return plan_->launch(work_, q, k, v, &out, scale);
+  if (backend.device_type() == DeviceType::kCuda) return plan_->launch(work_, q, k, v, &out, params, inv_freq);
+  const float* freqs = inv_freq ? inv_freq : rope_.inv_freq;
   auto& cpu_backend = static_cast<CpuBackend&>(backend);
   if (rope_.inv_freq) {
     positions_.clear();
     for (const SeqWork& w : work_)
       for (int64_t i = 0; i < w.n_new; ++i) positions_.push_back(static_cast<int32_t>(w.pos + i));
-    cpu::rope(q.data_as<float>(), positions_.data(), n_tokens_, n_q_heads_, g.head_dim, rope_.rope_dim, rope_.inv_freq,
+    cpu::rope(q.data_as<float>(), positions_.data(), n_tokens_, n_q_heads_, g.head_dim, rope_.rope_dim, freqs,
               rope_.adjacent_pairs);
-    cpu::rope(k.data_as<float>(), positions_.data(), n_tokens_, g.n_kv_heads, g.head_dim, rope_.rope_dim, rope_.inv_freq,
+    cpu::rope(k.data_as<float>(), positions_.data(), n_tokens_, g.n_kv_heads, g.head_dim, rope_.rope_dim, freqs,
               rope_.adjacent_pairs);
   }
   cpu::write_kv(cpu_backend, work_, g.n_kv_heads, k, v);
-  cpu::attention(cpu_backend, work_, g.n_kv_heads, q, out, scale, impl_);
+  cpu::attention(cpu_backend, work_, g.n_kv_heads, q, out, params, impl_);
   return ok_status();
 }
 

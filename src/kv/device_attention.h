@@ -34,8 +34,9 @@ class DeviceAttentionPlan {
                          AttentionImpl impl, const AttentionRope* rope) = 0;
   // layer_work: the batch with this layer's K/V arenas (as prepared otherwise).
   virtual Status launch(std::span<const SeqWork> layer_work, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor* out, float scale) = 0;
-  // (q and k are not const with a rope: they are rotated in place.)
+                        const Tensor* out, const AttentionParams& params, const float* inv_freq) = 0;
+  // (q and k are not const with a rope: they are rotated in place; inv_freq: this layer's
+  // frequencies instead of the prepared rope's, or null.)
   // Whether launch() queues kernels and nothing else (no uploads, no host decisions beyond the
   // key), so its launches can be captured once and replayed for any batch of the same key.
   virtual bool replayable() const = 0;

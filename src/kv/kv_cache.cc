@@ -45,27 +45,27 @@ void KVCache::truncate_layers(int64_t len) {
 void KVCache::grow_layers_to(int64_t len) { std::fill(layer_len_.begin(), layer_len_.end(), len); }
 
 Status KVCache::attention(int layer, const Tensor& q, const Tensor& k, const Tensor& v,
-                          int64_t pos, float scale, const Tensor& out) {
+                          int64_t pos, const AttentionParams& params, const Tensor& out) {
   if (k.rank() < 1) return invalid_argument_error("attention: k must be [n_new, n_kv_heads, head_dim]");
   const SeqAttention seq{this, pos, k.dim(0)};
-  return attention_batch({&seq, 1}, layer, q, k, v, scale, &out);
+  return attention_batch({&seq, 1}, layer, q, k, v, params, &out);
 }
 
 StatusOr<Tensor> KVCache::attention(int layer, const Tensor& q, const Tensor& k, const Tensor& v,
-                                    int64_t pos, float scale) {
+                                    int64_t pos, const AttentionParams& params) {
   if (q.rank() != 3) {
     return invalid_argument_error("attention: q must be [n_new, n_q_heads, head_dim], got " +
                                   q.shape().to_string());
   }
   COMBS_ASSIGN_OR_RETURN(Tensor out, backend_->alloc(q.shape(), DType::kF32));
-  COMBS_RETURN_IF_ERROR(attention(layer, q, k, v, pos, scale, out));
+  COMBS_RETURN_IF_ERROR(attention(layer, q, k, v, pos, params, out));
   return out;
 }
 
 Status KVCache::append(int layer, const Tensor& k, const Tensor& v, int64_t pos) {
   if (k.rank() < 1) return invalid_argument_error("append: k must be [n_new, n_kv_heads, head_dim]");
   const SeqAttention seq{this, pos, k.dim(0)};
-  return attention_batch({&seq, 1}, layer, Tensor(), k, v, 0.0f, nullptr);
+  return attention_batch({&seq, 1}, layer, Tensor(), k, v, AttentionParams(), nullptr);
 }
 
 }  // namespace combs

@@ -1,7 +1,11 @@
 #include "combs/model/model.h"
 
+#include "combs/backend/cpu/cpu_ops.h"
+
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -21,22 +25,62 @@ StatusOr<int> get_int(const gguf::GgufFile& f, const std::string& key, int64_t l
   return static_cast<int>(v);
 }
 
+// What an architecture is, as data: everything read_config needs to know of it besides the
+// keys every architecture shares. Follows llama.cpp's reading (src/models/*.cpp of v0.5.0).
+struct ArchSpec {
+  const char* name;
+  RopeStyle rope_style;
+  bool qkv_bias = false, qk_norm = false, post_norms = false, embed_scale = false;
+  Activation activation = Activation::kSilu;
+  // Sliding window: every swa_pattern-th layer is global, the others windowed (llama.cpp's
+  // set_swa_pattern; attention.sliding_window_pattern overrides, as a number or a per-layer
+  // array). 0: the architecture has none. default_window: when the file gives no
+  // attention.sliding_window (0: then no window at all).
+  int swa_pattern = 0, default_window = 0;
+  float base_swa = 0.0f;  // the windowed layers' RoPE base when the file has none (0: the global one)
+  float attn_softcap = 0.0f, final_softcap = 0.0f;  // defaults; the file's keys override
+  int layers_27b = 0;  // gemma's 27B shape (this many layers) scales queries by 1/sqrt(n_embd / n_heads)
+};
+
+constexpr ArchSpec kArchs[] = {
+    {.name = "llama", .rope_style = RopeStyle::kAdjacent},
+    {.name = "qwen2", .rope_style = RopeStyle::kHalves, .qkv_bias = true},
+    {.name = "qwen3", .rope_style = RopeStyle::kHalves, .qk_norm = true},
+    {.name = "gemma2", .rope_style = RopeStyle::kHalves, .post_norms = true, .embed_scale = true,
+     .activation = Activation::kGeluTanh, .swa_pattern = 2, .default_window = 4096, .attn_softcap = 50.0f,
+     .final_softcap = 30.0f, .layers_27b = 46},
+    {.name = "gemma3", .rope_style = RopeStyle::kHalves, .qk_norm = true, .post_norms = true, .embed_scale = true,
+     .activation = Activation::kGeluTanh, .swa_pattern = 6, .base_swa = 10000.0f, .layers_27b = 62},
+};
+
+StatusOr<float> get_positive(const gguf::GgufFile& f, const std::string& key, double hi) {
+  COMBS_ASSIGN_OR_RETURN(double v, f.get_float(key));
+  if (!(v > 0.0 && v < hi)) {
+    return invalid_argument_error(f.path() + ": metadata '" + key + "': " + std::to_string(v) + " is out of range");
+  }
+  return static_cast<float>(v);
+}
+
 }  // namespace
 
 StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
   ModelConfig c;
   COMBS_ASSIGN_OR_RETURN(c.arch_name, f.get_string("general.architecture"));
-  if (c.arch_name == "llama") {
-    c.arch = Arch::kLlama;
-    c.rope_style = RopeStyle::kAdjacent;
-  } else if (c.arch_name == "qwen2") {
-    c.arch = Arch::kQwen2;
-    c.rope_style = RopeStyle::kHalves;
-    c.qkv_bias = true;
-  } else {
-    return invalid_argument_error(f.path() + ": metadata 'general.architecture': '" + c.arch_name +
-                                  "' is not supported (llama and qwen2 are)");
+  const ArchSpec* spec = nullptr;
+  std::string known;
+  for (const ArchSpec& a : kArchs) {
+    if (c.arch_name == a.name) spec = &a;
+    known += (known.empty() ? "" : ", ") + std::string(a.name);
   }
+  if (spec == nullptr) {
+    return invalid_argument_error(f.path() + ": metadata 'general.architecture': '" + c.arch_name +
+                                  "' is not supported (" + known + " are)");
+  }
+  c.rope_style = spec->rope_style;
+  c.qkv_bias = spec->qkv_bias;
+  c.qk_norm = spec->qk_norm;
+  c.post_norms = spec->post_norms;
+  c.activation = spec->activation;
   const std::string a = c.arch_name + ".";
   COMBS_ASSIGN_OR_RETURN(c.n_embd, get_int(f, a + "embedding_length", 1, 1 << 16));
   COMBS_ASSIGN_OR_RETURN(c.n_layers, get_int(f, a + "block_count", 1, 1024));
@@ -96,6 +140,85 @@ StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
     }
     c.rms_eps = static_cast<float>(eps);
   }
+  if (spec->embed_scale) c.embed_scale = std::sqrt(static_cast<float>(c.n_embd));
+  c.attn_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  if (spec->layers_27b != 0 && c.n_layers == spec->layers_27b) {
+    c.attn_scale = 1.0f / std::sqrt(static_cast<float>(c.n_embd / c.n_heads));
+  }
+  c.attn_softcap = spec->attn_softcap;
+  c.final_softcap = spec->final_softcap;
+  for (auto [key, value] : {std::pair{a + "attn_logit_softcapping", &c.attn_softcap},
+                            std::pair{a + "final_logit_softcapping", &c.final_softcap}}) {
+    if (!f.find(key)) continue;
+    if (key.find("attn_") != std::string::npos && spec->attn_softcap == 0.0f) continue;  // as llama.cpp: not read
+    COMBS_ASSIGN_OR_RETURN(double v, f.get_float(key));
+    if (!(v >= 0.0 && v < 1e6)) return invalid_argument_error(f.path() + ": metadata '" + key + "' is out of range");
+    *value = static_cast<float>(v);
+  }
+  // Sliding window and its layers.
+  if (spec->swa_pattern != 0) {
+    c.sliding_window = spec->default_window;
+    if (f.find(a + "attention.sliding_window")) {
+      COMBS_ASSIGN_OR_RETURN(c.sliding_window, get_int(f, a + "attention.sliding_window", 0, 1 << 30));
+    }
+  }
+  if (c.sliding_window > 0) {
+    c.layer_windowed.assign(static_cast<size_t>(c.n_layers), 0);
+    const std::string pkey = a + "attention.sliding_window_pattern";
+    if (auto arr = f.get_array(pkey); arr.ok()) {
+      if ((*arr)->items.size() != static_cast<size_t>(c.n_layers)) {
+        return invalid_argument_error(f.path() + ": metadata '" + pkey + "' has " + std::to_string((*arr)->items.size()) +
+                                      " entries for " + std::to_string(c.n_layers) + " layers");
+      }
+      for (int l = 0; l < c.n_layers; ++l) {
+        const gguf::Value& v = (*arr)->items[static_cast<size_t>(l)];
+        if (v.type != gguf::ValueType::kBool || !std::holds_alternative<bool>(v.v)) return invalid_argument_error(f.path() + ": metadata '" + pkey + "' must hold booleans");
+        c.layer_windowed[static_cast<size_t>(l)] = std::get<bool>(v.v) ? 1 : 0;
+      }
+    } else {
+      int pattern = spec->swa_pattern;
+      if (f.find(pkey)) {
+        COMBS_ASSIGN_OR_RETURN(pattern, get_int(f, pkey, 0, 1 << 20));
+      }
+      for (int l = 0; l < c.n_layers; ++l) {
+        c.layer_windowed[static_cast<size_t>(l)] = pattern == 0 || l % pattern < pattern - 1;
+      }
+    }
+    c.rope_freq_base_swa = spec->base_swa != 0.0f ? spec->base_swa : c.rope_freq_base;
+    if (f.find(a + "rope.freq_base_swa")) {
+      COMBS_ASSIGN_OR_RETURN(c.rope_freq_base_swa, get_positive(f, a + "rope.freq_base_swa", 1e12));
+    }
+  }
+  // RoPE scaling (of the global layers; windowed ones rotate unscaled, as llama.cpp's swa scale 1).
+  std::string scaling = "linear";
+  if (f.find(a + "rope.scaling.type")) {
+    COMBS_ASSIGN_OR_RETURN(scaling, f.get_string(a + "rope.scaling.type"));
+  }
+  float factor = 0.0f;
+  for (const std::string key : {a + "rope.scaling.factor", a + "rope.scale_linear"}) {
+    if (f.find(key)) {
+      COMBS_ASSIGN_OR_RETURN(factor, get_positive(f, key, 1e6));
+      break;
+    }
+  }
+  if (scaling == "none" || (scaling == "linear" && (factor == 0.0f || factor == 1.0f))) {
+    c.rope_scaling = RopeScaling::kNone;
+  } else if (scaling == "linear") {
+    c.rope_scaling = RopeScaling::kLinear;
+  } else if (scaling == "yarn") {
+    c.rope_scaling = RopeScaling::kYarn;
+  } else {
+    return invalid_argument_error(f.path() + ": metadata '" + a + "rope.scaling.type': '" + scaling +
+                                  "' is not supported (none, linear, yarn are)");
+  }
+  c.rope_scale_factor = factor == 0.0f ? 1.0f : factor;
+  c.rope_orig_context = c.context_length;
+  if (f.find(a + "rope.scaling.original_context_length")) {
+    COMBS_ASSIGN_OR_RETURN(c.rope_orig_context, get_int(f, a + "rope.scaling.original_context_length", 1, 1 << 30));
+  }
+  if (f.find(a + "rope.scaling.attn_factor")) {
+    COMBS_ASSIGN_OR_RETURN(c.rope_attn_factor, get_positive(f, a + "rope.scaling.attn_factor", 1e3));
+  }
   // The vocabulary size: the embedding's rows, else the tokenizer's token list.
   if (const gguf::TensorInfo* t = f.find_tensor("token_embd.weight"); t && t->dims.size() == 2) {
     c.n_vocab = static_cast<int>(t->dims[1]);
@@ -130,11 +253,17 @@ std::vector<WeightSpec> weight_specs(const ModelConfig& c) {
       s.push_back({blk(i, "attn_k.bias"), {kv}, true, true});
       s.push_back({blk(i, "attn_v.bias"), {kv}, true, true});
     }
+    if (c.qk_norm) {
+      s.push_back({blk(i, "attn_q_norm.weight"), {c.head_dim}, true, true});
+      s.push_back({blk(i, "attn_k_norm.weight"), {c.head_dim}, true, true});
+    }
     s.push_back({blk(i, "attn_output.weight"), {q, e}});
+    if (c.post_norms) s.push_back({blk(i, "post_attention_norm.weight"), {e}, true, true});
     s.push_back({blk(i, "ffn_norm.weight"), {e}, true, true});
     s.push_back({blk(i, "ffn_gate.weight"), {e, ff}});
     s.push_back({blk(i, "ffn_up.weight"), {e, ff}});
     s.push_back({blk(i, "ffn_down.weight"), {ff, e}});
+    if (c.post_norms) s.push_back({blk(i, "post_ffw_norm.weight"), {e}, true, true});
   }
   return s;
 }
@@ -160,6 +289,10 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     if (w == "attn_q.bias") return &l.bq;
     if (w == "attn_k.bias") return &l.bk;
     if (w == "attn_v.bias") return &l.bv;
+    if (w == "attn_q_norm.weight") return &l.q_norm;
+    if (w == "attn_k_norm.weight") return &l.k_norm;
+    if (w == "post_attention_norm.weight") return &l.post_attn_norm;
+    if (w == "post_ffw_norm.weight") return &l.post_ffn_norm;
     if (w == "attn_output.weight") return &l.wo;
     if (w == "ffn_norm.weight") return &l.ffn_norm;
     if (w == "ffn_gate.weight") return &l.w_gate;
@@ -207,7 +340,52 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     *slot(spec.name) = Tensor::wrap(dst, shape, t->dtype);
   }
   if (c.tied_output) m->output = m->tok_embd;
+  const float* factors = m->rope_freqs.defined() ? m->rope_freqs.data_as<float>() : nullptr;
+  const RopeTable global = rope_table(c, false, factors), local = rope_table(c, true, factors);
+  m->inv_freq_[0] = global.inv_freq;
+  m->inv_freq_[1] = local.inv_freq;
+  for (int l = 0; l < c.n_layers; ++l) {
+    LayerAttention a;
+    a.window = c.window(l);
+    a.local = a.window > 0;
+    const float mscale = a.local ? local.mscale : global.mscale;
+    a.scale = c.attn_scale * mscale * mscale;
+    a.softcap = c.attn_softcap;
+    a.inv_freq = m->inv_freq_[a.local ? 1 : 0].data();
+    m->attention_.push_back(a);
+  }
   return m;
+}
+
+RopeTable rope_table(const ModelConfig& c, bool local, const float* freq_factors) {
+  RopeTable t;
+  const int half = c.rope_dim / 2;
+  t.inv_freq.resize(static_cast<size_t>(half));
+  cpu::rope_inv_freq(c.rope_dim, local ? c.rope_freq_base_swa : c.rope_freq_base, freq_factors, t.inv_freq.data());
+  if (local || c.rope_scaling == RopeScaling::kNone) return t;
+  const float freq_scale = 1.0f / c.rope_scale_factor;
+  t.mscale = c.rope_attn_factor;
+  if (c.rope_scaling == RopeScaling::kLinear) {
+    for (float& f : t.inv_freq) f *= freq_scale;
+    return t;
+  }
+  // YaRN (ggml's rope_yarn, ext_factor 1): pair i mixes the interpolated angle (freq_scale x) and
+  // the extrapolated one by a ramp between the correction dimensions of beta_fast and beta_slow.
+  const float base = c.rope_freq_base;
+  auto corr_dim = [&](float n_rot) {
+    return static_cast<float>(c.rope_dim) *
+           std::log(static_cast<float>(c.rope_orig_context) / (n_rot * 2.0f * static_cast<float>(M_PI))) /
+           (2.0f * std::log(base));
+  };
+  const float low = std::max(0.0f, std::floor(corr_dim(c.yarn_beta_fast)));
+  const float high = std::min(static_cast<float>(c.rope_dim - 1), std::ceil(corr_dim(c.yarn_beta_slow)));
+  for (int i = 0; i < half; ++i) {
+    const float y = (static_cast<float>(i) - low) / std::max(0.001f, high - low);
+    const float mix = 1.0f - std::min(1.0f, std::max(0.0f, y));
+    t.inv_freq[static_cast<size_t>(i)] *= freq_scale * (1.0f - mix) + mix;
+  }
+  t.mscale *= 1.0f + 0.1f * std::log(1.0f / freq_scale);
+  return t;
 }
 
 int64_t Model::weight_bytes_per_token() const {

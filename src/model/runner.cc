@@ -82,8 +82,9 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
   float* x = x_.data();
   float* h = h_.data();
   cpu::embedding(m.tok_embd, tokens_.data(), total, x);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float* freq_factors = m.rope_freqs.defined() ? m.rope_freqs.data_as<float>() : nullptr;
+  if (c.embed_scale != 1.0f) {
+    for (int64_t i = 0; i < total * e; ++i) x[i] *= c.embed_scale;
+  }
   const bool adjacent = c.rope_style == RopeStyle::kAdjacent;
   const Tensor q_t = Tensor::wrap(q_.data(), {total, nq, hd}, DType::kF32);
   const Tensor k_t = Tensor::wrap(k_.data(), {total, nkv, hd}, DType::kF32);
@@ -102,23 +103,32 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
     matmul(w.wq, h, q_.data(), bias(w.bq));
     matmul(w.wk, h, k_.data(), bias(w.bk));
     matmul(w.wv, h, v_.data(), bias(w.bv));
-    cpu::rope(q_.data(), pos_.data(), total, c.n_heads, c.head_dim, c.rope_dim, c.rope_freq_base,
-              freq_factors, adjacent);
-    cpu::rope(k_.data(), pos_.data(), total, c.n_kv_heads, c.head_dim, c.rope_dim,
-              c.rope_freq_base, freq_factors, adjacent);
-    Status s = attention_batch(batch_, l, q_t, k_t, v_t, scale, &att_t);
+    if (c.qk_norm) {  // every head of q and k, before RoPE
+      cpu::rms_norm(q_.data(), w.q_norm.data_as<float>(), q_.data(), total * nq, hd, c.rms_eps);
+      cpu::rms_norm(k_.data(), w.k_norm.data_as<float>(), k_.data(), total * nkv, hd, c.rms_eps);
+    }
+    const LayerAttention& la = m.attention(l);
+    cpu::rope(q_.data(), pos_.data(), total, c.n_heads, c.head_dim, c.rope_dim, la.inv_freq, adjacent);
+    cpu::rope(k_.data(), pos_.data(), total, c.n_kv_heads, c.head_dim, c.rope_dim, la.inv_freq, adjacent);
+    Status s = attention_batch(batch_, l, q_t, k_t, v_t, AttentionParams(la.scale, la.window, la.softcap), &att_t);
     if (!s.ok()) {
       // Layer 0 checks and reserves everything, so a later failure is unexpected; undo anyway.
       for (const SeqAttention& b : batch_) b.cache->popn(b.cache->seq_len() - b.pos);
       return s;
     }
     matmul(w.wo, att_.data(), h);
+    if (c.post_norms) cpu::rms_norm(h, w.post_attn_norm.data_as<float>(), h, total, e, c.rms_eps);
     for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
     cpu::rms_norm(x, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps);
     matmul(w.w_gate, h, gate_.data());
     matmul(w.w_up, h, up_.data());
-    cpu::silu_mul(gate_.data(), up_.data(), total * c.n_ff);
+    if (c.activation == Activation::kGeluTanh) {
+      cpu::gelu_tanh_mul(gate_.data(), up_.data(), total * c.n_ff);
+    } else {
+      cpu::silu_mul(gate_.data(), up_.data(), total * c.n_ff);
+    }
     matmul(w.w_down, gate_.data(), h);
+    if (c.post_norms) cpu::rms_norm(h, w.post_ffn_norm.data_as<float>(), h, total, e, c.rms_eps);
     for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
   }
 
@@ -137,6 +147,7 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
     cpu::rms_norm(x, m.output_norm.data_as<float>(), h, total, e, c.rms_eps);
   }
   cpu::matmul(*backend_, m.output, h, n_out, logits, nullptr, policy);
+  if (c.final_softcap > 0.0f) cpu::softcap(logits, n_out * c.n_vocab, c.final_softcap);
   if (options.token_ids) {
     for (int64_t r = 0; r < n_out; ++r) {
       const float* row = logits + r * c.n_vocab;

@@ -52,6 +52,19 @@ AttentionImpl default_attention_impl();
 // <= 4096, head_dim <= 4096).
 Status validate_kv_geometry(const KVGeometry& geometry);
 
+// How a layer attends, besides its caches and tensors: the scores' scale, a sliding window (the
+// query at position p sees the keys at p - window < k <= p, itself included, as llama.cpp's
+// standard window; 0: every earlier key) and a softcap (scaled scores s -> softcap *
+// tanh(s / softcap); 0: none). A bare float is the scale of plain causal attention.
+struct AttentionParams {
+  float scale = 1.0f;
+  int64_t window = 0;
+  float softcap = 0.0f;
+  AttentionParams() = default;
+  AttentionParams(float s) : scale(s) {}  // NOLINT(google-explicit-constructor): a scale is a params
+  AttentionParams(float s, int64_t w, float c) : scale(s), window(w), softcap(c) {}
+};
+
 // One sequence of a batched attention call: its cache, the position of its first new token, and
 // how many new tokens it has. The sequences' tokens lie one after another in q, k, v and out.
 struct SeqAttention {
@@ -66,7 +79,7 @@ struct SeqAttention {
 // only. Checks everything before changing anything; on error no cache changes. A cache may appear
 // only once per call; all caches must share one backend and geometry.
 Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
-                       const Tensor& k, const Tensor& v, float scale, const Tensor* out,
+                       const Tensor& k, const Tensor& v, const AttentionParams& params, const Tensor* out,
                        AttentionImpl impl = default_attention_impl());
 
 // Internal to kv/ (attention_batch and AttentionStep): reserves the pages of pos + n_new positions
@@ -105,8 +118,11 @@ class AttentionStep {
                AttentionImpl impl = default_attention_impl());
   // Appends layer `layer`'s k, v and writes the attention of q into out (shapes as attention_batch;
   // out on the caches' backend, f32 on CUDA; q and k f32 with a rope, rotated in place). Lengths do
-  // not move until commit().
-  Status run(int layer, const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out);
+  // not move until commit(). inv_freq (with a rope): this layer's frequencies instead of the rope's
+  // (rope_dim / 2 of them, on the caches' device; a model whose windowed layers rotate with their
+  // own base); they must outlive the step's launches.
+  Status run(int layer, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionParams& params,
+             const Tensor& out, const float* inv_freq = nullptr);
   // Every layer of every cache now holds pos + n_new positions.
   void commit();
   // Abandons the step: lengths stay at pos; pages reserved beyond them go back to the pool.
@@ -140,10 +156,10 @@ class KVCache {
   // over positions [0, pos + n_new) into out (allocated by the caller). scale is the logit scale,
   // usually 1/sqrt(head_dim).
   Status attention(int layer, const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos,
-                   float scale, const Tensor& out);
+                   const AttentionParams& params, const Tensor& out);
   // As above, returning a new f32 output tensor on the cache's backend.
   StatusOr<Tensor> attention(int layer, const Tensor& q, const Tensor& k, const Tensor& v,
-                             int64_t pos, float scale);
+                             int64_t pos, const AttentionParams& params);
   // Appends k, v without attending (restoring a cache, filling one for a benchmark).
   Status append(int layer, const Tensor& k, const Tensor& v, int64_t pos);
 
@@ -180,7 +196,7 @@ class KVCache {
 
  private:
   friend Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tensor& q,
-                                const Tensor& k, const Tensor& v, float scale, const Tensor* out,
+                                const Tensor& k, const Tensor& v, const AttentionParams& params, const Tensor* out,
                                 AttentionImpl impl);
   friend class AttentionStep;
   friend Status reserve_batch_pages(std::span<const SeqAttention> seqs);

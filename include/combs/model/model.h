@@ -1,8 +1,16 @@
-// A Llama-family model loaded from GGUF: its configuration and weights.
+// A decoder-only transformer loaded from GGUF: its configuration and weights.
 //
-// Architectures: `llama` (Llama 2/3, Mistral, TinyLlama; RoPE on adjacent pairs, as llama.cpp's
-// converter permutes Q/K for it) and `qwen2` (Q/K/V biases; RoPE on halves, "neox" style).
-// Standard llama.cpp tensor names and metadata keys. Weights keep their own dtype (F32, F16, BF16
+// Architectures are data: one ArchSpec each (model.cc's table) says which norms, biases, q/k
+// norms, activation, embedding scale, softcaps, RoPE style and sliding-window pattern it has;
+// read_config resolves it with the file's keys into a ModelConfig, and the one runner per backend
+// follows the config (no per-architecture code in a forward). Known: `llama` (Llama 2/3, Mistral,
+// TinyLlama; RoPE on adjacent pairs, as llama.cpp's converter permutes Q/K for it; linear and YaRN
+// RoPE scaling, Llama 3.1's rope_freqs), `qwen2` (Q/K/V biases; RoPE on halves, "neox" style),
+// `qwen3` (per-head RMSNorm of q and k), `gemma2` (embeddings scaled, norms after each sublayer,
+// GELU, attention and final logit softcapping, every other layer sliding-window) and `gemma3` (as
+// gemma2 with q/k norms instead of the attention softcap, five of six layers sliding-window with
+// their own RoPE base). Standard llama.cpp tensor names and metadata keys, read as llama.cpp reads
+// them (its gemma converters store norm weights already offset by one, so they load unchanged). Weights keep their own dtype (F32, F16, BF16
 // or Q8_0) and are copied from the file into huge-page memory at load; norms and biases are F32.
 //
 // Matrices are row-major [out, in] here (ggml's dims [in, out]): y = W x reads row o of W for
@@ -21,14 +29,20 @@
 
 namespace combs {
 
-enum class Arch : uint8_t { kLlama, kQwen2 };
 enum class RopeStyle : uint8_t {
   kAdjacent,  // rotate (x[2i], x[2i+1]) — llama.cpp's "normal" rope
   kHalves,    // rotate (x[i], x[i + rope_dim/2]) — "neox" rope (qwen2, Hugging Face layout)
 };
 
+enum class Activation : uint8_t {
+  kSilu,      // SwiGLU: silu(gate) * up
+  kGeluTanh,  // GeGLU: gelu(gate) * up, tanh approximation (gemma)
+};
+// RoPE context scaling ({arch}.rope.scaling.type): angles divided by the factor (linear), or
+// YaRN's per-frequency blend of interpolated and extrapolated angles with its magnitude scale.
+enum class RopeScaling : uint8_t { kNone, kLinear, kYarn };
+
 struct ModelConfig {
-  Arch arch = Arch::kLlama;
   std::string arch_name;   // general.architecture
   int n_vocab = 0;
   int n_embd = 0;          // {arch}.embedding_length
@@ -43,7 +57,28 @@ struct ModelConfig {
   float rms_eps = 1e-5f;   // {arch}.attention.layer_norm_rms_epsilon
   RopeStyle rope_style = RopeStyle::kAdjacent;
   bool tied_output = false;  // no output.weight: logits use token_embd.weight
-  bool qkv_bias = false;
+  bool qkv_bias = false;     // attn_q/k/v.bias
+  bool qk_norm = false;      // attn_q_norm / attn_k_norm: RMSNorm of every q and k head before RoPE
+  bool post_norms = false;   // post_attention_norm / post_ffw_norm on each sublayer's output
+  Activation activation = Activation::kSilu;
+  float embed_scale = 1.0f;    // the embeddings are multiplied by this (gemma: sqrt(n_embd))
+  float attn_scale = 0.0f;     // the scores' scale: 1/sqrt(head_dim), or what the architecture implies
+  float attn_softcap = 0.0f;   // scores -> c * tanh(scores / c) ({arch}.attn_logit_softcapping); 0: none
+  float final_softcap = 0.0f;  // logits likewise ({arch}.final_logit_softcapping)
+  // Sliding-window attention: a windowed layer's query sees the last sliding_window keys (itself
+  // included: keys at pos - window < k <= pos, llama.cpp's LLAMA_SWA_TYPE_STANDARD) and rotates
+  // with rope_freq_base_swa; the others see everything.
+  int sliding_window = 0;              // {arch}.attention.sliding_window; 0: none
+  std::vector<uint8_t> layer_windowed;  // per layer ({arch}.attention.sliding_window_pattern)
+  float rope_freq_base_swa = 10000.0f;  // {arch}.rope.freq_base_swa
+  RopeScaling rope_scaling = RopeScaling::kNone;  // of the global (not windowed) layers
+  float rope_scale_factor = 1.0f;      // {arch}.rope.scaling.factor
+  int64_t rope_orig_context = 0;       // {arch}.rope.scaling.original_context_length (YaRN)
+  float rope_attn_factor = 1.0f;       // {arch}.rope.scaling.attn_factor
+  float yarn_beta_fast = 32.0f, yarn_beta_slow = 1.0f;
+
+  // Keys layer `l` attends to back from each query (0: all).
+  int window(int layer) const { return layer_windowed.empty() || !layer_windowed[layer] ? 0 : sliding_window; }
 
   // What a KV cache of this model stores, in `dtype`.
   KVGeometry kv_geometry(DType dtype) const { return {n_layers, n_kv_heads, head_dim, dtype}; }
@@ -52,9 +87,23 @@ struct ModelConfig {
 struct LayerWeights {
   Tensor attn_norm;           // [n_embd] f32
   Tensor wq, wk, wv, wo;      // [n_heads*hd, n_embd], [n_kv*hd, n_embd] x2, [n_embd, n_heads*hd]
-  Tensor bq, bk, bv;          // qwen2 only: f32 biases
+  Tensor bq, bk, bv;          // qkv_bias: f32 biases
+  Tensor q_norm, k_norm;      // qk_norm: [head_dim] f32
+  Tensor post_attn_norm;      // post_norms: [n_embd] f32
   Tensor ffn_norm;            // [n_embd] f32
   Tensor w_gate, w_up, w_down;  // [n_ff, n_embd] x2, [n_embd, n_ff]
+  Tensor post_ffn_norm;       // post_norms: [n_embd] f32
+};
+
+// How one layer attends, resolved at load: the scores' scale (with RoPE scaling's magnitude
+// correction folded in: q and k would each be multiplied by mscale, so the scores are by mscale^2),
+// the window, the softcap, and its RoPE frequencies (rope_dim / 2 of them, host memory).
+struct LayerAttention {
+  float scale = 1.0f;
+  int window = 0;
+  float softcap = 0.0f;
+  bool local = false;  // windowed: the local RoPE table
+  const float* inv_freq = nullptr;
 };
 
 class Model {
@@ -76,6 +125,10 @@ class Model {
   // Bytes of weights one decode step reads (every matrix once, one embedding row).
   int64_t weight_bytes_per_token() const;
 
+  const LayerAttention& attention(int layer) const { return attention_[layer]; }
+  // The RoPE frequencies of the global (local = false) or windowed layers: rope_dim / 2 values.
+  const std::vector<float>& rope_inv_freq(bool local) const { return inv_freq_[local ? 1 : 0]; }
+
  private:
   Model() = default;
   struct Free {
@@ -84,7 +137,19 @@ class Model {
   std::unique_ptr<gguf::GgufFile> file_;
   std::unique_ptr<char, Free> memory_;  // the weights, copied out of the file's mapping
   ModelConfig config_;
+  std::vector<float> inv_freq_[2];
+  std::vector<LayerAttention> attention_;
 };
+
+// The RoPE of a config's global (local = false) or windowed layers: the frequencies every pair
+// rotates by (base^(-2i / rope_dim), divided by freq_factors where given, then scaled as the
+// config's RoPE scaling says, as ggml's rope_yarn does) and the factor that scaling multiplies
+// the rotated q and k by (1 but for YaRN and an attn_factor).
+struct RopeTable {
+  std::vector<float> inv_freq;
+  float mscale = 1.0f;
+};
+RopeTable rope_table(const ModelConfig& config, bool local, const float* freq_factors);
 
 // The weights of a model, by llama.cpp name, with their expected ggml dims ([in, out] for
 // matrices), whether they must be present, and whether they must be f32. The one list that

@@ -263,6 +263,19 @@ void silu_mul(float* gate, const float* up, int64_t n) {
   for (int64_t i = 0; i < n; ++i) gate[i] = silu(gate[i]) * up[i];
 }
 
+void gelu_tanh_mul(float* gate, const float* up, int64_t n) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = gate[i];
+    gate[i] = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x))) * up[i];
+  }
+}
+
+void softcap(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
+}
+
 void dequantize_row(const void* src, DType dtype, float* dst, int64_t n) {
   switch (dtype) {
     case DType::kF32:

@@ -797,4 +797,46 @@ Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n) {
   return launched("silu_mul_kernel");
 }
 
+namespace {
+
+// x[i] = f(x[i], y ? y[i] : 0) over n elements: the runner's elementwise odds and ends.
+template <typename F>
+__global__ void elementwise_kernel(float* x, const float* __restrict__ y, int64_t n, F f) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  pdl_launch_dependents();
+  pdl_wait();
+  if (i < n) x[i] = f(x[i], y ? y[i] : 0.0f);
+}
+
+template <typename F>
+Status elementwise(CudaBackend& b, float* x, const float* y, int64_t n, F f, const char* name) {
+  if (n == 0) return ok_status();
+  launch_pdl(elementwise_kernel<F>, dim3(blocks(n, 256)), dim3(256), 0, stream_of(b), x, y, n, f);
+  return launched(name);
+}
+
+struct GeluTanhMul {
+  __device__ float operator()(float g, float u) const {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+  }
+};
+struct Scale {
+  float s;
+  __device__ float operator()(float x, float) const { return x * s; }
+};
+struct Softcap {
+  float cap, inv;
+  __device__ float operator()(float x, float) const { return cap * tanhf(x * inv); }
+};
+
+}  // namespace
+
+Status gelu_tanh_mul(CudaBackend& b, float* gate, const float* up, int64_t n) {
+  return elementwise(b, gate, up, n, GeluTanhMul{}, "gelu_tanh_mul");
+}
+Status scale(CudaBackend& b, float* x, int64_t n, float factor) { return elementwise(b, x, nullptr, n, Scale{factor}, "scale"); }
+Status softcap(CudaBackend& b, float* x, int64_t n, float cap) {
+  return elementwise(b, x, nullptr, n, Softcap{cap, 1.0f / cap}, "softcap");
+}
+
 }  // namespace combs::cuda

@@ -97,6 +97,17 @@ struct Problem {
   const Tensor* q;
   const Tensor* out;
   float scale;
+  int64_t window;  // 0: none
+  float softcap;   // 0: none
+
+  // The first key a query whose last visible key is `horizon` sees.
+  int64_t first_key(int64_t horizon) const { return window > 0 ? std::max<int64_t>(0, horizon - window + 1) : 0; }
+  // Scaled scores s[0, n) through the softcap.
+  void cap(float* s, int n) const {
+    if (softcap <= 0.0f) return;
+    const float inv = 1.0f / softcap;
+    for (int c = 0; c < n; ++c) s[c] = softcap * std::tanh(s[c] * inv);
+  }
 
   // Loads rows [r0, r1) of an item into dst ([rows, hd]), pre-scaled.
   void load_queries(const Item& it, float* dst) const {
@@ -153,24 +164,29 @@ void flash_item(const Problem& pb, const Item& it, Scratch& sc) {
 
   const int64_t pos = it.seq->pos;
   const int64_t key_end = pos + (it.r1 - 1) / pb.n_rep + 1;  // the last row's causal horizon
+  // Key blocks from the one holding the first row's first key (blocks stay aligned to kKeyBlock,
+  // so a row's arithmetic does not depend on the rows it shares the item with).
+  const int64_t key_begin = pb.first_key(pos + it.r0 / pb.n_rep) / kKeyBlock * kKeyBlock;
   const float* krows[kKeyBlock];
   const float* vrows[kKeyBlock];
-  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyBlock) {
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyBlock) {
     const int len = static_cast<int>(std::min<int64_t>(kKeyBlock, key_end - k0));
     key_rows(kv, kv.k, it.g, k0, len, sc.kf.data(), krows);
     key_rows(kv, kv.v, it.g, k0, len, sc.vf.data(), vrows);
-    int count[kRowBlock];
+    int count[kRowBlock], first[kRowBlock];
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t horizon = pos + (it.r0 + r) / pb.n_rep;  // last key this row may see
       count[r] = static_cast<int>(std::clamp<int64_t>(horizon - k0 + 1, 0, len));
+      first[r] = static_cast<int>(std::clamp<int64_t>(pb.first_key(horizon) - k0, 0, count[r]));
     }
     block_scores(sc.q.data(), static_cast<int>(rows), krows, count, hd, sc.s.data(), kKeyBlock);
     for (int64_t r = 0; r < rows; ++r) {
-      const int n = count[r];
-      if (n == 0) continue;
+      const int n = count[r], f = first[r];
+      if (n == f) continue;
       float* s = sc.s.data() + r * kKeyBlock;
+      pb.cap(s + f, n - f);
       float mx = -std::numeric_limits<float>::infinity();
-      for (int c = 0; c < n; ++c) mx = std::max(mx, s[c]);
+      for (int c = f; c < n; ++c) mx = std::max(mx, s[c]);
       float* acc = sc.acc.data() + r * hd;
       if (mx > sc.m[r]) {
         const float corr = exp_nonpositive(sc.m[r] - mx);
@@ -181,10 +197,11 @@ void flash_item(const Problem& pb, const Item& it, Scratch& sc) {
       const float m = sc.m[r];
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int c = 0; c < n; ++c) {
+      for (int c = f; c < n; ++c) {
         s[c] = exp_nonpositive(s[c] - m);
         sum += s[c];
       }
+      for (int c = 0; c < f; ++c) s[c] = 0.0f;
       sc.l[r] += sum;
       accumulate_rows(acc, s, vrows, n, hd);
     }
@@ -213,10 +230,10 @@ void manual_item(const Problem& pb, const Item& it, Scratch& sc) {
   for (int64_t r = 0; r < rows; ++r) {
     float* srow = &scores[r * total];
     for (int64_t p = 0; p < total; ++p) srow[p] = dot(&sc.q[r * hd], &kf[p * hd], hd);
+    pb.cap(srow, static_cast<int>(total));
     const int64_t horizon = it.seq->pos + (it.r0 + r) / pb.n_rep;
-    if (it.seq->n_new > 1) {  // one decoded token sees everything: no mask
-      for (int64_t p = horizon + 1; p < total; ++p) srow[p] = -std::numeric_limits<float>::infinity();
-    }
+    for (int64_t p = horizon + 1; p < total; ++p) srow[p] = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < pb.first_key(horizon); ++p) srow[p] = -std::numeric_limits<float>::infinity();
     const float mx = *std::max_element(srow, srow + total);
     float sum = 0.0f;
     for (int64_t p = 0; p < total; ++p) sum += (srow[p] = std::exp(srow[p] - mx));
@@ -327,8 +344,11 @@ class HeadPass {
     std::fill_n(l_, rows_, 0.0f);
     key_end_ = it.seq->pos + (it.r1 - 1) / pb.n_rep + 1;  // the last row's causal horizon
     n_blocks_ = (key_end_ + kKeyBlock - 1) / kKeyBlock;
-    for (int64_t b = 0; b < kAhead; ++b) find_rows(b);
+    // Blocks before the one holding the first row's first key see nothing (a window).
+    first_block_ = pb.first_key(it.seq->pos + it.r0 / pb.n_rep) / kKeyBlock;
+    for (int64_t b = first_block_; b < first_block_ + kAhead; ++b) find_rows(b);
   }
+  int64_t first_block() const { return first_block_; }
   int64_t n_blocks() const { return n_blocks_; }
 
   void block(int64_t blk) {
@@ -343,11 +363,12 @@ class HeadPass {
     const char* const* vrows = vrows_[blk % kRing];
     const char* const* kpre = krows_[(blk + kAhead) % kRing];
     const char* const* vpre = vrows_[(blk + kAhead) % kRing];
-    int count[kRowBlock];
+    int count[kRowBlock], first[kRowBlock];
     int max_count = 0;
     for (int r = 0; r < rows_; ++r) {
       const int64_t horizon = pos + (it_.r0 + r) / pb_->n_rep;  // last key this row may see
       count[r] = static_cast<int>(std::clamp<int64_t>(horizon - k0 + 1, 0, len));
+      first[r] = static_cast<int>(std::clamp<int64_t>(pb_->first_key(horizon) - k0, 0, count[r]));
       max_count = std::max(max_count, count[r]);
     }
     // Scores: each K row is loaded (and converted) once for all rows.
@@ -359,7 +380,7 @@ class HeadPass {
       f32x16 k[NV];
       for (int j = 0; j < NV; ++j) k[j] = load_kv16<DT>(krows[c], j);
       for (int r = 0; r < rows_; ++r) {
-        if (c >= count[r]) continue;
+        if (c >= count[r] || c < first[r]) continue;
         const float* qr = q_ + r * hd;
         f32x16 a0 = load16(qr) * k[0];
         f32x16 a1 = NV > 1 ? load16(qr + 16) * k[1] : f32x16{};
@@ -370,12 +391,13 @@ class HeadPass {
         s_[r * kKeyBlock + c] = hsum(a0 + a1);
       }
     }
-    // Online softmax; probabilities past a row's horizon are 0 so groups share one count.
+    // Online softmax; probabilities outside a row's keys are 0 so groups share one count.
     for (int r = 0; r < rows_; ++r) {
       float* sr = s_ + r * kKeyBlock;
-      const int n = count[r];
+      const int n = count[r], f = first[r];
+      pb_->cap(sr + f, n - f);
       float mx = m_[r];
-      for (int c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
+      for (int c = f; c < n; ++c) mx = std::max(mx, sr[c]);
       if (mx > m_[r]) {
         const float corr = exp_nonpositive(m_[r] - mx);
         l_[r] *= corr;
@@ -386,10 +408,11 @@ class HeadPass {
       const float mr = m_[r];
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int c = 0; c < n; ++c) {
+      for (int c = f; c < n; ++c) {
         sr[c] = exp_nonpositive(sr[c] - mr);
         sum += sr[c];
       }
+      for (int c = 0; c < f; ++c) sr[c] = 0.0f;
       for (int c = n; c < max_count; ++c) sr[c] = 0.0f;
       l_[r] += sum;
     }
@@ -437,7 +460,7 @@ class HeadPass {
   Item it_{};
   float *q_ = nullptr, *acc_ = nullptr, *s_ = nullptr;
   int rows_ = 0;
-  int64_t key_end_ = 0, n_blocks_ = 0;
+  int64_t key_end_ = 0, n_blocks_ = 0, first_block_ = 0;
   float m_[kRowBlock], l_[kRowBlock];
   const char* krows_[kRing][kKeyBlock];
   const char* vrows_[kRing][kKeyBlock];
@@ -458,7 +481,7 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
                     sc.s.data() + h * kRowBlock * kKeyBlock);
   }
   const int64_t n_blocks = passes[0].n_blocks();
-  for (int64_t blk = 0; blk < n_blocks; ++blk)
+  for (int64_t blk = passes[0].first_block(); blk < n_blocks; ++blk)
     for (int h = 0; h < heads; ++h) passes[h].block(blk);
   for (int h = 0; h < heads; ++h) passes[h].end();
 }
@@ -502,7 +525,7 @@ void write_kv(CpuBackend& /*backend*/, std::span<const SeqWork> seqs, int n_kv_h
 }
 
 void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_heads, const Tensor& q,
-               const Tensor& out, float scale, AttentionImpl impl) {
+               const Tensor& out, const AttentionParams& params, AttentionImpl impl) {
   Problem pb;
   pb.n_kv = n_kv_heads;
   pb.n_q = q.dim(1);
@@ -510,7 +533,9 @@ void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_head
   pb.hd = static_cast<int>(q.dim(2));
   pb.q = &q;
   pb.out = &out;
-  pb.scale = scale;
+  pb.scale = params.scale;
+  pb.window = params.window;
+  pb.softcap = params.softcap;
   // Rows of one item: the manual path keeps a whole sequence (its scores matrix is the point).
   auto block_of = [&](const SeqWork& s) {
     return impl == AttentionImpl::kFlash ? int64_t{kRowBlock} : std::max<int64_t>(1, s.n_new * pb.n_rep);

@@ -19,9 +19,10 @@ using combs::SeqWork;
 void write_kv(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_heads, const Tensor& k,
               const Tensor& v);
 
-// out[row + i, h] = softmax(scale * q[row + i, h] . K[0 .. pos + i]) @ V[0 .. pos + i], with KV head
-// h / (n_q / n_kv) (GQA). f32 accumulation.
+// out[row + i, h] = softmax(cap(scale * q[row + i, h] . K[lo .. pos + i])) @ V[lo .. pos + i], with
+// KV head h / (n_q / n_kv) (GQA), lo = pos + i - window + 1 (0 without a window) and cap the
+// params' softcap. f32 accumulation.
 void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_heads,
-               const Tensor& q, const Tensor& out, float scale, AttentionImpl impl);
+               const Tensor& q, const Tensor& out, const AttentionParams& params, AttentionImpl impl);
 
 }  // namespace combs::cpu

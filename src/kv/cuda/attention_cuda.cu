@@ -73,6 +73,17 @@ __device__ inline int64_t kv_offset(const SeqDev& s, const int32_t* tables, int6
   return kv_offset_in(s, tables[s.table_off + kv_page(s, pi)], pi, head, hd);
 }
 
+// A layer's AttentionParams beyond the scale, as the kernels take them: the window (0: none) and
+// the softcap in exp2 units (softcap * log2e; 0: none).
+struct LayerDev {
+  int window;
+  float cap_log2;
+  // The first key a query at position p sees.
+  __device__ int64_t first_key(int64_t p) const { return window > 0 && p >= window ? p - window + 1 : 0; }
+  // A score in exp2 units through the softcap.
+  __device__ float cap(float x) const { return cap_log2 > 0.0f ? cap_log2 * tanhf(x / cap_log2) : x; }
+};
+
 // The rotation of an AttentionRope, as the kernels take it (inv_freq null: none).
 struct RopeDev {
   const float* inv_freq;
@@ -156,7 +167,7 @@ __device__ inline void to_f32x8(const Raw<float>& r, float* f) {
 template <typename T, int HD, int G>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_kernel(const Meta M, const float* __restrict__ q, float* __restrict__ out,
-                     float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, float scale_log2) {
+                     float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, float scale_log2, LayerDev L) {
   constexpr int DPL = 8, LPK = HD / DPL, KPW = 32 / LPK, SLOTS = kWarps * KPW;
   const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, grid_splits = gridDim.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPK, sub = lane % LPK;
@@ -165,9 +176,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (s.n_new >= M.prefill_min) return;  // a prefill tile's
   const int splits = s.splits;
   if (split >= splits) return;  // a shorter sequence than the grid was sized for
-  const int64_t ctx = s.pos + (t - s.row) + 1;  // causal: keys [0, ctx)
-  const int64_t chunk = (ctx + splits - 1) / splits;
-  const int64_t k0 = split * chunk, k1 = ctx < k0 + chunk ? ctx : k0 + chunk;
+  const int64_t ctx = s.pos + (t - s.row) + 1;  // causal: keys [lo, ctx)
+  const int64_t lo = L.first_key(ctx - 1);
+  const int64_t chunk = (ctx - lo + splits - 1) / splits;
+  const int64_t k0 = lo + split * chunk, k1 = ctx < k0 + chunk ? ctx : k0 + chunk;  // a window's may be empty
   const int n_q = n_kv * G;
 
   float qr[G][DPL], acc[G][DPL], m[G], l[G];
@@ -190,6 +202,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int e = 0; e < DPL; ++e) sc += qr[g][e] * kf[e];
 #pragma unroll
       for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffff, sc, o);
+      sc = L.cap(sc);
       if (valid) {
         const float m_new = fmaxf(m[g], sc);
         const float corr = exp2f(m[g] - m_new);  // 0 while m[g] is -inf
@@ -385,7 +398,7 @@ struct FlashShape {
 template <typename T, int HD, int R>
 __global__ void __launch_bounds__(R * 32)
     flash_kernel(const Meta M, const int32_t* __restrict__ tiles, const float* __restrict__ q, float* __restrict__ out,
-                 float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, int G, float scale_log2) {
+                 float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, int G, float scale_log2, LayerDev L) {
   constexpr int KT = FlashShape<HD, R>::kKeys, STAGES = FlashShape<HD, R>::kStages;
   constexpr int NT = R * 32, CH = HD / 8, LOADS = KT * CH / NT;  // 16-byte chunks per row; per thread per tile
   static_assert(KT * CH % NT == 0 && KT % 16 == 0, "tile shape");
@@ -408,12 +421,14 @@ __global__ void __launch_bounds__(R * 32)
     splits = s.splits, split = blockIdx.z;
     if (split >= splits) return;
     tl0 = blockIdx.x - s.row, ntok = 1;
-    const int64_t ctx = s.pos + tl0 + 1;
-    kb = ctx * split / splits, ke = ctx * (split + 1) / splits;  // splits <= ctx / 16: never empty
+    const int64_t ctx = s.pos + tl0 + 1, lo = L.first_key(ctx - 1);
+    // splits <= ctx / 16: never empty without a window (a window's splits may be: m stays -inf)
+    kb = lo + (ctx - lo) * split / splits, ke = lo + (ctx - lo) * (split + 1) / splits;
   } else {
     tl0 = tiles[2 * blockIdx.x + 1];
     ntok = min(R * 16 / G, s.n_new - tl0);
     ke = s.pos + tl0 + ntok;
+    kb = L.first_key(s.pos + tl0);  // the tile's first token's first key
   }
   const int n_q = n_kv * G, valid_rows = ntok * G;
   const T* K = static_cast<const T*>(s.k ? s.k : M.k);
@@ -421,7 +436,7 @@ __global__ void __launch_bounds__(R * 32)
 
   // This lane's two rows (lane / 4 and lane / 4 + 8 of its warp's 16): the last key each may see,
   // its output row, and Q as A fragments (rows past the tile are zero and see every key).
-  int lim[2];
+  int lim[2], lo[2];
   int64_t orow[2];
   uint32_t qf[HD / 16][4];
 #pragma unroll
@@ -431,6 +446,7 @@ __global__ void __launch_bounds__(R * 32)
     const int tl = tl0 + (valid ? r / G : 0);
     const int64_t last = s.pos + tl;
     lim[h] = static_cast<int>(valid && last < ke - 1 ? last : ke - 1);
+    lo[h] = static_cast<int>(valid ? L.first_key(last) : kb);
     orow[h] = valid ? static_cast<int64_t>(s.row + tl) * n_q + kvh * G + r % G : -1;
     const float* qp = q + (valid ? orow[h] : 0) * HD;
 #pragma unroll
@@ -445,6 +461,7 @@ __global__ void __launch_bounds__(R * 32)
     }
   }
   const int min_lim = min(lim[0], lim[1]);  // this warp needs no mask for a tile wholly below
+  const int max_lo = max(lo[0], lo[1]);     // and above
 
   const uint32_t smem_base = cuda::smem_addr(smem);
   // The page-table entries of the next tile's rows, read one tile ahead (a dependent load to L2
@@ -510,14 +527,15 @@ __global__ void __launch_bounds__(R * 32)
       }
     }
     // Scale, mask (causal and the split's end) and the online softmax of the lane's two rows.
-    const bool masked = k0 + KT - 1 > min_lim;
+    const bool masked = k0 + KT - 1 > min_lim || k0 < max_lo;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < KT / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = sc[n][e] * scale_log2;
-        if (masked && k0 + n * 8 + 2 * quad + (e & 1) > lim[e / 2]) x = -INFINITY;
+        float x = L.cap(sc[n][e] * scale_log2);
+        const int64_t key = k0 + n * 8 + 2 * quad + (e & 1);
+        if (masked && (key > lim[e / 2] || key < lo[e / 2])) x = -INFINITY;
         sc[n][e] = x;
         mx[e / 2] = fmaxf(mx[e / 2], x);
       }
@@ -607,7 +625,7 @@ __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ p
 template <typename T>
 __global__ void manual_attention_kernel(const Meta M, const float* __restrict__ q,
                                         float* __restrict__ out, float* __restrict__ scores, int n_kv, int n_q, int hd,
-                                        int64_t max_ctx, float scale) {
+                                        int64_t max_ctx, float scale, LayerDev L) {
   const int t = blockIdx.x, h = blockIdx.y, kvh = h / (n_q / n_kv);
   const SeqDev s = M.seqs[M.tok_seq[t]];
   const int64_t ctx = s.pos + (t - s.row) + 1;
@@ -621,7 +639,7 @@ __global__ void manual_attention_kernel(const Meta M, const float* __restrict__ 
     const T* kr = K + kv_offset(s, M.tables, j, kvh, hd);
     float dot = 0.0f;
     for (int d = 0; d < hd; ++d) dot += qr[d] * to_f32(kr[d]);
-    sc[j] = dot * scale;
+    sc[j] = j < L.first_key(ctx - 1) ? -INFINITY : L.cap(dot * scale * kLog2e) / kLog2e;
     mx = fmaxf(mx, sc[j]);
   }
   red[threadIdx.x] = mx;
@@ -687,50 +705,50 @@ int flash_capacity(DType dt, int hd, int R) {
 
 template <typename T, int HD, int R>
 cudaError_t launch_flash(dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles, const float* q, float* out,
-                         float* part_o, float* part_ml, int n_kv, int G, float scale_log2) {
+                         float* part_o, float* part_ml, int n_kv, int G, float scale_log2, LayerDev L) {
   if (const cudaError_t e = flash_attr<T, HD, R>(); e != cudaSuccess) return e;
   return cuda::launch_pdl(flash_kernel<T, HD, R>, grid, dim3(R * 32), FlashShape<HD, R>::kSmemBytes, st, M,
-                          tiles, q, out, part_o, part_ml, n_kv, G, scale_log2);
+                          tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
 }
 
 // The tensor-core kernel for a cache of T: head_dim 64 or 128, R warps per block (1 or 4).
 template <typename T>
 cudaError_t launch_flash(int hd, int R, dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles,
                          const float* q, float* out, float* part_o, float* part_ml, int n_kv, int G,
-                         float scale_log2) {
+                         float scale_log2, LayerDev L) {
   if (hd == 64) {
-    return R == 1 ? launch_flash<T, 64, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2)
-                  : launch_flash<T, 64, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2);
+    return R == 1 ? launch_flash<T, 64, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L)
+                  : launch_flash<T, 64, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
   }
-  return R == 1 ? launch_flash<T, 128, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2)
-                : launch_flash<T, 128, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2);
+  return R == 1 ? launch_flash<T, 128, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L)
+                : launch_flash<T, 128, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
 }
 
 template <typename T, int HD, int G>
 void launch_attention(dim3 grid, cudaStream_t st, const Meta& M,
-                      const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2) {
+                      const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2, LayerDev L) {
   cuda::launch_pdl(attention_kernel<T, HD, G>, grid, dim3(kWarps * 32), 0, st, M, q, out, part_o, part_ml, n_kv,
-                   scale_log2);
+                   scale_log2, L);
 }
 
 template <typename T, int HD>
 bool dispatch_g(int G, dim3 grid, cudaStream_t st, const Meta& M,
-                const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2) {
+                const float* q, float* out, float* part_o, float* part_ml, int n_kv, float scale_log2, LayerDev L) {
   switch (G) {
-    case 1: launch_attention<T, HD, 1>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2); return true;
-    case 2: launch_attention<T, HD, 2>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2); return true;
-    case 4: launch_attention<T, HD, 4>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2); return true;
-    case 8: launch_attention<T, HD, 8>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2); return true;
+    case 1: launch_attention<T, HD, 1>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
+    case 2: launch_attention<T, HD, 2>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
+    case 4: launch_attention<T, HD, 4>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
+    case 8: launch_attention<T, HD, 8>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
     default: return false;
   }
 }
 
 template <typename T>
 bool dispatch_hd(int HD, int G, dim3 grid, cudaStream_t st, const Meta& M, const float* q, float* out, float* part_o, float* part_ml, int n_kv,
-                 float scale_log2) {
+                 float scale_log2, LayerDev L) {
   switch (HD) {
-    case 64: return dispatch_g<T, 64>(G, grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2);
-    case 128: return dispatch_g<T, 128>(G, grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2);
+    case 64: return dispatch_g<T, 64>(G, grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L);
+    case 128: return dispatch_g<T, 128>(G, grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L);
     default: return false;
   }
 }
@@ -745,7 +763,7 @@ class CudaAttentionPlan final : public DeviceAttentionPlan {
   Status prepare(std::span<const SeqWork> work, int n_kv, int n_q, bool attend, AttentionImpl impl,
                  const AttentionRope* rope) override;
   Status launch(std::span<const SeqWork> layer_work, const Tensor& q, const Tensor& k, const Tensor& v,
-                const Tensor* out, float scale) override;
+                const Tensor* out, const AttentionParams& params, const float* inv_freq) override;
   bool replayable() const override { return shared_arena_ && impl_ == AttentionImpl::kFlash; }
   uint64_t key() const override;
 
@@ -907,8 +925,13 @@ uint64_t CudaAttentionPlan::key() const {
 }
 
 Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q, const Tensor& k, const Tensor& v,
-                                 const Tensor* out, float scale) {
+                                 const Tensor* out, const AttentionParams& params, const float* inv_freq) {
   auto st = static_cast<cudaStream_t>(b_.stream());
+  const float scale = params.scale;
+  if (params.window > INT32_MAX) return invalid_argument_error("attention (cuda): window beyond 2^31");
+  const LayerDev L{static_cast<int>(params.window), params.softcap * kLog2e};
+  RopeDev rope = rope_;
+  if (inv_freq && rope.inv_freq) rope.inv_freq = inv_freq;
   if (k.dtype() != DType::kF32 || v.dtype() != DType::kF32 || (out && (q.dtype() != DType::kF32 || out->dtype() != DType::kF32))) {
     return invalid_argument_error("attention (cuda): q, k, v and out must be f32");
   }
@@ -926,11 +949,11 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   const int hd = hd_, n_kv = n_kv_, n_q = n_q_;
   const dim3 wgrid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_kv));
   const unsigned wthreads = static_cast<unsigned>((hd + 31) / 32 * 32);
-  float* qr = rope_.inv_freq ? q.data_as<float>() : nullptr;  // rotated in place
+  float* qr = rope.inv_freq ? q.data_as<float>() : nullptr;  // rotated in place
   switch (dtype_) {
-    case DType::kF32: cuda::launch_pdl(write_kv_kernel<float>, wgrid, dim3(wthreads), 0, st, M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
-    case DType::kF16: cuda::launch_pdl(write_kv_kernel<__half>, wgrid, dim3(wthreads), 0, st, M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
-    default: cuda::launch_pdl(write_kv_kernel<__nv_bfloat16>, wgrid, dim3(wthreads), 0, st, M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope_); break;
+    case DType::kF32: cuda::launch_pdl(write_kv_kernel<float>, wgrid, dim3(wthreads), 0, st, M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope); break;
+    case DType::kF16: cuda::launch_pdl(write_kv_kernel<__half>, wgrid, dim3(wthreads), 0, st, M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope); break;
+    default: cuda::launch_pdl(write_kv_kernel<__nv_bfloat16>, wgrid, dim3(wthreads), 0, st, M_, qr, k.data_as<float>(), v.data_as<float>(), n_kv, n_q, hd, rope); break;
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (!out || !attend_) return ok_status();
@@ -939,9 +962,9 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   if (impl_ == AttentionImpl::kManual) {
     const dim3 grid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_q));
     switch (dtype_) {
-      case DType::kF32: manual_attention_kernel<float><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores_, n_kv, n_q, hd, max_ctx_, scale); break;
-      case DType::kF16: manual_attention_kernel<__half><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores_, n_kv, n_q, hd, max_ctx_, scale); break;
-      default: manual_attention_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores_, n_kv, n_q, hd, max_ctx_, scale); break;
+      case DType::kF32: manual_attention_kernel<float><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores_, n_kv, n_q, hd, max_ctx_, scale, L); break;
+      case DType::kF16: manual_attention_kernel<__half><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores_, n_kv, n_q, hd, max_ctx_, scale, L); break;
+      default: manual_attention_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(M, q.data_as<float>(), out->data_as<float>(), scores_, n_kv, n_q, hd, max_ctx_, scale, L); break;
     }
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return ok_status();
@@ -953,9 +976,9 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
     const dim3 pgrid(static_cast<unsigned>(n_tiles_), static_cast<unsigned>(n_kv));
     COMBS_CUDA_RETURN_IF_ERROR(
         f16 ? launch_flash<__half>(hd, 4, pgrid, st, M, d_tiles_, q.data_as<float>(), out->data_as<float>(), nullptr,
-                                   nullptr, n_kv, G, scale_log2)
+                                   nullptr, n_kv, G, scale_log2, L)
             : launch_flash<__nv_bfloat16>(hd, 4, pgrid, st, M, d_tiles_, q.data_as<float>(), out->data_as<float>(),
-                                          nullptr, nullptr, n_kv, G, scale_log2));
+                                          nullptr, nullptr, n_kv, G, scale_log2, L));
   }
   if (n_decode_ == 0) return ok_status();
   const dim3 grid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_kv), static_cast<unsigned>(grid_splits_));
@@ -964,12 +987,12 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
     const int R = G <= 16 ? 1 : 4;
     COMBS_CUDA_RETURN_IF_ERROR(
         f16 ? launch_flash<__half>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(), part_o_,
-                                   part_ml_, n_kv, G, scale_log2)
+                                   part_ml_, n_kv, G, scale_log2, L)
             : launch_flash<__nv_bfloat16>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(),
-                                          part_o_, part_ml_, n_kv, G, scale_log2));
+                                          part_o_, part_ml_, n_kv, G, scale_log2, L));
   } else {
     ok = dtype_ == DType::kF32 &&
-         dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2);
+         dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2, L);
   }
   if (!ok) {
     return unimplemented_error("attention (cuda): head_dim " + std::to_string(hd) + " with " + std::to_string(G) +

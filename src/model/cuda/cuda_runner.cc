@@ -141,9 +141,10 @@ struct CudaRunner::Impl {
   std::unique_ptr<CudaBackend> backend;
   struct Layer {
     Tensor attn_norm, bqkv, wo, ffn_norm, w_down;
+    Tensor q_norm, k_norm, post_attn_norm, post_ffn_norm;  // where the architecture has them
     WeightStack wqkv, w_gate_up;  // Q/K/V and gate/up fused by rows
   };
-  Tensor tok_embd, output_norm, output, inv_freq;
+  Tensor tok_embd, output_norm, output, inv_freq, inv_freq_local;  // RoPE of global and windowed layers
   std::vector<Layer> layers;
   // Activations, grown to the largest batch seen.
   int64_t capacity = 0, logit_rows = 0;
@@ -269,13 +270,18 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
     COMBS_ASSIGN_OR_RETURN(l.ffn_norm, upload(b, {&w.ffn_norm}));
     COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload_stack(b, {&w.w_gate, &w.w_up}));
     COMBS_ASSIGN_OR_RETURN(l.w_down, upload(b, {&w.w_down}));
+    COMBS_ASSIGN_OR_RETURN(l.q_norm, upload(b, {&w.q_norm}));
+    COMBS_ASSIGN_OR_RETURN(l.k_norm, upload(b, {&w.k_norm}));
+    COMBS_ASSIGN_OR_RETURN(l.post_attn_norm, upload(b, {&w.post_attn_norm}));
+    COMBS_ASSIGN_OR_RETURN(l.post_ffn_norm, upload(b, {&w.post_ffn_norm}));
     impl->layers.push_back(std::move(l));
   }
-  std::vector<float> inv_freq(static_cast<size_t>(c.rope_dim / 2));
-  cpu::rope_inv_freq(c.rope_dim, c.rope_freq_base,
-                     model.rope_freqs.defined() ? model.rope_freqs.data_as<float>() : nullptr, inv_freq.data());
-  const Tensor inv_freq_host = Tensor::wrap(inv_freq.data(), Shape{c.rope_dim / 2}, DType::kF32);
-  COMBS_ASSIGN_OR_RETURN(impl->inv_freq, upload(b, {&inv_freq_host}));
+  // The model's RoPE frequencies (the CPU runner's, so both rotate by the same f32 angles).
+  for (bool local : {false, true}) {
+    const std::vector<float>& f = model.rope_inv_freq(local);
+    const Tensor host = Tensor::wrap(const_cast<float*>(f.data()), Shape{c.rope_dim / 2}, DType::kF32);
+    COMBS_ASSIGN_OR_RETURN(local ? impl->inv_freq_local : impl->inv_freq, upload(b, {&host}));
+  }
   return std::unique_ptr<CudaRunner>(new CudaRunner(model, std::move(impl)));
 }
 
@@ -386,14 +392,15 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     const Tensor k_t = Tensor::wrap(k, {total, nkv, hd}, DType::kF32, DeviceType::kCuda);
     const Tensor v_t = Tensor::wrap(v, {total, nkv, hd}, DType::kF32, DeviceType::kCuda);
     const Tensor att_t = Tensor::wrap(att, {total, nq, hd}, DType::kF32, DeviceType::kCuda);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     auto bias = [](const Tensor& t) { return t.defined() ? t.data_as<float>() : nullptr; };
     COMBS_RETURN_IF_ERROR(cuda::embedding(b, I.tok_embd, d_tokens, total, x));
+    if (c.embed_scale != 1.0f) COMBS_RETURN_IF_ERROR(cuda::scale(b, x, total * e, c.embed_scale));
     // Decode-sized steps fold the norms into the projections' input and the residual adds into
     // their output (x += W a): no separate norm or add kernels. (Every layer's projections: a
     // mixed file's layers differ in their types.) The gate/up pair must be one tensor whose
     // output the down projection takes as it is.
-    bool fused = true;
+    // (Architectures with norms or an activation the fused kernels lack take the general path.)
+    bool fused = !c.qk_norm && !c.post_norms && c.activation == Activation::kSilu;
     for (const Impl::Layer& w : I.layers) {
       fused = fused && decode_fused(w.wqkv, total) && decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 &&
               cuda::decode_fused(w.wo, total) && cuda::decode_fused(w.w_down, total) &&
@@ -421,7 +428,13 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         // The previous layer's MLP output joins the residual here, fused with this layer's norm.
         COMBS_RETURN_IF_ERROR(norm_then_split(l == 0 ? nullptr : delta, w.attn_norm, w.wqkv, qkv));
       }
-      COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, scale, att_t));
+      if (c.qk_norm) {  // every head of q and k, in place, before the step's RoPE
+        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, q, nullptr, w.q_norm.data_as<float>(), q, total * nq, hd, c.rms_eps));
+        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, k, nullptr, w.k_norm.data_as<float>(), k, total * nkv, hd, c.rms_eps));
+      }
+      const LayerAttention& la = m.attention(l);
+      COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, AttentionParams(la.scale, la.window, la.softcap), att_t,
+                                       la.local ? I.inv_freq_local.data_as<float>() : nullptr));
       if (fused) {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));
         // silu(gate) * up in the weights' dtype, over the gate buffer (half its bytes).
@@ -429,8 +442,19 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, x, /*accumulate=*/true));
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta));
+        if (c.post_norms) {
+          COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_attn_norm.data_as<float>(), delta, total, e, c.rms_eps));
+        }
         COMBS_RETURN_IF_ERROR(norm_then_split(delta, w.ffn_norm, w.w_gate_up, gate_up));
-        COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
+        if (c.activation == Activation::kGeluTanh) {
+          COMBS_RETURN_IF_ERROR(cuda::gelu_tanh_mul(b, I.gate.data_as<float>(), I.up.data_as<float>(), total * ff));
+          COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.w_down, I.gate.data_as<float>(), total, delta));
+        } else {
+          COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
+        }
+        if (c.post_norms) {
+          COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_ffn_norm.data_as<float>(), delta, total, e, c.rms_eps));
+        }
       }
     }
     if (fused && n_out == total && cuda::decode_fused(I.output, n_out)) {
@@ -442,6 +466,9 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, fused ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
       COMBS_RETURN_IF_ERROR(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
       COMBS_RETURN_IF_ERROR(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
+    }
+    if (c.final_softcap > 0.0f) {
+      COMBS_RETURN_IF_ERROR(cuda::softcap(b, I.logits.data_as<float>(), n_out * c.n_vocab, c.final_softcap));
     }
     if (device_argmax) COMBS_RETURN_IF_ERROR(cuda::argmax_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_ids));
     return ok_status();

@@ -43,6 +43,11 @@ void rope_inv_freq(int rope_dim, float freq_base, const float* freq_factors, flo
 
 // gate[i] = silu(gate[i]) * up[i].
 void silu_mul(float* gate, const float* up, int64_t n);
+// gate[i] = gelu(gate[i]) * up[i], GELU's tanh approximation:
+// gelu(x) = x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))).
+void gelu_tanh_mul(float* gate, const float* up, int64_t n);
+// x[i] = cap * tanh(x[i] / cap) (cap > 0).
+void softcap(float* x, int64_t n, float cap);
 
 // out[i, :] = table[ids[i], :] as f32. table: [n_rows, dim] in any weight dtype.
 void embedding(const Tensor& table, const int32_t* ids, int64_t n, float* out);

@@ -116,5 +116,11 @@ Status sample_rows(CudaBackend& b, float* logits, int64_t rows, int64_t n_vocab,
 
 // gate[i] = silu(gate[i]) * up[i].
 Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n);
+// gate[i] = gelu(gate[i]) * up[i], GELU's tanh approximation (as cpu::gelu_tanh_mul).
+Status gelu_tanh_mul(CudaBackend& b, float* gate, const float* up, int64_t n);
+// x[i] *= factor.
+Status scale(CudaBackend& b, float* x, int64_t n, float factor);
+// x[i] = cap * tanh(x[i] / cap) (cap > 0).
+Status softcap(CudaBackend& b, float* x, int64_t n, float cap);
 
 }  // namespace combs::cuda
