@@ -104,9 +104,7 @@ struct Problem {
   int64_t first_key(int64_t horizon) const { return window > 0 ? std::max<int64_t>(0, horizon - window + 1) : 0; }
   // Scaled scores s[0, n) through the softcap.
   void cap(float* s, int n) const {
-    if (softcap <= 0.0f) return;
-    const float inv = 1.0f / softcap;
-    for (int c = 0; c < n; ++c) s[c] = softcap * std::tanh(s[c] * inv);
+    if (softcap > 0.0f) cpu::softcap(s, n, softcap);  // the runner's logit softcap, on a row of scores
   }
 
   // Loads rows [r0, r1) of an item into dst ([rows, hd]), pre-scaled.
