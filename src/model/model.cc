@@ -61,26 +61,44 @@ StatusOr<float> get_positive(const gguf::GgufFile& f, const std::string& key, do
   return static_cast<float>(v);
 }
 
+const ArchSpec* find_arch(std::string_view name) {
+  for (const ArchSpec& a : kArchs) {
+    if (name == a.name) return &a;
+  }
+  return nullptr;
+}
+
+std::string arch_names() {
+  std::string known;
+  for (const ArchSpec& a : kArchs) known += (known.empty() ? "" : ", ") + std::string(a.name);
+  return known;
+}
+
 }  // namespace
+
+Status apply_architecture(std::string_view name, ModelConfig* c) {
+  const ArchSpec* spec = find_arch(name);
+  if (spec == nullptr) {
+    return invalid_argument_error("architecture '" + std::string(name) + "' is not supported (" + arch_names() + " are)");
+  }
+  c->arch_name = std::string(name);
+  c->rope_style = spec->rope_style;
+  c->qkv_bias = spec->qkv_bias;
+  c->qk_norm = spec->qk_norm;
+  c->post_norms = spec->post_norms;
+  c->activation = spec->activation;
+  return ok_status();
+}
 
 StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
   ModelConfig c;
-  COMBS_ASSIGN_OR_RETURN(c.arch_name, f.get_string("general.architecture"));
-  const ArchSpec* spec = nullptr;
-  std::string known;
-  for (const ArchSpec& a : kArchs) {
-    if (c.arch_name == a.name) spec = &a;
-    known += (known.empty() ? "" : ", ") + std::string(a.name);
-  }
+  COMBS_ASSIGN_OR_RETURN(const std::string arch, f.get_string("general.architecture"));
+  const ArchSpec* spec = find_arch(arch);
   if (spec == nullptr) {
-    return invalid_argument_error(f.path() + ": metadata 'general.architecture': '" + c.arch_name +
-                                  "' is not supported (" + known + " are)");
+    return invalid_argument_error(f.path() + ": metadata 'general.architecture': '" + arch +
+                                  "' is not supported (" + arch_names() + " are)");
   }
-  c.rope_style = spec->rope_style;
-  c.qkv_bias = spec->qkv_bias;
-  c.qk_norm = spec->qk_norm;
-  c.post_norms = spec->post_norms;
-  c.activation = spec->activation;
+  COMBS_RETURN_IF_ERROR(apply_architecture(arch, &c));
   const std::string a = c.arch_name + ".";
   COMBS_ASSIGN_OR_RETURN(c.n_embd, get_int(f, a + "embedding_length", 1, 1 << 16));
   COMBS_ASSIGN_OR_RETURN(c.n_layers, get_int(f, a + "block_count", 1, 1024));
@@ -195,7 +213,7 @@ StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
     COMBS_ASSIGN_OR_RETURN(scaling, f.get_string(a + "rope.scaling.type"));
   }
   float factor = 0.0f;
-  for (const std::string key : {a + "rope.scaling.factor", a + "rope.scale_linear"}) {
+  for (const std::string& key : {a + "rope.scaling.factor", a + "rope.scale_linear"}) {
     if (f.find(key)) {
       COMBS_ASSIGN_OR_RETURN(factor, get_positive(f, key, 1e6));
       break;

@@ -66,17 +66,50 @@ void builtin_vocab(gguf::GgufWriter& w) {
 
 }  // namespace
 
-std::vector<std::string> shape_names() { return {"tiny", "qwen2-tiny", "llama-1b", "llama-8b"}; }
+std::vector<std::string> shape_names() {
+  return {"tiny", "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny",
+          "llama-1b", "llama-8b", "qwen3-8b", "gemma3-4b"};
+}
 
 StatusOr<ModelShape> named_shape(std::string_view name) {
   ModelShape s;
   s.name = std::string(name);
-  if (name == "tiny" || name == "qwen2-tiny") {
-    s.arch = name == "tiny" ? "llama" : "qwen2";
+  // The tiny shapes: 64-wide heads (as the real ones; the GPU's flash kernels need 64 or 128),
+  // windows of 8 keys so that a test's few dozen tokens cross them.
+  auto tiny = [&](const char* arch) {
+    s.arch = arch;
     s.n_embd = 256, s.n_layers = 2, s.n_heads = 4, s.n_kv_heads = 2, s.n_ff = 512;
     s.context_length = 2048;
+  };
+  if (name == "tiny" || name == "qwen2-tiny") {
+    tiny(name == "tiny" ? "llama" : "qwen2");
     s.rope_freq_base = name == "tiny" ? 10000.0f : 1000000.0f;
     s.rms_eps = name == "tiny" ? 1e-5f : 1e-6f;
+    return s;
+  }
+  if (name == "qwen3-tiny") {  // heads wider than n_embd / n_heads, as Qwen3-0.6B's
+    tiny("qwen3");
+    s.n_heads = 8, s.n_kv_heads = 4, s.head_dim = 64;
+    s.rope_freq_base = 1000000.0f, s.rms_eps = 1e-6f;
+    return s;
+  }
+  if (name == "gemma2-tiny") {  // the default pattern (every other layer windowed) and final cap
+    tiny("gemma2");
+    s.n_layers = 4, s.sliding_window = 8, s.attn_softcap = 2.0f, s.tied_output = true;
+    s.rms_eps = 1e-6f;
+    return s;
+  }
+  if (name == "gemma3-tiny") {  // the default pattern (5 of 6 windowed), linear scaling as 4B's
+    tiny("gemma3");
+    s.n_layers = 6, s.sliding_window = 8, s.tied_output = true, s.rms_eps = 1e-6f;
+    s.rope_freq_base = 1000000.0f, s.rope_freq_base_swa = 10000.0f;
+    s.rope_scaling = "linear", s.rope_scale_factor = 8.0f;
+    return s;
+  }
+  if (name == "llama-yarn-tiny") {
+    tiny("llama");
+    s.rope_scaling = "yarn", s.rope_scale_factor = 4.0f, s.rope_orig_context = 512;
+    s.rope_attn_factor = 1.1f;
     return s;
   }
   if (name == "llama-1b") {  // Llama-3.2-1B
@@ -89,6 +122,20 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
     s.arch = "llama";
     s.n_embd = 4096, s.n_layers = 32, s.n_heads = 32, s.n_kv_heads = 8, s.n_ff = 14336;
     s.context_length = 131072, s.rope_freq_base = 500000.0f, s.tied_output = true;
+    return s;
+  }
+  if (name == "qwen3-8b") {  // Qwen3-8B
+    s.arch = "qwen3";
+    s.n_embd = 4096, s.n_layers = 36, s.n_heads = 32, s.n_kv_heads = 8, s.n_ff = 12288, s.head_dim = 128;
+    s.context_length = 40960, s.rope_freq_base = 1000000.0f, s.rms_eps = 1e-6f;
+    return s;
+  }
+  if (name == "gemma3-4b") {  // Gemma-3-4B (text)
+    s.arch = "gemma3";
+    s.n_embd = 2560, s.n_layers = 34, s.n_heads = 8, s.n_kv_heads = 4, s.n_ff = 10240, s.head_dim = 256;
+    s.context_length = 131072, s.rope_freq_base = 1000000.0f, s.rope_freq_base_swa = 10000.0f;
+    s.sliding_window = 1024, s.rms_eps = 1e-6f, s.tied_output = true;
+    s.rope_scaling = "linear", s.rope_scale_factor = 8.0f;
     return s;
   }
   std::string known;
@@ -116,9 +163,26 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
   w.set(a + "attention.head_count", Value::u32(s.n_heads));
   w.set(a + "attention.head_count_kv", Value::u32(s.n_kv_heads));
   w.set(a + "rope.freq_base", Value::f32(s.rope_freq_base));
-  w.set(a + "rope.dimension_count", Value::u32(s.n_embd / s.n_heads));
+  const int head_dim = s.head_dim > 0 ? s.head_dim : s.n_embd / s.n_heads;
+  if (s.head_dim > 0) {
+    w.set(a + "attention.key_length", Value::u32(head_dim));
+    w.set(a + "attention.value_length", Value::u32(head_dim));
+  }
+  w.set(a + "rope.dimension_count", Value::u32(head_dim));
   w.set(a + "attention.layer_norm_rms_epsilon", Value::f32(s.rms_eps));
-
+  if (s.sliding_window > 0) w.set(a + "attention.sliding_window", Value::u32(s.sliding_window));
+  if (s.swa_pattern > 0) w.set(a + "attention.sliding_window_pattern", Value::u32(s.swa_pattern));
+  if (s.rope_freq_base_swa > 0) w.set(a + "rope.freq_base_swa", Value::f32(s.rope_freq_base_swa));
+  if (s.attn_softcap > 0) w.set(a + "attn_logit_softcapping", Value::f32(s.attn_softcap));
+  if (s.final_softcap > 0) w.set(a + "final_logit_softcapping", Value::f32(s.final_softcap));
+  if (!s.rope_scaling.empty()) {
+    w.set(a + "rope.scaling.type", Value::str(s.rope_scaling));
+    w.set(a + "rope.scaling.factor", Value::f32(s.rope_scale_factor));
+  }
+  if (s.rope_orig_context > 0) {
+    w.set(a + "rope.scaling.original_context_length", Value::u32(static_cast<uint32_t>(s.rope_orig_context)));
+  }
+  if (s.rope_attn_factor > 0) w.set(a + "rope.scaling.attn_factor", Value::f32(s.rope_attn_factor));
   int n_vocab = 259;
   std::unique_ptr<gguf::GgufFile> vocab;
   if (o.vocab_path.empty()) {
@@ -136,9 +200,9 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
   w.set(a + "vocab_size", Value::u32(n_vocab));
 
   ModelConfig c;
+  COMBS_RETURN_IF_ERROR(apply_architecture(s.arch, &c));
   c.n_vocab = n_vocab, c.n_embd = s.n_embd, c.n_layers = s.n_layers, c.n_heads = s.n_heads;
-  c.n_kv_heads = s.n_kv_heads, c.head_dim = s.n_embd / s.n_heads, c.n_ff = s.n_ff;
-  c.rope_dim = c.head_dim, c.qkv_bias = s.arch == "qwen2";
+  c.n_kv_heads = s.n_kv_heads, c.head_dim = head_dim, c.n_ff = s.n_ff, c.rope_dim = head_dim;
   for (const WeightSpec& spec : weight_specs(c)) {
     if (spec.name == "rope_freqs.weight") continue;
     if (spec.name == "output.weight" && s.tied_output) continue;

@@ -40,6 +40,7 @@ struct Case {
   int page_size, n_kv, group, head_dim;
   DType dtype;
   std::vector<std::pair<int64_t, int64_t>> seqs;  // (cached prefix, new tokens)
+  AttentionParams params = 0.125f;                 // scale, sliding window, softcap
 };
 
 // Runs one batched call on CPU paged caches, GPU paged caches (flash and manual) and GPU
@@ -76,13 +77,13 @@ void run_case(CudaBackend& gpu, const Case& c, uint64_t seed) {
       std::vector<float> out(static_cast<size_t>(tokens * n_q * c.head_dim));
       Tensor ot = Tensor::wrap(out.data(), qs, DType::kF32);
       REQUIRE(attention_batch(batch, 0, Tensor::wrap(q.data(), qs, DType::kF32), Tensor::wrap(k.data(), ks, DType::kF32),
-                              Tensor::wrap(v.data(), ks, DType::kF32), 0.125f, prefix ? nullptr : &ot, impl)
+                              Tensor::wrap(v.data(), ks, DType::kF32), c.params, prefix ? nullptr : &ot, impl)
                   .ok());
       return out;
     }
     Tensor qd = prefix ? Tensor() : upload(gpu, q, qs), kd = upload(gpu, k, ks), vd = upload(gpu, v, ks);
     Tensor od = gpu.alloc(qs, DType::kF32).value();
-    const Status s = attention_batch(batch, 0, qd, kd, vd, 0.125f, prefix ? nullptr : &od, impl);
+    const Status s = attention_batch(batch, 0, qd, kd, vd, c.params, prefix ? nullptr : &od, impl);
     INFO(s.to_string());
     REQUIRE(s.ok());
     REQUIRE(gpu.synchronize().ok());
@@ -185,6 +186,29 @@ TEST_CASE("cuda tensor-core prefill over long chunks after long prefixes matches
   if (!gpu) return;
   run_case(*gpu, {16, 8, 4, 128, DType::kBF16, {{1000, 300}, {0, 513}, {77, 16}, {5000, 1}}}, 7);
   run_case(*gpu, {32, 2, 8, 64, DType::kF16, {{2047, 129}, {1, 15}, {0, 17}}}, 8);
+}
+
+TEST_CASE("cuda sliding-window and softcapped attention matches the cpu", "[cuda]") {
+  // The CPU kernels are checked against the float64 reference (tests/kv/attention_test.cc).
+  // Windows of one key, mid-page (7), a page, wider than the contexts; ragged prefill (f32 and
+  // tensor-core tiles, tiles that straddle the window's edge), decode with splits that the window
+  // leaves empty, long contexts.
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  const std::vector<std::pair<int64_t, int64_t>> ragged = {{0, 37}, {100, 1}, {5, 20}, {1000, 1}, {300, 64}, {31, 1}, {40, 3}};
+  uint64_t seed = 300;
+  for (int64_t window : {1, 7, 16, 4096}) {
+    for (float softcap : {0.0f, 2.0f}) {
+      for (int head_dim : {64, 128}) {
+        INFO("window " << window << " softcap " << softcap << " head_dim " << head_dim);
+        const AttentionParams p(0.125f, window, softcap);
+        run_case(*gpu, {16, 2, 4, head_dim, DType::kBF16, ragged, p}, seed++);
+        run_case(*gpu, {32, 2, 8, head_dim, DType::kF16, ragged, p}, seed++);
+        run_case(*gpu, {16, 4, 1, head_dim, DType::kF32, ragged, p}, seed++);
+        run_case(*gpu, {16, 2, 4, head_dim, DType::kBF16, {{9000, 1}, {2047, 129}, {4090, 16}}, p}, seed++);
+      }
+    }
+  }
 }
 
 TEST_CASE("a cuda attention step rotates q and k in its append as the cpu step does", "[cuda]") {

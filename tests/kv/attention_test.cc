@@ -29,10 +29,12 @@ struct Case {
   int head_dim;
   int page_size;
   DType dtype;
+  int64_t window = 0;  // sliding window (0: none)
+  float softcap = 0.0f;
   std::string describe() const {
     std::ostringstream s;
     s << "n_rep " << n_rep << ", head_dim " << head_dim << ", page_size " << page_size << ", "
-      << dtype_name(dtype);
+      << dtype_name(dtype) << ", window " << window << ", softcap " << softcap;
     return s.str();
   }
 };
@@ -67,7 +69,7 @@ class CrossCheck {
 
   void run(int64_t n_new) {
     const int n_q = kKvHeads * c_.n_rep, hd = c_.head_dim;
-    const float scale = 1.0f / std::sqrt(float(hd));
+    const AttentionParams params(1.0f / std::sqrt(float(hd)), c_.window, c_.softcap);
     const int64_t pos = paged_->seq_len();
     for (int layer = 0; layer < kLayers; ++layer) {
       auto q = rng_.floats(n_new * n_q * hd, -3, 3);  // peaky softmax
@@ -79,10 +81,10 @@ class CrossCheck {
       const Tensor at = view(a, qt.shape()), bt = view(b, qt.shape()), mt = view(m, qt.shape());
       const SeqAttention sp{paged_.get(), pos, n_new}, sc{contiguous_.get(), pos, n_new},
           sm{paged_manual_.get(), pos, n_new};
-      REQUIRE(attention_batch({&sp, 1}, layer, qt, kt, vt, scale, &at, AttentionImpl::kFlash).ok());
-      REQUIRE(attention_batch({&sc, 1}, layer, qt, kt, vt, scale, &bt, AttentionImpl::kFlash).ok());
-      REQUIRE(attention_batch({&sm, 1}, layer, qt, kt, vt, scale, &mt, AttentionImpl::kManual).ok());
-      const auto want = refs_[layer].attend(q, k, v, n_q, scale);
+      REQUIRE(attention_batch({&sp, 1}, layer, qt, kt, vt, params, &at, AttentionImpl::kFlash).ok());
+      REQUIRE(attention_batch({&sc, 1}, layer, qt, kt, vt, params, &bt, AttentionImpl::kFlash).ok());
+      REQUIRE(attention_batch({&sm, 1}, layer, qt, kt, vt, params, &mt, AttentionImpl::kManual).ok());
+      const auto want = refs_[layer].attend(q, k, v, n_q, params.scale, params.window, params.softcap);
       INFO("layer " << layer << ", pos " << pos << ", n_new " << n_new);
       REQUIRE(a == b);  // same kernel, pages or not: bit-identical
       require_close(a, want);
@@ -124,35 +126,36 @@ class CrossCheck {
 enum class Chunking { kOneChunk, kSeveralChunks, kTokenByToken };
 
 // Prefill by `chunking`, decode, popn and regrow, reset and reuse.
+void scenario(const Case& c, Chunking chunking, Rng& rng) {
+  INFO(c.describe());
+  CrossCheck x(c, rng);
+  auto prefill = [&](int64_t total) {
+    while (x.len() < total) {
+      const int64_t left = total - x.len();
+      switch (chunking) {
+        case Chunking::kOneChunk: x.run(left); break;
+        case Chunking::kSeveralChunks: x.run(std::min<int64_t>(left, rng.integer(2, 20))); break;
+        case Chunking::kTokenByToken: x.run(1); break;
+      }
+    }
+  };
+  prefill(rng.integer(33, 50));
+  for (int i = 0; i < 3; ++i) x.run(1);  // decode
+  x.popn(rng.integer(1, 20));
+  prefill(x.len() + rng.integer(10, 30));  // regrow into freed pages
+  x.run(1);
+  x.reset();
+  prefill(rng.integer(5, 17));
+  x.run(1);
+}
+
 void scenario(Chunking chunking) {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());
   for (int n_rep : {1, 2, 4, 8})
     for (int head_dim : {40, 64, 128})  // 40: the generic path; 64, 128: the fast path
       for (int page_size : {1, 3, 16, 32})
-        for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
-          const Case c{n_rep, head_dim, page_size, dtype};
-          INFO(c.describe());
-          CrossCheck x(c, rng);
-          auto prefill = [&](int64_t total) {
-            while (x.len() < total) {
-              const int64_t left = total - x.len();
-              switch (chunking) {
-                case Chunking::kOneChunk: x.run(left); break;
-                case Chunking::kSeveralChunks: x.run(std::min<int64_t>(left, rng.integer(2, 20))); break;
-                case Chunking::kTokenByToken: x.run(1); break;
-              }
-            }
-          };
-          prefill(rng.integer(33, 50));
-          for (int i = 0; i < 3; ++i) x.run(1);  // decode
-          x.popn(rng.integer(1, 20));
-          prefill(x.len() + rng.integer(10, 30));  // regrow into freed pages
-          x.run(1);
-          x.reset();
-          prefill(rng.integer(5, 17));
-          x.run(1);
-        }
+        for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) scenario({n_rep, head_dim, page_size, dtype}, chunking, rng);
 }
 
 }  // namespace
@@ -167,6 +170,23 @@ TEST_CASE("attention matches the float64 reference with prefill in several chunk
 
 TEST_CASE("attention matches the float64 reference token by token", "[kv]") {
   scenario(Chunking::kTokenByToken);
+}
+
+TEST_CASE("sliding-window and softcapped attention matches the float64 reference", "[kv]") {
+  // Windows of one key, of fewer than a page (they start mid-page), of exactly a page, and wider
+  // than every context; chunks cross the window's edge (contexts of 33 to 80 keys); the softcap
+  // alone and with a window.
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  for (int64_t window : {1, 7, 16, 4096})
+    for (int page_size : {16, 32})
+      for (int head_dim : {40, 64, 128})
+        for (float softcap : {0.0f, 2.0f})
+          for (Chunking chunking : {Chunking::kOneChunk, Chunking::kSeveralChunks, Chunking::kTokenByToken}) {
+            const DType dtype = head_dim == 64 ? DType::kBF16 : DType::kF32;
+            scenario({head_dim == 40 ? 1 : 4, head_dim, page_size, dtype, window, softcap}, chunking, rng);
+          }
+  for (Chunking chunking : {Chunking::kOneChunk, Chunking::kTokenByToken}) scenario({2, 64, 16, DType::kF16, 0, 3.0f}, chunking, rng);
 }
 
 TEST_CASE("batched attention equals one sequence at a time", "[kv]") {

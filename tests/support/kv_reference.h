@@ -3,6 +3,7 @@
 // its dtype) so comparisons measure the attention math, not the storage rounding.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -30,8 +31,11 @@ class ReferenceKV {
   }
 
   // k, v: [n_new, n_kv, hd]; q: [n_new, n_q, hd]. Appends, then returns [n_new, n_q, hd].
+  // window > 0: the query at position p sees keys p - window < key <= p; softcap > 0: scores
+  // become softcap * tanh(score / softcap).
   std::vector<double> attend(const std::vector<float>& q, const std::vector<float>& k,
-                             const std::vector<float>& v, int n_q, double scale) {
+                             const std::vector<float>& v, int n_q, double scale, int64_t window = 0,
+                             double softcap = 0) {
     const int64_t n_new = static_cast<int64_t>(k.size()) / (n_kv_ * hd_);
     const int64_t pos = len();
     for (float x : k) k_.push_back(round_to(dtype_, x));
@@ -40,20 +44,22 @@ class ReferenceKV {
     std::vector<double> out(n_new * n_q * hd_, 0.0);
     for (int64_t i = 0; i < n_new; ++i) {
       const int64_t last = pos + i;  // causal: keys 0..pos+i
+      const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
       for (int h = 0; h < n_q; ++h) {
         const int g = h / n_rep;
-        std::vector<double> s(last + 1);
+        std::vector<double> s(last + 1, 0.0);
         double mx = -INFINITY;
-        for (int64_t p = 0; p <= last; ++p) {
+        for (int64_t p = first; p <= last; ++p) {
           double d = 0;
           for (int e = 0; e < hd_; ++e)
             d += double(q[(i * n_q + h) * hd_ + e]) * k_[(p * n_kv_ + g) * hd_ + e];
           s[p] = d * scale;
+          if (softcap > 0) s[p] = softcap * std::tanh(s[p] / softcap);
           mx = std::max(mx, s[p]);
         }
         double sum = 0;
-        for (double& x : s) sum += (x = std::exp(x - mx));
-        for (int64_t p = 0; p <= last; ++p)
+        for (int64_t p = first; p <= last; ++p) sum += (s[p] = std::exp(s[p] - mx));
+        for (int64_t p = first; p <= last; ++p)
           for (int e = 0; e < hd_; ++e)
             out[(i * n_q + h) * hd_ + e] += s[p] / sum * v_[(p * n_kv_ + g) * hd_ + e];
       }

@@ -1,8 +1,12 @@
 // A float64 transformer forward written independently of the runner's kernels: plain loops over
 // the weights as the GGUF stores them (its own dequantization), full causal attention recomputed
-// from scratch, logits for every position.
+// from scratch, logits for every position. It follows the config's architecture traits with the
+// formulas of the papers and llama.cpp's graphs (not the runner's code): embedding scale, q/k
+// RMSNorm, RoPE with its own base on windowed layers and linear / YaRN scaling (ggml's rope_yarn),
+// sliding windows, score and logit softcapping, post-sublayer norms, SwiGLU or tanh-GELU.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -24,9 +28,13 @@ class ReferenceModel {
     const int e = c_.n_embd, hd = c_.head_dim, nq = c_.n_heads, nkv = c_.n_kv_heads;
     std::vector<std::vector<double>> x(n);
     const auto emb = matrix("token_embd.weight");
-    for (int t = 0; t < n; ++t) x[t] = emb[tokens[t]];
+    for (int t = 0; t < n; ++t) {
+      x[t] = emb[tokens[t]];
+      for (double& z : x[t]) z *= c_.embed_scale;
+    }
     for (int l = 0; l < c_.n_layers; ++l) {
       const std::string b = "blk." + std::to_string(l) + ".";
+      const int window = c_.window(l);
       std::vector<std::vector<double>> q(n), k(n), v(n);
       const auto wq = matrix(b + "attn_q.weight"), wk = matrix(b + "attn_k.weight"),
                  wv = matrix(b + "attn_v.weight");
@@ -41,28 +49,37 @@ class ReferenceModel {
           add(k[t], vec(b + "attn_k.bias"));
           add(v[t], vec(b + "attn_v.bias"));
         }
-        for (int h2 = 0; h2 < nq; ++h2) rope(&q[t][h2 * hd], t);
-        for (int h2 = 0; h2 < nkv; ++h2) rope(&k[t][h2 * hd], t);
+        if (c_.qk_norm) {
+          const auto qn = vec(b + "attn_q_norm.weight"), kn = vec(b + "attn_k_norm.weight");
+          for (int h2 = 0; h2 < nq; ++h2) head_norm(&q[t][h2 * hd], qn);
+          for (int h2 = 0; h2 < nkv; ++h2) head_norm(&k[t][h2 * hd], kn);
+        }
+        for (int h2 = 0; h2 < nq; ++h2) rope(&q[t][h2 * hd], t, window > 0);
+        for (int h2 = 0; h2 < nkv; ++h2) rope(&k[t][h2 * hd], t, window > 0);
       }
       const auto wo = matrix(b + "attn_output.weight");
       for (int t = 0; t < n; ++t) {
         std::vector<double> att(nq * hd, 0.0);
+        const int first = window > 0 ? std::max(0, t - window + 1) : 0;
         for (int h2 = 0; h2 < nq; ++h2) {
           const int g = h2 / (nq / nkv);
           std::vector<double> s(t + 1);
           double mx = -1e300;
-          for (int p = 0; p <= t; ++p) {
+          for (int p = first; p <= t; ++p) {
             double d = 0;
             for (int i = 0; i < hd; ++i) d += q[t][h2 * hd + i] * k[p][g * hd + i];
-            s[p] = d / std::sqrt(double(hd));
+            s[p] = d * c_.attn_scale;
+            if (c_.attn_softcap > 0) s[p] = c_.attn_softcap * std::tanh(s[p] / c_.attn_softcap);
             mx = std::max(mx, s[p]);
           }
           double sum = 0;
-          for (double& z : s) sum += (z = std::exp(z - mx));
-          for (int p = 0; p <= t; ++p)
+          for (int p = first; p <= t; ++p) sum += (s[p] = std::exp(s[p] - mx));
+          for (int p = first; p <= t; ++p)
             for (int i = 0; i < hd; ++i) att[h2 * hd + i] += s[p] / sum * v[p][g * hd + i];
         }
-        add(x[t], matvec(wo, att));
+        auto o = matvec(wo, att);
+        if (c_.post_norms) o = rms_norm(o, vec(b + "post_attention_norm.weight"));
+        add(x[t], o);
       }
       const auto gate = matrix(b + "ffn_gate.weight"), up = matrix(b + "ffn_up.weight"),
                  down = matrix(b + "ffn_down.weight");
@@ -70,14 +87,26 @@ class ReferenceModel {
         const auto h = rms_norm(x[t], ffn_norm);
         auto g = matvec(gate, h);
         const auto u = matvec(up, h);
-        for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.0 + std::exp(-g[i])) * u[i];
-        add(x[t], matvec(down, g));
+        for (size_t i = 0; i < g.size(); ++i) {
+          const double z = g[i];
+          g[i] = c_.activation == Activation::kGeluTanh
+                     ? 0.5 * z * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (z + 0.044715 * z * z * z))) * u[i]
+                     : z / (1.0 + std::exp(-z)) * u[i];
+        }
+        auto d = matvec(down, g);
+        if (c_.post_norms) d = rms_norm(d, vec(b + "post_ffw_norm.weight"));
+        add(x[t], d);
       }
     }
     const auto out = matrix(f_.find_tensor("output.weight") ? "output.weight" : "token_embd.weight");
     const auto out_norm = vec("output_norm.weight");
     std::vector<std::vector<double>> logits(n);
-    for (int t = 0; t < n; ++t) logits[t] = matvec(out, rms_norm(x[t], out_norm));
+    for (int t = 0; t < n; ++t) {
+      logits[t] = matvec(out, rms_norm(x[t], out_norm));
+      if (c_.final_softcap > 0) {
+        for (double& z : logits[t]) z = c_.final_softcap * std::tanh(z / c_.final_softcap);
+      }
+    }
     (void)e;
     return logits;
   }
@@ -163,15 +192,42 @@ class ReferenceModel {
     for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * s * w[i];
     return y;
   }
-  void rope(double* v, int pos) const {
-    const int half = c_.rope_dim / 2;
+  void head_norm(double* h, const std::vector<double>& w) const {
+    const auto y = rms_norm(std::vector<double>(h, h + c_.head_dim), w);
+    std::copy(y.begin(), y.end(), h);
+  }
+  // RoPE at `pos`: windowed (local) layers with their own base, unscaled; the others with the
+  // file's scaling. Linear: every angle times 1/factor. YaRN (ggml's rope_yarn, ext_factor 1):
+  // each pair's angle blends the interpolated and the original one by a ramp between the
+  // correction dimensions of beta_fast and beta_slow, and the rotated values are multiplied by
+  // attn_factor * (1 + 0.1 ln factor).
+  void rope(double* v, int pos, bool local) const {
+    const int d = c_.rope_dim, half = d / 2;
+    const double base = local ? c_.rope_freq_base_swa : c_.rope_freq_base;
+    const RopeScaling scaling = local ? RopeScaling::kNone : c_.rope_scaling;
+    const double fs = 1.0 / c_.rope_scale_factor;
+    double mscale = scaling == RopeScaling::kNone ? 1.0 : c_.rope_attn_factor;
+    double low = 0, high = 0;
+    if (scaling == RopeScaling::kYarn) {
+      auto corr = [&](double n_rot) {
+        return d * std::log(double(c_.rope_orig_context) / (n_rot * 2 * M_PI)) / (2 * std::log(base));
+      };
+      low = std::max(0.0, std::floor(corr(c_.yarn_beta_fast)));
+      high = std::min(double(d - 1), std::ceil(corr(c_.yarn_beta_slow)));
+      mscale *= 1.0 + 0.1 * std::log(1.0 / fs);
+    }
     for (int i = 0; i < half; ++i) {
-      const double theta = pos * std::pow(double(c_.rope_freq_base), -2.0 * i / c_.rope_dim);
+      double theta = pos * std::pow(base, -2.0 * i / d);
+      if (scaling == RopeScaling::kLinear) theta *= fs;
+      if (scaling == RopeScaling::kYarn) {
+        const double ramp = 1.0 - std::clamp((i - low) / std::max(0.001, high - low), 0.0, 1.0);
+        theta = fs * theta * (1.0 - ramp) + theta * ramp;
+      }
       const int a = c_.rope_style == RopeStyle::kAdjacent ? 2 * i : i;
       const int b = c_.rope_style == RopeStyle::kAdjacent ? 2 * i + 1 : i + half;
       const double x0 = v[a], x1 = v[b];
-      v[a] = x0 * std::cos(theta) - x1 * std::sin(theta);
-      v[b] = x0 * std::sin(theta) + x1 * std::cos(theta);
+      v[a] = (x0 * std::cos(theta) - x1 * std::sin(theta)) * mscale;
+      v[b] = (x0 * std::sin(theta) + x1 * std::cos(theta)) * mscale;
     }
   }
 

@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "combs/backend/tensor.h"
@@ -83,6 +84,11 @@ struct ModelConfig {
   // What a KV cache of this model stores, in `dtype`.
   KVGeometry kv_geometry(DType dtype) const { return {n_layers, n_kv_heads, head_dim, dtype}; }
 };
+
+// Sets the architecture's fixed traits (arch_name, rope_style, qkv_bias, qk_norm, post_norms,
+// activation) from its description; an error naming the known ones for any other name.
+// read_config starts from this; combs-mkmodel uses it to lay out a file's tensors.
+Status apply_architecture(std::string_view name, ModelConfig* config);
 
 struct LayerWeights {
   Tensor attn_norm;           // [n_embd] f32

@@ -15,15 +15,28 @@ namespace combs {
 
 struct ModelShape {
   std::string name;
-  std::string arch;  // "llama" or "qwen2"
+  std::string arch;  // general.architecture: one model.cc describes (llama, qwen2, qwen3, gemma2, gemma3)
   int n_embd = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, n_ff = 0;
+  int head_dim = 0;  // written as attention.key_length / value_length when set; 0: n_embd / n_heads
   int64_t context_length = 4096;
   float rope_freq_base = 10000.0f;
   float rms_eps = 1e-5f;
   bool tied_output = false;
+  // Written only when set, so that a file relies on the architecture's defaults otherwise.
+  int sliding_window = 0;          // attention.sliding_window
+  int swa_pattern = 0;             // attention.sliding_window_pattern (every n-th layer global)
+  float rope_freq_base_swa = 0.0f;  // rope.freq_base_swa
+  float attn_softcap = 0.0f, final_softcap = 0.0f;  // attn_ / final_logit_softcapping
+  std::string rope_scaling;        // rope.scaling.type: "linear" or "yarn"
+  float rope_scale_factor = 0.0f;  // rope.scaling.factor
+  int64_t rope_orig_context = 0;   // rope.scaling.original_context_length
+  float rope_attn_factor = 0.0f;   // rope.scaling.attn_factor
 };
 
-// "tiny", "qwen2-tiny", "llama-1b" (Llama-3.2-1B's shape), "llama-8b" (Llama-3.1-8B's shape).
+// Tiny shapes for tests (head_dim 64, small windows so that short contexts cross them): "tiny"
+// (llama), "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny"; real
+// shapes for benchmarks: "llama-1b" (Llama-3.2-1B), "llama-8b" (Llama-3.1-8B), "qwen3-8b"
+// (Qwen3-8B), "gemma3-4b" (Gemma-3-4B).
 StatusOr<ModelShape> named_shape(std::string_view name);
 std::vector<std::string> shape_names();
 
