@@ -87,6 +87,7 @@ Status apply_architecture(std::string_view name, ModelConfig* c) {
   c->qk_norm = spec->qk_norm;
   c->post_norms = spec->post_norms;
   c->activation = spec->activation;
+  c->embed_scale = spec->embed_scale ? std::sqrt(static_cast<float>(c->n_embd)) : 1.0f;
   return ok_status();
 }
 
@@ -98,9 +99,9 @@ StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
     return invalid_argument_error(f.path() + ": metadata 'general.architecture': '" + arch +
                                   "' is not supported (" + arch_names() + " are)");
   }
-  COMBS_RETURN_IF_ERROR(apply_architecture(arch, &c));
-  const std::string a = c.arch_name + ".";
+  const std::string a = arch + ".";
   COMBS_ASSIGN_OR_RETURN(c.n_embd, get_int(f, a + "embedding_length", 1, 1 << 16));
+  COMBS_RETURN_IF_ERROR(apply_architecture(arch, &c));
   COMBS_ASSIGN_OR_RETURN(c.n_layers, get_int(f, a + "block_count", 1, 1024));
   COMBS_ASSIGN_OR_RETURN(c.n_heads, get_int(f, a + "attention.head_count", 1, 1024));
   c.n_kv_heads = c.n_heads;
@@ -158,7 +159,6 @@ StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
     }
     c.rms_eps = static_cast<float>(eps);
   }
-  if (spec->embed_scale) c.embed_scale = std::sqrt(static_cast<float>(c.n_embd));
   c.attn_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   if (spec->layers_27b != 0 && c.n_layers == spec->layers_27b) {
     c.attn_scale = 1.0f / std::sqrt(static_cast<float>(c.n_embd / c.n_heads));

@@ -75,7 +75,8 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
   ModelShape s;
   s.name = std::string(name);
   // The tiny shapes: 64-wide heads (as the real ones; the GPU's flash kernels need 64 or 128),
-  // windows of 8 keys so that a test's few dozen tokens cross them.
+  // windows of 8 keys so that a test's few dozen tokens cross them, untied outputs (random tied
+  // embeddings make a model repeat its last token whatever the layers compute).
   auto tiny = [&](const char* arch) {
     s.arch = arch;
     s.n_embd = 256, s.n_layers = 2, s.n_heads = 4, s.n_kv_heads = 2, s.n_ff = 512;
@@ -93,15 +94,18 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
     s.rope_freq_base = 1000000.0f, s.rms_eps = 1e-6f;
     return s;
   }
-  if (name == "gemma2-tiny") {  // the default pattern (every other layer windowed) and final cap
+  if (name == "gemma2-tiny") {  // the default pattern (every other layer windowed); small caps that bite
     tiny("gemma2");
-    s.n_layers = 4, s.sliding_window = 8, s.attn_softcap = 2.0f, s.tied_output = true;
+    // llama.cpp's gemma2 always ties the output; embeddings small enough that a token's own
+    // row does not win the logits (its logit ~ n_embd * embed_scale * std / rms(x) sigmas).
+    s.n_layers = 4, s.sliding_window = 8, s.attn_softcap = 2.0f, s.final_softcap = 0.5f;
+    s.tied_output = true, s.embd_std = 1.0f / 256.0f;
     s.rms_eps = 1e-6f;
     return s;
   }
   if (name == "gemma3-tiny") {  // the default pattern (5 of 6 windowed), linear scaling as 4B's
     tiny("gemma3");
-    s.n_layers = 6, s.sliding_window = 8, s.tied_output = true, s.rms_eps = 1e-6f;
+    s.n_layers = 6, s.sliding_window = 8, s.rms_eps = 1e-6f;
     s.rope_freq_base = 1000000.0f, s.rope_freq_base_swa = 10000.0f;
     s.rope_scaling = "linear", s.rope_scale_factor = 8.0f;
     return s;
@@ -200,8 +204,9 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
   w.set(a + "vocab_size", Value::u32(n_vocab));
 
   ModelConfig c;
+  c.n_embd = s.n_embd;
   COMBS_RETURN_IF_ERROR(apply_architecture(s.arch, &c));
-  c.n_vocab = n_vocab, c.n_embd = s.n_embd, c.n_layers = s.n_layers, c.n_heads = s.n_heads;
+  c.n_vocab = n_vocab, c.n_layers = s.n_layers, c.n_heads = s.n_heads;
   c.n_kv_heads = s.n_kv_heads, c.head_dim = head_dim, c.n_ff = s.n_ff, c.rope_dim = head_dim;
   for (const WeightSpec& spec : weight_specs(c)) {
     if (spec.name == "rope_freqs.weight") continue;
@@ -216,9 +221,10 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
     if (is_block_quant(dt) && spec.dims[0] % dtype_block_elems(dt) != 0) dt = DType::kBF16;  // no whole blocks
     const bool is_norm = spec.name.find("norm") != std::string::npos;
     const bool is_bias = spec.name.find(".bias") != std::string::npos;
-    // Matrices ~ U with std 1/sqrt(in) (embeddings std 1), norms near 1, small biases.
+    // Matrices ~ U with std 1/sqrt(in), norms near 1, small biases, embeddings as ModelShape says.
+    const float embd_std = s.embd_std > 0 ? s.embd_std : 1.0f / c.embed_scale;
     const float half = is_norm ? 0.1f : is_bias ? 0.1f
-                       : spec.name == "token_embd.weight" ? std::sqrt(3.0f)
+                       : spec.name == "token_embd.weight" ? std::sqrt(3.0f) * embd_std
                                                           : std::sqrt(3.0f / float(spec.dims[0]));
     const float center = is_norm ? 1.0f : 0.0f;
     const uint64_t seed = name_seed(o.seed, spec.name);

@@ -106,46 +106,104 @@ TEST_CASE("runner logits on block-quantized files agree with the float64 referen
   }
 }
 
+// Fields of a reference line "a|b|c...".
+std::vector<std::string> split_bars(const std::string& line) {
+  std::vector<std::string> f;
+  size_t at = 0;
+  for (size_t bar; (bar = line.find('|', at)) != std::string::npos; at = bar + 1) f.push_back(line.substr(at, bar - at));
+  f.push_back(line.substr(at));
+  return f;
+}
+
+std::vector<int32_t> ids_of(const std::string& text) {
+  std::vector<int32_t> v;
+  std::istringstream is(text);
+  for (int32_t x; is >> x;) v.push_back(x);
+  return v;
+}
+
+// llama.cpp's greedy continuation `want` of `prompt` fed back as the prompt (teacher forcing): the
+// argmax after each position is compared with llama.cpp's next token. Random models part ways on
+// any rounding difference (llama.cpp rounds activations to 8 bits for quantized products), so
+// free-running text is no test; the first prediction must agree and 90% of them.
+void check_teacher_forced(TinyModel& m, const std::vector<int32_t>& prompt, const std::vector<int32_t>& want) {
+  REQUIRE(want.size() >= 16);  // 24, or fewer where llama.cpp's next token ended generation
+  std::vector<int32_t> forced = prompt;
+  forced.insert(forced.end(), want.begin(), want.end() - 1);
+  auto cache = m.cache();
+  const auto logits = run_chunks(m, *cache, forced, {static_cast<int>(forced.size())});
+  size_t agree = 0;
+  std::vector<int32_t> got;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float* row = logits.data() + (prompt.size() - 1 + i) * m.n_vocab();
+    got.push_back(static_cast<int32_t>(std::max_element(row, row + m.n_vocab()) - row));
+    agree += got.back() == want[i];
+  }
+  INFO("combs' argmax: " << id_list(got) << "; " << agree << " of " << want.size() << " agree");
+  CHECK(got[0] == want[0]);
+  CHECK(10 * agree >= 9 * want.size());
+}
+
+uint64_t fnv1a_of_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (std::istreambuf_iterator<char> it(in), end; it != end; ++it) h = (h ^ static_cast<unsigned char>(*it)) * 0x100000001b3ull;
+  return h;
+}
+
 TEST_CASE("on block-quantized files the runner predicts llama.cpp's greedy tokens under teacher forcing",
           "[model][quant]") {
-  // llama.cpp's own continuations (tests/data/models/llama_cpp_greedy.txt) fed back as the prompt:
-  // the argmax after each position is compared with llama.cpp's next token. Random models part
-  // ways on any rounding difference (llama.cpp rounds activations to 8 bits for these products),
-  // so free-running text is no test; the first prediction must agree and 90% of them.
+  // tests/data/models/llama_cpp_greedy.txt: file|prompt ids|continuation ids.
   std::ifstream in(std::string(COMBS_TEST_DATA_DIR) + "/models/llama_cpp_greedy.txt");
   REQUIRE(in.good());
   int cases = 0;
   for (std::string line; std::getline(in, line);) {
     if (line.empty() || line[0] == '#') continue;
-    const size_t a = line.find('|'), b = line.find('|', a + 1);
-    REQUIRE(b != std::string::npos);
-    auto ids = [](const std::string& text) {
-      std::vector<int32_t> v;
-      std::istringstream is(text);
-      for (int32_t x; is >> x;) v.push_back(x);
-      return v;
-    };
-    const std::vector<int32_t> prompt = ids(line.substr(a + 1, b - a - 1)), want = ids(line.substr(b + 1));
+    const auto f = split_bars(line);
+    REQUIRE(f.size() == 3);
     INFO(line);
+    const auto want = ids_of(f[2]);
     REQUIRE(want.size() == 24);
-    TinyModel m(ModelFile{std::string(COMBS_TEST_DATA_DIR) + "/models/" + line.substr(0, a)});
-    std::vector<int32_t> forced = prompt;
-    forced.insert(forced.end(), want.begin(), want.end() - 1);
-    auto cache = m.cache();
-    const auto logits = run_chunks(m, *cache, forced, {static_cast<int>(forced.size())});
-    int agree = 0;
-    std::vector<int32_t> got;
-    for (size_t i = 0; i < want.size(); ++i) {
-      const float* row = logits.data() + (prompt.size() - 1 + i) * m.n_vocab();
-      got.push_back(static_cast<int32_t>(std::max_element(row, row + m.n_vocab()) - row));
-      agree += got.back() == want[i];
-    }
-    INFO("combs' argmax: " << id_list(got) << "; " << agree << " of 24 agree");
-    CHECK(got[0] == want[0]);
-    CHECK(agree >= 22);  // >= 90% of 24
+    TinyModel m(ModelFile{std::string(COMBS_TEST_DATA_DIR) + "/models/" + f[0]});
+    check_teacher_forced(m, ids_of(f[1]), want);
     ++cases;
   }
   CHECK(cases == 6);
+}
+
+TEST_CASE("on every architecture the runner predicts llama.cpp's greedy tokens under teacher forcing", "[model]") {
+  // tests/data/models/llama_cpp_arch_greedy.txt (tests/reference/record_llama_cpp_greedy.sh):
+  // shape|type|seed|hash|prompt|continuation, on the files combs-mkmodel writes; written here
+  // again, the same bytes (the hash) or the reference is stale.
+  std::ifstream in(std::string(COMBS_TEST_DATA_DIR) + "/models/llama_cpp_arch_greedy.txt");
+  REQUIRE(in.good());
+  std::set<std::string> shapes;
+  std::unique_ptr<TinyModel> m;
+  std::string loaded;
+  int cases = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const auto f = split_bars(line);
+    REQUIRE(f.size() == 6);
+    INFO(line);
+    if (loaded != f[0] + f[1]) {
+      RandomModelOptions o;
+      o.shape = std::move(named_shape(f[0])).value();
+      REQUIRE(set_weight_type(f[1], &o).ok());
+      o.seed = std::stoull(f[2]);
+      m = std::make_unique<TinyModel>(o);
+      char hash[17];
+      std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(fnv1a_of_file(m->path)));
+      INFO("combs-mkmodel writes another file than llama.cpp ran on: record the reference again");
+      REQUIRE(hash == f[3]);
+      loaded = f[0] + f[1];
+    }
+    check_teacher_forced(*m, ids_of(f[4]), ids_of(f[5]));
+    shapes.insert(f[0]);
+    ++cases;
+  }
+  CHECK(shapes == std::set<std::string>{"qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny"});
+  CHECK(cases == 24);
 }
 
 TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[model][quant]") {

@@ -31,6 +31,11 @@ struct TinyModel {
     REQUIRE(write_random_model(o, path).ok());
     load(ro);
   }
+  explicit TinyModel(const RandomModelOptions& o, RunnerOptions ro = {}) : backend({2}) {
+    path = dir.file(o.shape.name + ".gguf");
+    REQUIRE(write_random_model(o, path).ok());
+    load(ro);
+  }
   explicit TinyModel(ModelFile file, RunnerOptions ro = {}) : path(std::move(file.path)), backend({2}) { load(ro); }
   std::unique_ptr<PagedKVCache> cache(int64_t max_len = 1024) {
     return std::move(PagedKVCache::create(*pool, max_len)).value();

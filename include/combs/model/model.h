@@ -86,7 +86,7 @@ struct ModelConfig {
 };
 
 // Sets the architecture's fixed traits (arch_name, rope_style, qkv_bias, qk_norm, post_norms,
-// activation) from its description; an error naming the known ones for any other name.
+// activation, and embed_scale from config->n_embd, which must be set) from its description; an error naming the known ones for any other name.
 // read_config starts from this; combs-mkmodel uses it to lay out a file's tensors.
 Status apply_architecture(std::string_view name, ModelConfig* config);
 

@@ -22,6 +22,9 @@ struct ModelShape {
   float rope_freq_base = 10000.0f;
   float rms_eps = 1e-5f;
   bool tied_output = false;
+  // The embeddings' standard deviation as stored; 0: 1 / embed_scale (std 1 as the runner sees
+  // them, as trained gemma embeddings are).
+  float embd_std = 0.0f;
   // Written only when set, so that a file relies on the architecture's defaults otherwise.
   int sliding_window = 0;          // attention.sliding_window
   int swa_pattern = 0;             // attention.sliding_window_pattern (every n-th layer global)
