@@ -3,7 +3,7 @@
 #   bench/gpu/side_by_side.sh [ROUNDS] [SHAPES] [VARIANT] [TYPE]
 #   e.g. bench/gpu/side_by_side.sh 2 llama-1b,llama-8b main Q4_K_M
 # combs and the peer (llama.cpp, built there from node-llama-cpp's bundled source) on the same GGUF
-# files (random BF16 weights, Llama 3's 128,256-token vocabulary; with TYPE, those files quantized
+# files (random BF16 weights, each shape's real vocabulary (vocab_of); with TYPE, those files quantized
 # by the peer's llama-quantize to TYPE, e.g. Q4_K_M, its own per-tensor mix), in one run of one
 # machine (FIRST_ROUND=K in the environment resumes at round K on a warm machine):
 #   one session's decode   combs: 256 new after a 128-token prompt   llama-bench -p 0 -n 256 -d 128
@@ -22,7 +22,16 @@ here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd)
 out=/tmp/side-by-side; mkdir -p "$out"
 export PEER_DIR=$repo/build/peer
 models=$repo/build/models
-vocab=$repo/tests/data/vocab/ggml-vocab-llama-bpe.gguf
+# Each shape's real vocabulary: Llama 3's for llama, Qwen2's for qwen3 (151,646 tokens), Gemma 4's
+# for gemma3 (262,144 tokens, Gemma 3's size); those two from tests/data/vocab/more-vocabs.tar.xz.
+mkdir -p /tmp/vocab && tar xJf "$repo/tests/data/vocab/more-vocabs.tar.xz" -C /tmp/vocab ggml-vocab-qwen2.gguf ggml-vocab-gemma-4.gguf
+vocab_of() {
+  case $1 in
+    qwen*) echo /tmp/vocab/ggml-vocab-qwen2.gguf ;;
+    gemma*) echo /tmp/vocab/ggml-vocab-gemma-4.gguf ;;
+    *) echo "$repo/tests/data/vocab/ggml-vocab-llama-bpe.gguf" ;;
+  esac
+}
 mkdir -p /tmp/gpulibs /tmp/bin/$V "$models"
 for f in "$repo"/.gpu/libs/*.gz; do [ -e "$f" ] && gunzip -c "$f" > /tmp/gpulibs/$(basename "$f" .gz); done
 gunzip -c "$repo/.gpu/$V/combs-bench.gz" > /tmp/bin/$V/combs-bench && chmod +x /tmp/bin/$V/combs-bench || exit 1
@@ -36,7 +45,10 @@ if [ ! -x "$peer_bin/llama-batched-bench" ]; then
    echo "peer build exit $? after $(( $(date +%s) - t0 )) s" >> "$out/peer-build.log") &
   build_pid=$!
 fi
-"$combs" gpu --only models --shapes "$SHAPES" --dir "$models" --vocab "$vocab" > "$out/models.txt" || exit 1
+rm -f "$out/models.txt"
+for s in ${SHAPES//,/ }; do
+  "$combs" gpu --only models --shapes "$s" --dir "$models" --vocab "$(vocab_of "$s")" >> "$out/models.txt" || exit 1
+done
 echo "# models written after $(( $(date +%s) - t0 )) s: $(awk '{print $2}' "$out/models.txt" | tr '\n' ' ')"
 if [ -n "${build_pid:-}" ]; then wait "$build_pid"; tail -n 3 "$out/peer-build.log"; fi
 [ -x "$peer_bin/llama-batched-bench" ] || { echo "the peer did not build: $out/peer-build.log"; exit 1; }
@@ -62,7 +74,7 @@ for r in $(seq "${FIRST_ROUND:-1}" "$ROUNDS"); do
   for s in ${labels//,/ }; do
     m=$(awk -v s="$s" '$1 == s { print $2 }' "$out/files.txt")
     echo "# round $r $s: combs ($(( $(date +%s) - t0 )) s)"
-    "$combs" gpu --models "$m" --vocab "$vocab" --reps 3 --sessions 64 --attention-contexts "" \
+    "$combs" gpu --models "$m" --vocab "$(vocab_of "$s")" --reps 3 --sessions 64 --attention-contexts "" \
       > "$out/combs-$s-$r.md" 2>&1
     echo "# round $r $s: peer ($(( $(date +%s) - t0 )) s)"
     "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 256 -d 128 -r 3 -o json > "$out/peer-decode-$s-$r.json" 2> "$out/peer-decode-$s-$r.log"

@@ -135,6 +135,12 @@ TEST_CASE("cuda paged attention matches the cpu and a contiguous cache over ragg
     INFO(dtype_name(dt));
     run_case(*gpu, {16, 4, 4, 64, dt, ragged}, seed++);
   }
+  // head_dim 256 (gemma): f16/bf16 caches on tensor cores, groups of one warp and of four.
+  for (int group : {1, 2, 8, 20}) {
+    INFO("head_dim 256 group " << group);
+    run_case(*gpu, {16, 2, group, 256, DType::kBF16, ragged}, seed++);
+    run_case(*gpu, {32, 2, group, 256, DType::kF16, ragged}, seed++);
+  }
   // Page sizes that are not powers of two (positions to pages by division; a 16-key tile spans up
   // to three pages of 7).
   for (int page_size : {7, 24}) {
@@ -199,12 +205,12 @@ TEST_CASE("cuda sliding-window and softcapped attention matches the cpu", "[cuda
   uint64_t seed = 300;
   for (int64_t window : {1, 7, 16, 4096}) {
     for (float softcap : {0.0f, 2.0f}) {
-      for (int head_dim : {64, 128}) {
+      for (int head_dim : {64, 128, 256}) {
         INFO("window " << window << " softcap " << softcap << " head_dim " << head_dim);
         const AttentionParams p(0.125f, window, softcap);
         run_case(*gpu, {16, 2, 4, head_dim, DType::kBF16, ragged, p}, seed++);
         run_case(*gpu, {32, 2, 8, head_dim, DType::kF16, ragged, p}, seed++);
-        run_case(*gpu, {16, 4, 1, head_dim, DType::kF32, ragged, p}, seed++);
+        if (head_dim != 256) run_case(*gpu, {16, 4, 1, head_dim, DType::kF32, ragged, p}, seed++);  // f32 caches: 64, 128
         run_case(*gpu, {16, 2, 4, head_dim, DType::kBF16, {{9000, 1}, {2047, 129}, {4090, 16}}, p}, seed++);
       }
     }
@@ -247,6 +253,10 @@ TEST_CASE("a cuda attention step rotates q and k in its append as the cpu step d
     cpu::rope_inv_freq(rope_dim, 500000.0f, factors.data(), inv_freq.data());
     const Tensor inv_gpu = upload(gpu, inv_freq, {rope_dim / 2});
     const AttentionRope cpu_rope{inv_freq.data(), rope_dim, adjacent}, gpu_rope{inv_gpu.data_as<float>(), rope_dim, adjacent};
+    // Layer 1 rotates by its own frequencies (a windowed layer's RoPE base) and sees 5 keys.
+    std::vector<float> inv_local(rope_dim / 2);
+    cpu::rope_inv_freq(rope_dim, 10000.0f, nullptr, inv_local.data());
+    const Tensor inv_local_gpu = upload(gpu, inv_local, {rope_dim / 2});
     AttentionStep cpu_step, gpu_step;
     for (int it = 0; it < 4; ++it) {  // a ragged prefill (one sequence on tensor cores), then decodes
       std::vector<SeqAttention> cb, gb;
@@ -265,10 +275,12 @@ TEST_CASE("a cuda attention step rotates q and k in its append as the cpu step d
         Tensor qd = upload(gpu, q, qs), kd = upload(gpu, k, ks), vd = upload(gpu, v, ks);
         Tensor od = gpu.alloc(qs, DType::kF32).value();
         std::vector<float> out(q.size());
+        const AttentionParams params(0.125f, l == 1 ? 5 : 0, 0.0f);
         REQUIRE(cpu_step.run(l, Tensor::wrap(q.data(), qs, DType::kF32), Tensor::wrap(k.data(), ks, DType::kF32),
-                             Tensor::wrap(v.data(), ks, DType::kF32), 0.125f, Tensor::wrap(out.data(), qs, DType::kF32))
+                             Tensor::wrap(v.data(), ks, DType::kF32), params, Tensor::wrap(out.data(), qs, DType::kF32),
+                             l == 1 ? inv_local.data() : nullptr)
                     .ok());
-        const Status s = gpu_step.run(l, qd, kd, vd, 0.125f, od);
+        const Status s = gpu_step.run(l, qd, kd, vd, params, od, l == 1 ? inv_local_gpu.data_as<float>() : nullptr);
         INFO(s.to_string());
         REQUIRE(s.ok());
         INFO("adjacent " << adjacent << ", rope_dim " << rope_dim << ", iteration " << it << ", layer " << l);

@@ -37,7 +37,9 @@ double relative_diff(const std::vector<float>& gpu, const std::vector<float>& cp
 TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[cuda]") {
   if (!have_gpu()) return;
   for (auto [shape, dtype] : {std::pair<const char*, DType>{"tiny", DType::kF32}, {"tiny", DType::kBF16},
-                              {"tiny", DType::kF16}, {"qwen2-tiny", DType::kF32}, {"tiny", DType::kQ8_0}}) {
+                              {"tiny", DType::kF16}, {"qwen2-tiny", DType::kF32}, {"tiny", DType::kQ8_0},
+                              {"qwen3-tiny", DType::kF32}, {"gemma2-tiny", DType::kF32}, {"gemma3-tiny", DType::kF32},
+                              {"llama-yarn-tiny", DType::kF32}, {"gemma3-tiny", DType::kBF16}}) {
     INFO(shape << " " << dtype_name(dtype));
     testing::TinyModel cpu_model(shape, dtype);
     auto gpu_runner = CudaRunner::create(*cpu_model.model);
@@ -110,7 +112,9 @@ TEST_CASE("the cuda runner follows the cpu on block-quantized files under teache
 
 TEST_CASE("a batch on the cuda runner equals its sequences run alone and errors change nothing", "[cuda]") {
   if (!have_gpu()) return;
-  testing::TinyModel m("tiny", DType::kBF16);
+  for (const char* shape : {"tiny", "gemma3-tiny"}) {
+  INFO(shape);
+  testing::TinyModel m(shape, DType::kBF16);
   auto gpu = std::move(CudaRunner::create(*m.model)).value();
   const KVGeometry g = m.model->config().kv_geometry(DType::kF16);
   auto pool = PagePool::create(gpu->backend(), {g, 16, 512}).value();
@@ -140,6 +144,7 @@ TEST_CASE("a batch on the cuda runner equals its sequences run alone and errors 
   SequenceInput in{together[0].get(), bad};
   CHECK(gpu->forward({&in, 1}, la.data()).code() == StatusCode::kInvalidArgument);
   CHECK(together[0]->seq_len() == 7);
+  }
 }
 
 TEST_CASE("the engine on the gpu rolls back and forks as on the cpu", "[cuda]") {
@@ -175,9 +180,9 @@ TEST_CASE("the engine on the gpu rolls back and forks as on the cpu", "[cuda]") 
 
 TEST_CASE("decode steps replayed as cuda graphs give exactly the logits of launching every kernel", "[cuda]") {
   if (!have_gpu()) return;
-  for (DType dtype : {DType::kBF16, DType::kF32}) {
-    INFO(dtype_name(dtype));
-    testing::TinyModel m("tiny", dtype);
+  for (auto [shape, dtype] : {std::pair<const char*, DType>{"tiny", DType::kBF16}, {"tiny", DType::kF32}, {"gemma3-tiny", DType::kBF16}}) {
+    INFO(shape << " " << dtype_name(dtype));
+    testing::TinyModel m(shape, dtype);
     // (time_device on one of the two: the events around its steps change nothing they compute.)
     auto graphs = std::move(CudaRunner::create(*m.model, {.cuda_graphs = true, .time_device = true})).value();
     auto eager = std::move(CudaRunner::create(*m.model, {.cuda_graphs = false})).value();

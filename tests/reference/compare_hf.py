@@ -86,29 +86,72 @@ def unpermute(w, n_head):
     return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
+def layer_windowed(meta, a, n_layers, pattern):
+    """Which layers use the sliding window, as llama.cpp reads it (a number or a per-layer array)."""
+    p = meta.get(a + "attention.sliding_window_pattern", pattern)
+    if isinstance(p, list):
+        return [bool(x) for x in p]
+    return [p == 0 or i % p < p - 1 for i in range(n_layers)]
+
+
 def build(meta, t):
+    """The transformers model of the GGUF's architecture, its weights loaded from the GGUF tensors.
+    Gemma: llama.cpp's converter stores every norm weight + 1 (transformers' Gemma RMSNorm
+    multiplies by 1 + weight), so 1 is taken off here."""
     import transformers
     arch = meta["general.architecture"]
     a = arch + "."
     n_layers = meta[a + "block_count"]
     heads, kv = meta[a + "attention.head_count"], meta[a + "attention.head_count_kv"]
     hidden = meta[a + "embedding_length"]
+    head_dim = meta.get(a + "attention.key_length", hidden // heads)
     common = dict(
         vocab_size=t["token_embd.weight"].shape[0], hidden_size=hidden,
         intermediate_size=meta[a + "feed_forward_length"], num_hidden_layers=n_layers,
-        num_attention_heads=heads, num_key_value_heads=kv,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         rms_norm_eps=meta[a + "attention.layer_norm_rms_epsilon"],
         rope_theta=meta[a + "rope.freq_base"], max_position_embeddings=meta[a + "context_length"],
         tie_word_embeddings="output.weight" not in t)
+    scaling = meta.get(a + "rope.scaling.type")
+    factor = meta.get(a + "rope.scaling.factor", 1.0)
+    rope_scaling = None
+    if scaling == "linear" and factor != 1.0:
+        rope_scaling = {"rope_type": "linear", "factor": factor}
+    elif scaling == "yarn":
+        # llama.cpp's magnitude: attn_factor * (1 + 0.1 ln factor); transformers' attention_factor
+        # replaces its own (1 + 0.1 ln factor) when given.
+        rope_scaling = {"rope_type": "yarn", "factor": factor,
+                        "original_max_position_embeddings": meta[a + "rope.scaling.original_context_length"],
+                        "attention_factor": meta.get(a + "rope.scaling.attn_factor", 1.0) * (1 + 0.1 * np.log(factor)),
+                        "beta_fast": 32.0, "beta_slow": 1.0}
+    if rope_scaling:
+        common["rope_scaling"] = rope_scaling
+    gemma = arch in ("gemma2", "gemma3")
     if arch == "llama":
-        cfg = transformers.LlamaConfig(**common, head_dim=hidden // heads)
-        model = transformers.LlamaForCausalLM(cfg)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif arch == "qwen2":
-        cfg = transformers.Qwen2Config(**common)
-        model = transformers.Qwen2ForCausalLM(cfg)
+        common.pop("head_dim")
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    elif gemma:
+        pattern = 2 if arch == "gemma2" else 6
+        windowed = layer_windowed(meta, a, n_layers, pattern)
+        extra = dict(query_pre_attn_scalar=head_dim, hidden_activation="gelu_pytorch_tanh",
+                     layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
+                     sliding_window=meta.get(a + "attention.sliding_window", 4096))
+        if arch == "gemma2":
+            extra.update(attn_logit_softcapping=meta.get(a + "attn_logit_softcapping", 50.0),
+                         final_logit_softcapping=meta.get(a + "final_logit_softcapping", 30.0))
+            model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, **extra))
+        else:
+            extra.update(final_logit_softcapping=meta.get(a + "final_logit_softcapping"),
+                         rope_local_base_freq=meta.get(a + "rope.freq_base_swa", 10000.0))
+            model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common, **extra))
     else:
         raise SystemExit(f"architecture {arch} not handled")
-    sd = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"]}
+    norm = (lambda w: w - 1.0) if gemma else (lambda w: w)
+    sd = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": norm(t["output_norm.weight"])}
     sd["lm_head.weight"] = t.get("output.weight", t["token_embd.weight"])
     for i in range(n_layers):
         b, p = f"blk.{i}.", f"model.layers.{i}."
@@ -121,15 +164,25 @@ def build(meta, t):
         if arch == "qwen2":
             for n in "qkv":
                 sd[p + f"self_attn.{n}_proj.bias"] = t[b + f"attn_{n}.bias"]
+        if b + "attn_q_norm.weight" in t:
+            sd[p + "self_attn.q_norm.weight"] = norm(t[b + "attn_q_norm.weight"])
+            sd[p + "self_attn.k_norm.weight"] = norm(t[b + "attn_k_norm.weight"])
         sd[p + "mlp.gate_proj.weight"] = t[b + "ffn_gate.weight"]
         sd[p + "mlp.up_proj.weight"] = t[b + "ffn_up.weight"]
         sd[p + "mlp.down_proj.weight"] = t[b + "ffn_down.weight"]
-        sd[p + "input_layernorm.weight"] = t[b + "attn_norm.weight"]
-        sd[p + "post_attention_layernorm.weight"] = t[b + "ffn_norm.weight"]
+        sd[p + "input_layernorm.weight"] = norm(t[b + "attn_norm.weight"])
+        if gemma:
+            sd[p + "post_attention_layernorm.weight"] = norm(t[b + "post_attention_norm.weight"])
+            sd[p + "pre_feedforward_layernorm.weight"] = norm(t[b + "ffn_norm.weight"])
+            sd[p + "post_feedforward_layernorm.weight"] = norm(t[b + "post_ffw_norm.weight"])
+        else:
+            sd[p + "post_attention_layernorm.weight"] = t[b + "ffn_norm.weight"]
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if "rotary" not in m and not (m == "lm_head.weight")]
     if missing or unexpected:
         raise SystemExit(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    if "output.weight" not in t:
+        model.tie_weights()
     return model
 
 
@@ -142,6 +195,7 @@ def main():
     ids = [int(x) for x in args.ids.split()]
     meta, tensors = read_gguf(args.gguf)
     model = build(meta, tensors)
+    model.config._attn_implementation = "eager"  # softcapping and sliding windows as written
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(dev, torch.float32).eval()
     with torch.no_grad():

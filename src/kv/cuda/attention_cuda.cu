@@ -386,9 +386,11 @@ __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml
 // decode blocks of one warp with 8 KB K/V tiles four deep (measured on the H200 against 16 KB
 // two or three deep: 16 x 8k contexts 0.91 of copy bandwidth vs 0.89 / 0.62), or of 4 warps when
 // the group has more than 16 heads.
+// head_dim 256 (gemma) takes 16-key decode tiles (whole mma n-tiles) and 32-key prefill tiles (its
+// 128 output accumulators per lane leave no registers for wider score tiles).
 template <int HD, int R>
 struct FlashShape {
-  static constexpr int kKeys = R == 1 ? 2048 / HD : 64;
+  static constexpr int kKeys = R == 1 ? (2048 / HD > 16 ? 2048 / HD : 16) : HD >= 256 ? 32 : 64;
   static constexpr int kStages = R == 1 ? 4 : HD == 64 ? 3 : 2;
   static constexpr int kSmemBytes = kStages * 2 * kKeys * HD * 2;
 };
@@ -605,7 +607,7 @@ __global__ void __launch_bounds__(R * 32)
 
 // grid (tokens * n_q); block: head_dim / 4 threads (rounded up to a warp). The merge of a token's
 // splits, for the rows of sequences that ran in several (those in one split were written by the
-// attention kernel directly). head_dim: 64 or 128.
+// attention kernel directly). head_dim: 64, 128 or 256.
 __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     float* __restrict__ out, int grid_splits, int hd, int n_q) {
   const int64_t row = blockIdx.x;
@@ -693,14 +695,28 @@ int flash_capacity_of() {
   return cap;
 }
 
+// Calls f(std::integral_constant<int, HD>) for the head dimensions the tensor-core kernel has.
+constexpr bool flash_head_dim(int hd) { return hd == 64 || hd == 128 || hd == 256; }
+template <typename F>
+auto with_head_dim(int hd, F&& f) {
+  switch (hd) {
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    default: return f(std::integral_constant<int, 256>{});
+  }
+}
+
 int flash_capacity(DType dt, int hd, int R) {
   const bool h = dt == DType::kF16;
-  if (hd == 64) {
-    if (R == 1) return h ? flash_capacity_of<__half, 64, 1>() : flash_capacity_of<__nv_bfloat16, 64, 1>();
-    return h ? flash_capacity_of<__half, 64, 4>() : flash_capacity_of<__nv_bfloat16, 64, 4>();
-  }
-  if (R == 1) return h ? flash_capacity_of<__half, 128, 1>() : flash_capacity_of<__nv_bfloat16, 128, 1>();
-  return h ? flash_capacity_of<__half, 128, 4>() : flash_capacity_of<__nv_bfloat16, 128, 4>();
+  return with_head_dim(hd, [&](auto HD) {
+    if (R == 1) return h ? flash_capacity_of<__half, decltype(HD)::value, 1>() : flash_capacity_of<__nv_bfloat16, decltype(HD)::value, 1>();
+    return h ? flash_capacity_of<__half, decltype(HD)::value, 4>() : flash_capacity_of<__nv_bfloat16, decltype(HD)::value, 4>();
+  });
+}
+
+// Keys of one tile of the kernel for head_dim hd with R warps a block.
+int flash_keys(int hd, int R) {
+  return with_head_dim(hd, [&](auto HD) { return R == 1 ? FlashShape<decltype(HD)::value, 1>::kKeys : FlashShape<decltype(HD)::value, 4>::kKeys; });
 }
 
 template <typename T, int HD, int R>
@@ -711,17 +727,15 @@ cudaError_t launch_flash(dim3 grid, cudaStream_t st, const Meta& M, const int32_
                           tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
 }
 
-// The tensor-core kernel for a cache of T: head_dim 64 or 128, R warps per block (1 or 4).
+// The tensor-core kernel for a cache of T: head_dim 64, 128 or 256, R warps per block (1 or 4).
 template <typename T>
 cudaError_t launch_flash(int hd, int R, dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles,
                          const float* q, float* out, float* part_o, float* part_ml, int n_kv, int G,
                          float scale_log2, LayerDev L) {
-  if (hd == 64) {
-    return R == 1 ? launch_flash<T, 64, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L)
-                  : launch_flash<T, 64, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
-  }
-  return R == 1 ? launch_flash<T, 128, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L)
-                : launch_flash<T, 128, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
+  return with_head_dim(hd, [&](auto HD) {
+    return R == 1 ? launch_flash<T, decltype(HD)::value, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L)
+                  : launch_flash<T, decltype(HD)::value, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
+  });
 }
 
 template <typename T, int HD, int G>
@@ -822,7 +836,7 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
   // 2,047 beyond it): positions stay below 2^31 - 4,096.
   if (max_ctx_ > INT32_MAX - 4096) return invalid_argument_error("attention (cuda): positions beyond 2^31 - 4096");
   const int G = n_q / n_kv, tile_tokens = std::max(kPrefillRows / G, 1);
-  const bool tensor_cores = attend && impl == AttentionImpl::kFlash && (hd_ == 64 || hd_ == 128) &&
+  const bool tensor_cores = attend && impl == AttentionImpl::kFlash && flash_head_dim(hd_) &&
                             (dtype_ == DType::kF16 || dtype_ == DType::kBF16) && G <= kMaxTensorCoreGroup;
   tensor_cores_ = tensor_cores;
   n_tiles_ = 0;
@@ -849,7 +863,7 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
       const int64_t target = base_blocks > capacity / 2 ? 2 * capacity : capacity;
       grid_splits_ = static_cast<int>(std::clamp<int64_t>(target / base_blocks, 1, max_splits));
       // One tile of the decode kernel in use (4-warp blocks, for groups above 16 heads, take 64 keys).
-      min_keys = G > 16 ? FlashShape<64, 4>::kKeys : hd_ == 64 ? FlashShape<64, 1>::kKeys : FlashShape<128, 1>::kKeys;
+      min_keys = flash_keys(hd_, G > 16 ? 4 : 1);
     } else {
       grid_splits_ = static_cast<int>(std::clamp<int64_t>((kTargetBlocks + base_blocks - 1) / base_blocks, 1, max_splits));
     }
@@ -997,7 +1011,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   if (!ok) {
     return unimplemented_error("attention (cuda): head_dim " + std::to_string(hd) + " with " + std::to_string(G) +
                                " query heads per KV head in a " + std::string(dtype_name(dtype_)) +
-                               " cache (kernels: head_dim 64 or 128; f16/bf16 caches up to 64 heads per KV head, "
+                               " cache (kernels: head_dim 64 or 128, f16/bf16 caches also 256, up to 64 heads per KV head; "
                                "f32 caches 1/2/4/8; COMBS_ATTN=manual runs any)");
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());

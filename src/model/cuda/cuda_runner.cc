@@ -280,7 +280,8 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
   for (bool local : {false, true}) {
     const std::vector<float>& f = model.rope_inv_freq(local);
     const Tensor host = Tensor::wrap(const_cast<float*>(f.data()), Shape{c.rope_dim / 2}, DType::kF32);
-    COMBS_ASSIGN_OR_RETURN(local ? impl->inv_freq_local : impl->inv_freq, upload(b, {&host}));
+    Tensor& table = local ? impl->inv_freq_local : impl->inv_freq;  // (not `c ? a : b` as a macro's target:
+    COMBS_ASSIGN_OR_RETURN(table, upload(b, {&host}));              //  `c ? a : b = x` assigns b alone)
   }
   return std::unique_ptr<CudaRunner>(new CudaRunner(model, std::move(impl)));
 }
