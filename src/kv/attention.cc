@@ -47,6 +47,7 @@ Status check_params(const AttentionParams& p) {
   if (!std::isfinite(p.scale) || p.scale <= 0.0f) return invalid_argument_error("attention: the scale must be positive and finite");
   if (p.window < 0) return invalid_argument_error("attention: negative window " + std::to_string(p.window));
   if (!std::isfinite(p.softcap) || p.softcap < 0.0f) return invalid_argument_error("attention: the softcap must be >= 0 and finite");
+  if (!std::isfinite(p.rope_mscale) || p.rope_mscale <= 0.0f) return invalid_argument_error("attention: the rope magnitude must be positive and finite");
   return ok_status();
 }
 
@@ -272,9 +273,9 @@ Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Ten
     for (const SeqWork& w : work_)
       for (int64_t i = 0; i < w.n_new; ++i) positions_.push_back(static_cast<int32_t>(w.pos + i));
     cpu::rope(q.data_as<float>(), positions_.data(), n_tokens_, n_q_heads_, g.head_dim, rope_.rope_dim, freqs,
-              rope_.adjacent_pairs);
+              rope_.adjacent_pairs, params.rope_mscale);
     cpu::rope(k.data_as<float>(), positions_.data(), n_tokens_, g.n_kv_heads, g.head_dim, rope_.rope_dim, freqs,
-              rope_.adjacent_pairs);
+              rope_.adjacent_pairs, params.rope_mscale);
   }
   cpu::write_kv(cpu_backend, work_, g.n_kv_heads, k, v);
   cpu::attention(cpu_backend, work_, g.n_kv_heads, q, out, params, impl_);

@@ -31,6 +31,7 @@ struct ArchSpec {
   const char* name;
   RopeStyle rope_style;
   bool qkv_bias = false, qk_norm = false, post_norms = false, embed_scale = false;
+  bool gate_up_fused = false;  // ffn_up holds the gate's rows then the up's (no ffn_gate)
   Activation activation = Activation::kSilu;
   // Sliding window: every swa_pattern-th layer is global, the others windowed (llama.cpp's
   // set_swa_pattern; attention.sliding_window_pattern overrides, as a number or a per-layer
@@ -51,6 +52,9 @@ constexpr ArchSpec kArchs[] = {
      .final_softcap = 30.0f, .layers_27b = 46},
     {.name = "gemma3", .rope_style = RopeStyle::kHalves, .qk_norm = true, .post_norms = true, .embed_scale = true,
      .activation = Activation::kGeluTanh, .swa_pattern = 6, .base_swa = 10000.0f, .layers_27b = 62},
+    // phi3 (Phi-3, Phi-3.5, Phi-4-mini): llama.cpp v0.5.0 disables its sliding window ("results
+    // might be suboptimal"): not read here either, so that both compute the same.
+    {.name = "phi3", .rope_style = RopeStyle::kHalves, .gate_up_fused = true},
 };
 
 StatusOr<float> get_positive(const gguf::GgufFile& f, const std::string& key, double hi) {
@@ -87,6 +91,7 @@ Status apply_architecture(std::string_view name, ModelConfig* c) {
   c->qk_norm = spec->qk_norm;
   c->post_norms = spec->post_norms;
   c->activation = spec->activation;
+  c->gate_up_fused = spec->gate_up_fused;
   c->embed_scale = spec->embed_scale ? std::sqrt(static_cast<float>(c->n_embd)) : 1.0f;
   return ok_status();
 }
@@ -249,6 +254,8 @@ StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
     return invalid_argument_error(f.path() + ": cannot tell the vocabulary size");
   }
   c.tied_output = f.find_tensor("output.weight") == nullptr;
+  c.qkv_fused = f.find_tensor(blk(0, "attn_qkv.weight")) != nullptr;
+  c.rope_factors_long = c.context_length > c.rope_orig_context;
   return c;
 }
 
@@ -261,11 +268,19 @@ std::vector<WeightSpec> weight_specs(const ModelConfig& c) {
       {"output.weight", {e, v}, false},
       {"rope_freqs.weight", {c.rope_dim / 2}, false, true},
   };
+  // LongRoPE (phi3): per-frequency divisors for contexts past the original one, and below it.
+  s.push_back({"rope_factors_long.weight", {c.rope_dim / 2}, false, true});
+  s.push_back({"rope_factors_short.weight", {c.rope_dim / 2}, false, true});
   for (int i = 0; i < c.n_layers; ++i) {
     s.push_back({blk(i, "attn_norm.weight"), {e}, true, true});
-    s.push_back({blk(i, "attn_q.weight"), {e, q}});
-    s.push_back({blk(i, "attn_k.weight"), {e, kv}});
-    s.push_back({blk(i, "attn_v.weight"), {e, kv}});
+    if (c.qkv_fused) {
+      s.push_back({blk(i, "attn_qkv.weight"), {e, q + 2 * kv}});
+      s.push_back({blk(i, "attn_qkv.bias"), {q + 2 * kv}, false, true});
+    } else {
+      s.push_back({blk(i, "attn_q.weight"), {e, q}});
+      s.push_back({blk(i, "attn_k.weight"), {e, kv}});
+      s.push_back({blk(i, "attn_v.weight"), {e, kv}});
+    }
     if (c.qkv_bias) {
       s.push_back({blk(i, "attn_q.bias"), {q}, true, true});
       s.push_back({blk(i, "attn_k.bias"), {kv}, true, true});
@@ -278,8 +293,12 @@ std::vector<WeightSpec> weight_specs(const ModelConfig& c) {
     s.push_back({blk(i, "attn_output.weight"), {q, e}});
     if (c.post_norms) s.push_back({blk(i, "post_attention_norm.weight"), {e}, true, true});
     s.push_back({blk(i, "ffn_norm.weight"), {e}, true, true});
-    s.push_back({blk(i, "ffn_gate.weight"), {e, ff}});
-    s.push_back({blk(i, "ffn_up.weight"), {e, ff}});
+    if (c.gate_up_fused) {
+      s.push_back({blk(i, "ffn_up.weight"), {e, 2 * ff}});
+    } else {
+      s.push_back({blk(i, "ffn_gate.weight"), {e, ff}});
+      s.push_back({blk(i, "ffn_up.weight"), {e, ff}});
+    }
     s.push_back({blk(i, "ffn_down.weight"), {ff, e}});
     if (c.post_norms) s.push_back({blk(i, "post_ffw_norm.weight"), {e}, true, true});
   }
@@ -292,11 +311,14 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
   COMBS_ASSIGN_OR_RETURN(m->config_, read_config(*m->file_));
   const ModelConfig& c = m->config_;
   m->layers.resize(c.n_layers);
+  Tensor factors_long, factors_short;
   auto slot = [&](const std::string& name) -> Tensor* {
     if (name == "token_embd.weight") return &m->tok_embd;
     if (name == "output_norm.weight") return &m->output_norm;
     if (name == "output.weight") return &m->output;
     if (name == "rope_freqs.weight") return &m->rope_freqs;
+    if (name == "rope_factors_long.weight") return &factors_long;
+    if (name == "rope_factors_short.weight") return &factors_short;
     const size_t dot = name.find('.', 4);
     LayerWeights& l = m->layers[std::stoi(name.substr(4, dot - 4))];
     const std::string w = name.substr(dot + 1);
@@ -304,6 +326,8 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     if (w == "attn_q.weight") return &l.wq;
     if (w == "attn_k.weight") return &l.wk;
     if (w == "attn_v.weight") return &l.wv;
+    if (w == "attn_qkv.weight") return &l.wq;  // split into wq, wk, wv below
+    if (w == "attn_qkv.bias") return &l.bq;
     if (w == "attn_q.bias") return &l.bq;
     if (w == "attn_k.bias") return &l.bk;
     if (w == "attn_v.bias") return &l.bv;
@@ -358,7 +382,26 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     *slot(spec.name) = Tensor::wrap(dst, shape, t->dtype);
   }
   if (c.tied_output) m->output = m->tok_embd;
-  const float* factors = m->rope_freqs.defined() ? m->rope_freqs.data_as<float>() : nullptr;
+  // Fused projections as row views of their tensor: Q, K, V (attn_qkv) and gate, up (ffn_up).
+  const int64_t q = int64_t{c.n_heads} * c.head_dim, kv = int64_t{c.n_kv_heads} * c.head_dim;
+  for (LayerWeights& l : m->layers) {
+    if (c.qkv_fused) {
+      const Tensor qkv = l.wq;
+      l.wq = qkv.rows(0, q), l.wk = qkv.rows(q, q + kv), l.wv = qkv.rows(q + kv, q + 2 * kv);
+      if (l.bq.defined()) {
+        const Tensor b = l.bq;
+        l.bq = b.rows(0, q), l.bk = b.rows(q, q + kv), l.bv = b.rows(q + kv, q + 2 * kv);
+      }
+    }
+    if (c.gate_up_fused) {
+      const Tensor gate_up = l.w_up;
+      l.w_gate = gate_up.rows(0, c.n_ff), l.w_up = gate_up.rows(c.n_ff, 2 * int64_t{c.n_ff});
+    }
+  }
+  // Frequency divisors: Llama 3.1's rope_freqs, or LongRoPE's long (the model served past its
+  // original context, as llama.cpp does for a context longer than that) or short factors.
+  const Tensor& chosen = m->rope_freqs.defined() ? m->rope_freqs : c.rope_factors_long ? factors_long : factors_short;
+  const float* factors = chosen.defined() ? chosen.data_as<float>() : nullptr;
   const RopeTable global = rope_table(c, false, factors), local = rope_table(c, true, factors);
   m->inv_freq_[0] = global.inv_freq;
   m->inv_freq_[1] = local.inv_freq;
@@ -367,7 +410,8 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     a.window = c.window(l);
     a.local = a.window > 0;
     const float mscale = a.local ? local.mscale : global.mscale;
-    a.scale = c.attn_scale * mscale * mscale;
+    a.scale = c.attn_scale;
+    a.rope_mscale = mscale;
     a.softcap = c.attn_softcap;
     a.inv_freq = m->inv_freq_[a.local ? 1 : 0].data();
     m->attention_.push_back(a);
@@ -380,9 +424,9 @@ RopeTable rope_table(const ModelConfig& c, bool local, const float* freq_factors
   const int half = c.rope_dim / 2;
   t.inv_freq.resize(static_cast<size_t>(half));
   cpu::rope_inv_freq(c.rope_dim, local ? c.rope_freq_base_swa : c.rope_freq_base, freq_factors, t.inv_freq.data());
+  t.mscale = c.rope_attn_factor;  // whatever the scaling (llama.cpp's yarn_attn_factor *= it always)
   if (local || c.rope_scaling == RopeScaling::kNone) return t;
   const float freq_scale = 1.0f / c.rope_scale_factor;
-  t.mscale = c.rope_attn_factor;
   if (c.rope_scaling == RopeScaling::kLinear) {
     for (float& f : t.inv_freq) f *= freq_scale;
     return t;

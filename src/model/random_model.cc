@@ -36,7 +36,9 @@ void fill_uniform(float* dst, int64_t n, uint64_t seed, float center, float half
   }
 }
 
-void builtin_vocab(gguf::GgufWriter& w) {
+// extra: control tokens after the bytes (phi3's <|endoftext|>: llama.cpp's vocabulary loader
+// looks it up in any model whose name says phi3).
+int builtin_vocab(gguf::GgufWriter& w, const std::vector<std::string>& extra) {
   using gguf::Value;
   using gguf::ValueType;
   std::vector<Value> tokens, scores, types;
@@ -53,6 +55,8 @@ void builtin_vocab(gguf::GgufWriter& w) {
     std::snprintf(buf, sizeof buf, "<0x%02X>", b);
     add(buf, 6);
   }
+  for (const std::string& t : extra) add(t, 3);
+  const int n = static_cast<int>(tokens.size());
   w.set("tokenizer.ggml.model", Value::str("llama"));
   w.set("tokenizer.ggml.tokens", Value::array(ValueType::kString, std::move(tokens)));
   w.set("tokenizer.ggml.scores", Value::array(ValueType::kF32, std::move(scores)));
@@ -62,12 +66,13 @@ void builtin_vocab(gguf::GgufWriter& w) {
   w.set("tokenizer.ggml.eos_token_id", Value::u32(2));
   w.set("tokenizer.ggml.add_bos_token", Value::boolean(true));
   w.set("tokenizer.ggml.add_eos_token", Value::boolean(false));
+  return n;
 }
 
 }  // namespace
 
 std::vector<std::string> shape_names() {
-  return {"tiny", "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny",
+  return {"tiny", "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
           "llama-1b", "llama-8b", "qwen3-8b", "gemma3-4b"};
 }
 
@@ -114,6 +119,12 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
     tiny("llama");
     s.rope_scaling = "yarn", s.rope_scale_factor = 4.0f, s.rope_orig_context = 512;
     s.rope_attn_factor = 1.1f;
+    return s;
+  }
+  if (name == "phi3-tiny") {  // as Phi-4-mini: fused projections, 3/4 of each head rotated, LongRoPE
+    tiny("phi3");
+    s.rope_dim = 48, s.fused_qkv = true, s.longrope = true;
+    s.rope_orig_context = 2048, s.rope_attn_factor = 1.19f;  // short factors up to 2,048 positions
     return s;
   }
   if (name == "llama-1b") {  // Llama-3.2-1B
@@ -172,7 +183,8 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
     w.set(a + "attention.key_length", Value::u32(head_dim));
     w.set(a + "attention.value_length", Value::u32(head_dim));
   }
-  w.set(a + "rope.dimension_count", Value::u32(head_dim));
+  const int rope_dim = s.rope_dim > 0 ? s.rope_dim : head_dim;
+  w.set(a + "rope.dimension_count", Value::u32(rope_dim));
   w.set(a + "attention.layer_norm_rms_epsilon", Value::f32(s.rms_eps));
   if (s.sliding_window > 0) w.set(a + "attention.sliding_window", Value::u32(s.sliding_window));
   if (s.swa_pattern > 0) w.set(a + "attention.sliding_window_pattern", Value::u32(s.swa_pattern));
@@ -190,7 +202,7 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
   int n_vocab = 259;
   std::unique_ptr<gguf::GgufFile> vocab;
   if (o.vocab_path.empty()) {
-    builtin_vocab(w);
+    n_vocab = builtin_vocab(w, s.arch == "phi3" ? std::vector<std::string>{"<|endoftext|>"} : std::vector<std::string>{});
   } else {
     COMBS_ASSIGN_OR_RETURN(vocab, gguf::GgufFile::open(o.vocab_path));
     COMBS_ASSIGN_OR_RETURN(const gguf::Array* tokens, vocab->get_array("tokenizer.ggml.tokens"));
@@ -207,10 +219,12 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
   c.n_embd = s.n_embd;
   COMBS_RETURN_IF_ERROR(apply_architecture(s.arch, &c));
   c.n_vocab = n_vocab, c.n_layers = s.n_layers, c.n_heads = s.n_heads;
-  c.n_kv_heads = s.n_kv_heads, c.head_dim = head_dim, c.n_ff = s.n_ff, c.rope_dim = head_dim;
+  c.n_kv_heads = s.n_kv_heads, c.head_dim = head_dim, c.n_ff = s.n_ff, c.rope_dim = rope_dim;
+  c.qkv_fused = s.fused_qkv;
   for (const WeightSpec& spec : weight_specs(c)) {
-    if (spec.name == "rope_freqs.weight") continue;
-    if (spec.name == "output.weight" && s.tied_output) continue;
+    // Of the optional tensors: the output unless tied, LongRoPE's factors where asked for.
+    const bool factors = spec.name.rfind("rope_factors_", 0) == 0;
+    if (!spec.required && !(spec.name == "output.weight" && !s.tied_output) && !(factors && s.longrope)) continue;
     int64_t numel = 1;
     for (int64_t d : spec.dims) numel *= d;
     const bool matrix = spec.dims.size() == 2;
@@ -223,10 +237,12 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
     const bool is_bias = spec.name.find(".bias") != std::string::npos;
     // Matrices ~ U with std 1/sqrt(in), norms near 1, small biases, embeddings as ModelShape says.
     const float embd_std = s.embd_std > 0 ? s.embd_std : 1.0f / c.embed_scale;
-    const float half = is_norm ? 0.1f : is_bias ? 0.1f
+    // LongRoPE divisors in [1, 3) (short) and [1, 9) (long).
+    const float half = factors ? (spec.name.find("long") != std::string::npos ? 4.0f : 1.0f)
+                       : is_norm ? 0.1f : is_bias ? 0.1f
                        : spec.name == "token_embd.weight" ? std::sqrt(3.0f) * embd_std
                                                           : std::sqrt(3.0f / float(spec.dims[0]));
-    const float center = is_norm ? 1.0f : 0.0f;
+    const float center = factors ? 1.0f + half : is_norm ? 1.0f : 0.0f;
     const uint64_t seed = name_seed(o.seed, spec.name);
     w.add_tensor(spec.name, spec.dims, dt, [=](void* dst) {
       constexpr int64_t kChunk = 1 << 20;  // convert through a bounded f32 buffer

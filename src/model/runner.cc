@@ -108,8 +108,8 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
       cpu::rms_norm(k_.data(), w.k_norm.data_as<float>(), k_.data(), total * nkv, hd, c.rms_eps);
     }
     const LayerAttention& la = m.attention(l);
-    cpu::rope(q_.data(), pos_.data(), total, c.n_heads, c.head_dim, c.rope_dim, la.inv_freq, adjacent);
-    cpu::rope(k_.data(), pos_.data(), total, c.n_kv_heads, c.head_dim, c.rope_dim, la.inv_freq, adjacent);
+    cpu::rope(q_.data(), pos_.data(), total, c.n_heads, c.head_dim, c.rope_dim, la.inv_freq, adjacent, la.rope_mscale);
+    cpu::rope(k_.data(), pos_.data(), total, c.n_kv_heads, c.head_dim, c.rope_dim, la.inv_freq, adjacent, la.rope_mscale);
     Status s = attention_batch(batch_, l, q_t, k_t, v_t, AttentionParams(la.scale, la.window, la.softcap), &att_t);
     if (!s.ok()) {
       // Layer 0 checks and reserves everything, so a later failure is unexpected; undo anyway.

@@ -39,7 +39,8 @@ TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[
   for (auto [shape, dtype] : {std::pair<const char*, DType>{"tiny", DType::kF32}, {"tiny", DType::kBF16},
                               {"tiny", DType::kF16}, {"qwen2-tiny", DType::kF32}, {"tiny", DType::kQ8_0},
                               {"qwen3-tiny", DType::kF32}, {"gemma2-tiny", DType::kF32}, {"gemma3-tiny", DType::kF32},
-                              {"llama-yarn-tiny", DType::kF32}, {"gemma3-tiny", DType::kBF16}}) {
+                              {"llama-yarn-tiny", DType::kF32}, {"phi3-tiny", DType::kF32}, {"gemma3-tiny", DType::kBF16},
+                              {"phi3-tiny", DType::kBF16}}) {
     INFO(shape << " " << dtype_name(dtype));
     testing::TinyModel cpu_model(shape, dtype);
     auto gpu_runner = CudaRunner::create(*cpu_model.model);

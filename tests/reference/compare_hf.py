@@ -124,6 +124,11 @@ def build(meta, t):
                         "original_max_position_embeddings": meta[a + "rope.scaling.original_context_length"],
                         "attention_factor": meta.get(a + "rope.scaling.attn_factor", 1.0) * (1 + 0.1 * np.log(factor)),
                         "beta_fast": 32.0, "beta_slow": 1.0}
+    if "rope_factors_short.weight" in t:  # LongRoPE (phi3), with llama.cpp's attention factor
+        rope_scaling = {"rope_type": "longrope", "short_factor": t["rope_factors_short.weight"].tolist(),
+                        "long_factor": t["rope_factors_long.weight"].tolist(),
+                        "attention_factor": meta.get(a + "rope.scaling.attn_factor", 1.0)}
+        common["original_max_position_embeddings"] = meta[a + "rope.scaling.original_context_length"]
     if rope_scaling:
         common["rope_scaling"] = rope_scaling
     gemma = arch in ("gemma2", "gemma3")
@@ -134,6 +139,9 @@ def build(meta, t):
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    elif arch == "phi3":
+        rope_dim = meta.get(a + "rope.dimension_count", head_dim)
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, partial_rotary_factor=rope_dim / head_dim))
     elif gemma:
         pattern = 2 if arch == "gemma2" else 6
         windowed = layer_windowed(meta, a, n_layers, pattern)
@@ -155,12 +163,19 @@ def build(meta, t):
     sd["lm_head.weight"] = t.get("output.weight", t["token_embd.weight"])
     for i in range(n_layers):
         b, p = f"blk.{i}.", f"model.layers.{i}."
+        sd[p + "self_attn.o_proj.weight"] = t[b + "attn_output.weight"]
+        if arch == "phi3":  # fused as transformers' Phi3 holds them: qkv_proj, gate_up_proj
+            sd[p + "self_attn.qkv_proj.weight"] = t[b + "attn_qkv.weight"]
+            sd[p + "mlp.gate_up_proj.weight"] = t[b + "ffn_up.weight"]
+            sd[p + "mlp.down_proj.weight"] = t[b + "ffn_down.weight"]
+            sd[p + "input_layernorm.weight"] = t[b + "attn_norm.weight"]
+            sd[p + "post_attention_layernorm.weight"] = t[b + "ffn_norm.weight"]
+            continue
         q, k = t[b + "attn_q.weight"], t[b + "attn_k.weight"]
         if arch == "llama":
             q, k = unpermute(q, heads), unpermute(k, kv)
         sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"] = q, k
         sd[p + "self_attn.v_proj.weight"] = t[b + "attn_v.weight"]
-        sd[p + "self_attn.o_proj.weight"] = t[b + "attn_output.weight"]
         if arch == "qwen2":
             for n in "qkv":
                 sd[p + f"self_attn.{n}_proj.bias"] = t[b + f"attn_{n}.bias"]

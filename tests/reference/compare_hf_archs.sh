@@ -8,9 +8,9 @@ set -u
 bin=${1:?usage: compare_hf_archs.sh BIN_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 dir=$(mktemp -d)
-ids=$(python3 -c 'print(" ".join(str((i * 37 + 11) % 259) for i in range(48)))')
+ids=$(python3 -c 'print(" ".join(str((i * 37 + 11) % 259) for i in range(48)))')  # every vocabulary's
 fail=0
-for shape in tiny qwen2-tiny qwen3-tiny gemma2-tiny gemma3-tiny llama-yarn-tiny; do
+for shape in tiny qwen2-tiny qwen3-tiny gemma2-tiny gemma3-tiny llama-yarn-tiny phi3-tiny; do
   for type in f32 bf16; do
     f=$dir/$shape-$type.gguf
     "$bin/combs-mkmodel" --shape "$shape" --dtype "$type" --seed 5 --out "$f" > /dev/null 2>&1 || { echo "$shape $type: combs-mkmodel failed"; fail=1; continue; }

@@ -20,7 +20,14 @@ namespace combs::testing {
 
 class ReferenceModel {
  public:
-  ReferenceModel(const gguf::GgufFile& file, const ModelConfig& config) : f_(file), c_(config) {}
+  ReferenceModel(const gguf::GgufFile& file, const ModelConfig& config) : f_(file), c_(config) {
+    // Frequency divisors: rope_freqs (Llama 3.1), else LongRoPE's long factors past the original
+    // context, its short ones below it.
+    const char* name = f_.find_tensor("rope_freqs.weight")            ? "rope_freqs.weight"
+                       : c_.context_length > c_.rope_orig_context ? "rope_factors_long.weight"
+                                                                    : "rope_factors_short.weight";
+    if (f_.find_tensor(name)) factors_ = vec(name);
+  }
 
   // Logits [tokens.size()][n_vocab] of the sequence `tokens` from position 0.
   std::vector<std::vector<double>> forward(const std::vector<int32_t>& tokens) const {
@@ -36,8 +43,15 @@ class ReferenceModel {
       const std::string b = "blk." + std::to_string(l) + ".";
       const int window = c_.window(l);
       std::vector<std::vector<double>> q(n), k(n), v(n);
-      const auto wq = matrix(b + "attn_q.weight"), wk = matrix(b + "attn_k.weight"),
-                 wv = matrix(b + "attn_v.weight");
+      std::vector<std::vector<double>> wq, wk, wv;
+      if (f_.find_tensor(b + "attn_qkv.weight")) {  // one tensor: Q's rows, K's, V's
+        const auto qkv = matrix(b + "attn_qkv.weight");
+        wq.assign(qkv.begin(), qkv.begin() + nq * hd);
+        wk.assign(qkv.begin() + nq * hd, qkv.begin() + (nq + nkv) * hd);
+        wv.assign(qkv.begin() + (nq + nkv) * hd, qkv.end());
+      } else {
+        wq = matrix(b + "attn_q.weight"), wk = matrix(b + "attn_k.weight"), wv = matrix(b + "attn_v.weight");
+      }
       const auto attn_norm = vec(b + "attn_norm.weight"), ffn_norm = vec(b + "ffn_norm.weight");
       for (int t = 0; t < n; ++t) {
         const auto h = rms_norm(x[t], attn_norm);
@@ -81,8 +95,14 @@ class ReferenceModel {
         if (c_.post_norms) o = rms_norm(o, vec(b + "post_attention_norm.weight"));
         add(x[t], o);
       }
-      const auto gate = matrix(b + "ffn_gate.weight"), up = matrix(b + "ffn_up.weight"),
-                 down = matrix(b + "ffn_down.weight");
+      std::vector<std::vector<double>> gate, up = matrix(b + "ffn_up.weight");
+      const auto down = matrix(b + "ffn_down.weight");
+      if (f_.find_tensor(b + "ffn_gate.weight")) {
+        gate = matrix(b + "ffn_gate.weight");
+      } else {  // ffn_up holds the gate's rows, then the up's
+        gate.assign(up.begin(), up.begin() + c_.n_ff);
+        up.erase(up.begin(), up.begin() + c_.n_ff);
+      }
       for (int t = 0; t < n; ++t) {
         const auto h = rms_norm(x[t], ffn_norm);
         auto g = matvec(gate, h);
@@ -206,7 +226,7 @@ class ReferenceModel {
     const double base = local ? c_.rope_freq_base_swa : c_.rope_freq_base;
     const RopeScaling scaling = local ? RopeScaling::kNone : c_.rope_scaling;
     const double fs = 1.0 / c_.rope_scale_factor;
-    double mscale = scaling == RopeScaling::kNone ? 1.0 : c_.rope_attn_factor;
+    double mscale = c_.rope_attn_factor;  // llama.cpp multiplies every rotation by it
     double low = 0, high = 0;
     if (scaling == RopeScaling::kYarn) {
       auto corr = [&](double n_rot) {
@@ -217,7 +237,7 @@ class ReferenceModel {
       mscale *= 1.0 + 0.1 * std::log(1.0 / fs);
     }
     for (int i = 0; i < half; ++i) {
-      double theta = pos * std::pow(base, -2.0 * i / d);
+      double theta = pos * std::pow(base, -2.0 * i / d) / (factors_.empty() ? 1.0 : factors_[i]);
       if (scaling == RopeScaling::kLinear) theta *= fs;
       if (scaling == RopeScaling::kYarn) {
         const double ramp = 1.0 - std::clamp((i - low) / std::max(0.001, high - low), 0.0, 1.0);
@@ -233,6 +253,7 @@ class ReferenceModel {
 
   const gguf::GgufFile& f_;
   ModelConfig c_;
+  std::vector<double> factors_;
 };
 
 }  // namespace combs::testing

@@ -55,14 +55,17 @@ Status validate_kv_geometry(const KVGeometry& geometry);
 // How a layer attends, besides its caches and tensors: the scores' scale, a sliding window (the
 // query at position p sees the keys at p - window < k <= p, itself included, as llama.cpp's
 // standard window; 0: every earlier key) and a softcap (scaled scores s -> softcap *
-// tanh(s / softcap); 0: none). A bare float is the scale of plain causal attention.
+// tanh(s / softcap); 0: none). A bare float is the scale of plain causal attention. rope_mscale:
+// with an attention step's RoPE, the rotated dims of q and k are multiplied by it (RoPE scaling's
+// magnitude correction; only the rotated ones, as ggml and transformers do with partial rotary).
 struct AttentionParams {
   float scale = 1.0f;
   int64_t window = 0;
   float softcap = 0.0f;
+  float rope_mscale = 1.0f;
   AttentionParams() = default;
   AttentionParams(float s) : scale(s) {}  // NOLINT(google-explicit-constructor): a scale is a params
-  AttentionParams(float s, int64_t w, float c) : scale(s), window(w), softcap(c) {}
+  AttentionParams(float s, int64_t w, float c, float m = 1.0f) : scale(s), window(w), softcap(c), rope_mscale(m) {}
 };
 
 // One sequence of a batched attention call: its cache, the position of its first new token, and

@@ -9,7 +9,8 @@
 // `qwen3` (per-head RMSNorm of q and k), `gemma2` (embeddings scaled, norms after each sublayer,
 // GELU, attention and final logit softcapping, every other layer sliding-window) and `gemma3` (as
 // gemma2 with q/k norms instead of the attention softcap, five of six layers sliding-window with
-// their own RoPE base). Standard llama.cpp tensor names and metadata keys, read as llama.cpp reads
+// their own RoPE base) and `phi3` (Q/K/V fused in attn_qkv, gate and up in ffn_up, partial rotary,
+// LongRoPE factors). Standard llama.cpp tensor names and metadata keys, read as llama.cpp reads
 // them (its gemma converters store norm weights already offset by one, so they load unchanged). Weights keep their own dtype (F32, F16, BF16
 // or Q8_0) and are copied from the file into huge-page memory at load; norms and biases are F32.
 //
@@ -61,6 +62,9 @@ struct ModelConfig {
   bool qkv_bias = false;     // attn_q/k/v.bias
   bool qk_norm = false;      // attn_q_norm / attn_k_norm: RMSNorm of every q and k head before RoPE
   bool post_norms = false;   // post_attention_norm / post_ffw_norm on each sublayer's output
+  bool qkv_fused = false;    // the file has attn_qkv (Q, K, V rows in one tensor) for attn_q/k/v
+  bool gate_up_fused = false;  // ffn_up holds the gate's rows then the up's (phi3), no ffn_gate
+  bool rope_factors_long = false;  // LongRoPE: the long factors (context_length > rope_orig_context)
   Activation activation = Activation::kSilu;
   float embed_scale = 1.0f;    // the embeddings are multiplied by this (gemma: sqrt(n_embd))
   float attn_scale = 0.0f;     // the scores' scale: 1/sqrt(head_dim), or what the architecture implies
@@ -93,6 +97,7 @@ Status apply_architecture(std::string_view name, ModelConfig* config);
 struct LayerWeights {
   Tensor attn_norm;           // [n_embd] f32
   Tensor wq, wk, wv, wo;      // [n_heads*hd, n_embd], [n_kv*hd, n_embd] x2, [n_embd, n_heads*hd]
+                              // (row views of attn_qkv where the file fuses them; w_gate, w_up of ffn_up)
   Tensor bq, bk, bv;          // qkv_bias: f32 biases
   Tensor q_norm, k_norm;      // qk_norm: [head_dim] f32
   Tensor post_attn_norm;      // post_norms: [n_embd] f32
@@ -101,11 +106,12 @@ struct LayerWeights {
   Tensor post_ffn_norm;       // post_norms: [n_embd] f32
 };
 
-// How one layer attends, resolved at load: the scores' scale (with RoPE scaling's magnitude
-// correction folded in: q and k would each be multiplied by mscale, so the scores are by mscale^2),
-// the window, the softcap, and its RoPE frequencies (rope_dim / 2 of them, host memory).
+// How one layer attends, resolved at load: the scores' scale, the window, the softcap, its RoPE
+// frequencies (rope_dim / 2 of them, host memory) and the magnitude its rotated dims take (RoPE
+// scaling's correction: not foldable into the scale where only part of each head rotates).
 struct LayerAttention {
   float scale = 1.0f;
+  float rope_mscale = 1.0f;
   int window = 0;
   float softcap = 0.0f;
   bool local = false;  // windowed: the local RoPE table
@@ -126,6 +132,7 @@ class Model {
   Tensor output_norm;  // [n_embd] f32
   Tensor output;       // [n_vocab, n_embd]; the same as tok_embd when tied
   Tensor rope_freqs;   // optional [rope_dim / 2] f32 frequency divisors (Llama 3.1 style scaling)
+  // (LongRoPE's rope_factors_long / _short are read into the RoPE tables at load.)
   std::vector<LayerWeights> layers;
 
   // Bytes of weights one decode step reads (every matrix once, one embedding row).

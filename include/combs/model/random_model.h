@@ -34,10 +34,13 @@ struct ModelShape {
   float rope_scale_factor = 0.0f;  // rope.scaling.factor
   int64_t rope_orig_context = 0;   // rope.scaling.original_context_length
   float rope_attn_factor = 0.0f;   // rope.scaling.attn_factor
+  int rope_dim = 0;                // rope.dimension_count; 0: head_dim (partial rotary below it)
+  bool fused_qkv = false;          // attn_qkv instead of attn_q, attn_k, attn_v
+  bool longrope = false;           // rope_factors_long / rope_factors_short (LongRoPE)
 };
 
 // Tiny shapes for tests (head_dim 64, small windows so that short contexts cross them): "tiny"
-// (llama), "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny"; real
+// (llama), "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny"; real
 // shapes for benchmarks: "llama-1b" (Llama-3.2-1B), "llama-8b" (Llama-3.1-8B), "qwen3-8b"
 // (Qwen3-8B), "gemma3-4b" (Gemma-3-4B).
 StatusOr<ModelShape> named_shape(std::string_view name);
@@ -50,7 +53,7 @@ struct RandomModelOptions {
   const QuantMix* mix = nullptr;
   uint64_t seed = 1;
   // A GGUF whose tokenizer.* metadata (vocabulary) is copied; empty: the built-in byte-level
-  // vocabulary (<unk>, <s>, </s> and the 256 byte tokens <0x00>..<0xFF>).
+  // vocabulary (<unk>, <s>, </s> and the 256 byte tokens <0x00>..<0xFF>; phi3 adds <|endoftext|>).
   std::string vocab_path;
   // Written as tokenizer.chat_template (over a template the vocabulary file carries); empty: none
   // but the vocabulary's.

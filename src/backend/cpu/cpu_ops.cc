@@ -234,7 +234,7 @@ void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_
 }
 
 void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
-          const float* inv_freq, bool adjacent_pairs) {
+          const float* inv_freq, bool adjacent_pairs, float mscale) {
   const int half = rope_dim / 2;
   thread_local std::vector<float> cs, sn;
   cs.resize(static_cast<size_t>(half));
@@ -242,8 +242,8 @@ void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_
   for (int64_t t = 0; t < n_tokens; ++t) {
     for (int i = 0; i < half; ++i) {
       const float angle = static_cast<float>(pos[t]) * inv_freq[i];
-      cs[i] = static_cast<float>(std::cos(static_cast<double>(angle)));
-      sn[i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+      cs[i] = static_cast<float>(std::cos(static_cast<double>(angle))) * mscale;
+      sn[i] = static_cast<float>(std::sin(static_cast<double>(angle))) * mscale;
     }
     for (int h = 0; h < n_heads; ++h) {
       float* v = x + (t * n_heads + h) * head_dim;

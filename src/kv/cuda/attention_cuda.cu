@@ -89,6 +89,7 @@ struct RopeDev {
   const float* inv_freq;
   int rope_dim;
   bool adjacent;
+  float mscale = 1.0f;  // the rotated dims' magnitude (AttentionParams::rope_mscale)
 };
 
 // grid (tokens, n_kv); block: head_dim threads (rounded up to a warp). Writes token t's K/V head h
@@ -112,7 +113,7 @@ __global__ void write_kv_kernel(const Meta M, float* __restrict__ q, const float
     const float angle = static_cast<float>(p) * rope.inv_freq[i];
     double sn, cs;
     sincos(static_cast<double>(angle), &sn, &cs);
-    c = static_cast<float>(cs), sf = static_cast<float>(sn);
+    c = static_cast<float>(cs) * rope.mscale, sf = static_cast<float>(sn) * rope.mscale;  // as cpu::rope
   }
   cuda::pdl_launch_dependents();
   cuda::pdl_wait();  // q, k, v come from the projection before
@@ -946,6 +947,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   const LayerDev L{static_cast<int>(params.window), params.softcap * kLog2e};
   RopeDev rope = rope_;
   if (inv_freq && rope.inv_freq) rope.inv_freq = inv_freq;
+  rope.mscale = params.rope_mscale;
   if (k.dtype() != DType::kF32 || v.dtype() != DType::kF32 || (out && (q.dtype() != DType::kF32 || out->dtype() != DType::kF32))) {
     return invalid_argument_error("attention (cuda): q, k, v and out must be f32");
   }

@@ -434,7 +434,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, k, nullptr, w.k_norm.data_as<float>(), k, total * nkv, hd, c.rms_eps));
       }
       const LayerAttention& la = m.attention(l);
-      COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, AttentionParams(la.scale, la.window, la.softcap), att_t,
+      COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, AttentionParams(la.scale, la.window, la.softcap, la.rope_mscale), att_t,
                                        la.local ? I.inv_freq_local.data_as<float>() : nullptr));
       if (fused) {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));

@@ -33,9 +33,10 @@ void rms_norm(const float* x, const float* weight, float* y, int64_t n, int64_t 
 // optional). adjacent_pairs: pairs (2i, 2i+1), else (i, i + rope_dim / 2).
 void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
           float freq_base, const float* freq_factors, bool adjacent_pairs);
-// As above with the frequencies given (rope_inv_freq's).
+// As above with the frequencies given (rope_inv_freq's), the rotated dims multiplied by mscale
+// (RoPE scaling's magnitude correction, ggml's attn_factor; the others pass unchanged).
 void rope(float* x, const int32_t* pos, int64_t n_tokens, int n_heads, int head_dim, int rope_dim,
-          const float* inv_freq, bool adjacent_pairs);
+          const float* inv_freq, bool adjacent_pairs, float mscale = 1.0f);
 // The rotation frequencies rope uses: inv_freq[i] = 1 / base^(2i / rope_dim) / freq_factors[i],
 // i < rope_dim / 2 (the CUDA K/V append's RoPE takes them from here, so both rotate by the same
 // f32 angles: at position 30k a 1-ulp difference in a frequency moves the angle by 2e-3).
