@@ -19,7 +19,8 @@ def combs_row(path, shape):
     """combs-bench gpu's table row of `shape` as a dict of its figures."""
     for line in open(path):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells and cells[0] == shape and len(cells) >= 9:
+        # the row names the file: SHAPE, or SHAPE-DTYPE-VOCAB as combs-bench writes it
+        if cells and (cells[0] == shape or cells[0].startswith(shape + "-bf16-")) and len(cells) >= 9:
             return {"bound": float(cells[2]), "decode": float(cells[3]), "prefill": float(cells[7]),
                     "sessions": float(cells[8])}
     raise ValueError(f"{path}: no row for {shape}")

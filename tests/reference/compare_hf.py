@@ -141,7 +141,8 @@ def build(meta, t):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
     elif arch == "phi3":
         rope_dim = meta.get(a + "rope.dimension_count", head_dim)
-        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, partial_rotary_factor=rope_dim / head_dim))
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, partial_rotary_factor=rope_dim / head_dim,
+                                                                     pad_token_id=None))  # its default, 32000, is past a tiny vocabulary
     elif gemma:
         pattern = 2 if arch == "gemma2" else 6
         windowed = layer_windowed(meta, a, n_layers, pattern)
