@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <functional>
 #include <fstream>
 #include <iterator>
 
@@ -167,6 +168,54 @@ TEST_CASE("model files with a wrong architecture or missing or misshapen tensors
   const Status shape = Model::load(dir.file("bad.gguf")).status();
   CHECK_THAT(shape.message(), Catch::Contains("shape") && Catch::Contains("ffn_gate"));
   CHECK(Model::load(dir.file("does-not-exist.gguf")).status().code() == StatusCode::kNotFound);
+}
+
+TEST_CASE("every architecture's missing or inconsistent keys and tensors are refused by name", "[model]") {
+  TempDir dir;
+  // A shape's f32 file changed by `patch`: Model::load's status.
+  auto load_changed = [&](const char* shape, const std::function<void(std::vector<char>&)>& patch) {
+    RandomModelOptions o;
+    o.shape = std::move(named_shape(shape)).value();
+    o.dtype = DType::kF32;
+    const std::string path = dir.file(std::string(shape) + ".gguf");
+    REQUIRE(write_random_model(o, path).ok());
+    REQUIRE(Model::load(path).ok());
+    auto bytes = read_all(path);
+    patch(bytes);
+    write_all(dir.file("bad.gguf"), bytes);
+    return Model::load(dir.file("bad.gguf")).status();
+  };
+  // ... with `from` replaced by `to` (same length) once.
+  auto load_patched = [&](const char* shape, const std::string& from, const std::string& to) {
+    REQUIRE(from.size() == to.size());
+    return load_changed(shape, [&](std::vector<char>& bytes) { std::memcpy(bytes.data() + find(bytes, from), to.data(), to.size()); });
+  };
+  const Status q_norm = load_patched("qwen3-tiny", "blk.1.attn_q_norm.weight", "blk.1.attn_q_norX.weight");
+  CHECK_THAT(q_norm.message(), Catch::Contains("blk.1.attn_q_norm.weight") && Catch::Contains("missing"));
+  const Status post = load_patched("gemma2-tiny", "blk.3.post_ffw_norm.weight", "blk.3.post_ffw_norX.weight");
+  CHECK_THAT(post.message(), Catch::Contains("blk.3.post_ffw_norm.weight") && Catch::Contains("missing"));
+  // RoPE scaling "linear" -> "cubicx": named with the choices.
+  const Status scaling = load_patched("gemma3-tiny", "linear", "cubicx");
+  CHECK(scaling.code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(scaling.message(), Catch::Contains("rope.scaling.type") && Catch::Contains("cubicx") && Catch::Contains("yarn"));
+  // A softcap of 2.0 -> -2.0 (the f32 after its key and type).
+  const Status softcap = load_changed("gemma2-tiny", [](std::vector<char>& bytes) {
+    const std::string key = "gemma2.attn_logit_softcapping";
+    const size_t at = find(bytes, key) + key.size() + 4;
+    float v;
+    std::memcpy(&v, bytes.data() + at, 4);
+    REQUIRE(v == 2.0f);
+    v = -2.0f;
+    std::memcpy(bytes.data() + at, &v, 4);
+  });
+  CHECK_THAT(softcap.message(), Catch::Contains("attn_logit_softcapping") && Catch::Contains("range"));
+  // phi3: layer 0 fuses Q/K/V, so every layer must.
+  const Status qkv = load_patched("phi3-tiny", "blk.1.attn_qkv.weight", "blk.1.attn_qkx.weight");
+  CHECK_THAT(qkv.message(), Catch::Contains("blk.1.attn_qkv.weight") && Catch::Contains("missing"));
+  // An architecture combs does not describe names the ones it does.
+  const Status arch = load_patched("phi3-tiny", std::string("\x04\x00\x00\x00\x00\x00\x00\x00phi3", 12),
+                                   std::string("\x04\x00\x00\x00\x00\x00\x00\x00phi4", 12));
+  CHECK_THAT(arch.message(), Catch::Contains("'phi4' is not supported") && Catch::Contains("gemma3"));
 }
 
 namespace {
