@@ -40,7 +40,9 @@ TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[
                               {"tiny", DType::kF16}, {"qwen2-tiny", DType::kF32}, {"tiny", DType::kQ8_0},
                               {"qwen3-tiny", DType::kF32}, {"gemma2-tiny", DType::kF32}, {"gemma3-tiny", DType::kF32},
                               {"llama-yarn-tiny", DType::kF32}, {"phi3-tiny", DType::kF32}, {"gemma3-tiny", DType::kBF16},
-                              {"phi3-tiny", DType::kBF16}}) {
+                              {"phi3-tiny", DType::kBF16}, {"gemma2-tiny", DType::kBF16}}) {
+    // (qwen3-tiny in bf16 parts at token 28 with its logits within the tolerance, on the fused
+    // decode path and on the general one alike: a near-tie of bf16 rounding.)
     INFO(shape << " " << dtype_name(dtype));
     testing::TinyModel cpu_model(shape, dtype);
     auto gpu_runner = CudaRunner::create(*cpu_model.model);

@@ -400,8 +400,9 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     // their output (x += W a): no separate norm or add kernels. (Every layer's projections: a
     // mixed file's layers differ in their types.) The gate/up pair must be one tensor whose
     // output the down projection takes as it is.
-    // (Architectures with norms or an activation the fused kernels lack take the general path.)
-    bool fused = !c.qk_norm && !c.post_norms && c.activation == Activation::kSilu;
+    // (Architectures with post norms or an activation the fused kernels lack take the general
+    // path; q/k norms run on the projections' outputs either way.)
+    bool fused = !c.post_norms && c.activation == Activation::kSilu;
     for (const Impl::Layer& w : I.layers) {
       fused = fused && decode_fused(w.wqkv, total) && decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 &&
               cuda::decode_fused(w.wo, total) && cuda::decode_fused(w.w_down, total) &&
