@@ -408,12 +408,12 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
   for (int l = 0; l < c.n_layers; ++l) {
     LayerAttention a;
     a.window = c.window(l);
-    a.local = a.window > 0;
-    const float mscale = a.local ? local.mscale : global.mscale;
+    const bool windowed = a.window > 0;
+    const float mscale = windowed ? local.mscale : global.mscale;
     a.scale = c.attn_scale;
     a.rope_mscale = mscale;
     a.softcap = c.attn_softcap;
-    a.inv_freq = m->inv_freq_[a.local ? 1 : 0].data();
+    a.inv_freq = m->inv_freq_[windowed ? 1 : 0].data();
     m->attention_.push_back(a);
   }
   return m;

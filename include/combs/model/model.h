@@ -106,15 +106,14 @@ struct LayerWeights {
   Tensor post_ffn_norm;       // post_norms: [n_embd] f32
 };
 
-// How one layer attends, resolved at load: the scores' scale, the window, the softcap, its RoPE
-// frequencies (rope_dim / 2 of them, host memory) and the magnitude its rotated dims take (RoPE
+// How one layer attends, resolved at load: the scores' scale, the window (windowed layers rotate
+// by the local RoPE table: Model::rope_inv_freq(true)), the softcap, its RoPE frequencies (rope_dim / 2 of them, host memory) and the magnitude its rotated dims take (RoPE
 // scaling's correction: not foldable into the scale where only part of each head rotates).
 struct LayerAttention {
   float scale = 1.0f;
   float rope_mscale = 1.0f;
   int window = 0;
   float softcap = 0.0f;
-  bool local = false;  // windowed: the local RoPE table
   const float* inv_freq = nullptr;
 };
 

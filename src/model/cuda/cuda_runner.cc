@@ -436,7 +436,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       }
       const LayerAttention& la = m.attention(l);
       COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, AttentionParams(la.scale, la.window, la.softcap, la.rope_mscale), att_t,
-                                       la.local ? I.inv_freq_local.data_as<float>() : nullptr));
+                                       la.window > 0 ? I.inv_freq_local.data_as<float>() : nullptr));
       if (fused) {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));
         // silu(gate) * up in the weights' dtype, over the gate buffer (half its bytes).
