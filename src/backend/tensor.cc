@@ -11,10 +11,12 @@ namespace combs {
 struct TensorStorage {
   Backend* backend = nullptr;
   void* ptr = nullptr;
+  bool host = false;  // Backend::alloc_host()'s
 
-  TensorStorage(Backend* b, void* p) : backend(b), ptr(p) {}
+  TensorStorage(Backend* b, void* p, bool h = false) : backend(b), ptr(p), host(h) {}
   ~TensorStorage() {
-    if (backend) backend->raw_free(ptr);
+    if (backend && host) backend->raw_free_host(ptr);
+    else if (backend) backend->raw_free(ptr);
   }
   TensorStorage(const TensorStorage&) = delete;
   TensorStorage& operator=(const TensorStorage&) = delete;
@@ -83,7 +85,11 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
   return t;
 }
 
-StatusOr<Tensor> Backend::alloc(Shape shape, DType dtype) {
+StatusOr<Tensor> Backend::alloc(Shape shape, DType dtype) { return allocate(shape, dtype, false); }
+
+StatusOr<Tensor> Backend::alloc_host(Shape shape, DType dtype) { return allocate(shape, dtype, true); }
+
+StatusOr<Tensor> Backend::allocate(Shape shape, DType dtype, bool host) {
   for (int i = 0; i < shape.rank(); ++i) {
     if (shape[i] < 0) return invalid_argument_error("negative dimension in shape " + shape.to_string());
   }
@@ -92,17 +98,17 @@ StatusOr<Tensor> Backend::alloc(Shape shape, DType dtype) {
                                   std::string(dtype_name(dtype)) + " blocks");
   }
   const size_t bytes = nbytes_for(dtype, shape.numel());
-  void* p = raw_alloc(bytes == 0 ? 1 : bytes);
+  void* p = host ? raw_alloc_host(bytes == 0 ? 1 : bytes) : raw_alloc(bytes == 0 ? 1 : bytes);
   if (p == nullptr) {
     return resource_exhausted_error(std::string(name()) + " backend: cannot allocate " +
-                                    std::to_string(bytes) + " bytes for a tensor of shape " +
-                                    shape.to_string());
+                                    std::to_string(bytes) + (host ? " bytes of host memory" : " bytes") +
+                                    " for a tensor of shape " + shape.to_string());
   }
   Tensor t;
-  t.storage_ = std::make_shared<TensorStorage>(this, p);
+  t.storage_ = std::make_shared<TensorStorage>(this, p, host);
   t.shape_ = shape;
   t.dtype_ = dtype;
-  t.device_ = device_type();
+  t.device_ = host ? DeviceType::kCpu : device_type();
   return t;
 }
 

@@ -11,6 +11,7 @@
 
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/chat/jinja.h"
+#include "combs/kv/host_page_pool.h"
 #include "combs/kv/paged_kv_cache.h"
 #include "combs/kv/prefix_cache.h"
 #include "combs/model/runner.h"
@@ -44,11 +45,63 @@ struct Active {
   std::vector<int32_t> generated;
   Usage usage;
   bool counted_cache = false;  // usage.cached_tokens set and the prefix cache looked up
+  std::optional<Clock::time_point> waiting_since;  // when it last made progress, while it waits
   size_t history_before = 0;  // a request that fails leaves the session as it found it
   Clock::time_point arrival = Clock::now();  // when it was accepted: its claim on pages
   // A chat turn's: the conversation it rendered and the rendering (the reply joins them at the end).
   std::optional<nlohmann::ordered_json> chat_conversation;
   std::string chat_rendering;
+};
+
+// A session's copy of history[0, len) in the host tier: pages[i] holds positions
+// [i * page_size, (i + 1) * page_size). Its references go with it.
+class HostCopy {
+ public:
+  HostCopy() = default;
+  HostCopy(const HostCopy&) = delete;
+  HostCopy& operator=(const HostCopy&) = delete;
+  ~HostCopy() { clear(); }
+
+  bool empty() const { return len_ == 0; }
+  int64_t len() const { return len_; }
+  std::span<const int32_t> pages() const { return pages_; }
+  Clock::time_point stored() const { return stored_; }
+  // Takes over the references of `pages`, holding positions [0, len).
+  void set(HostPagePool& pool, std::vector<int32_t> pages, int64_t len) {
+    clear();
+    pool_ = &pool;
+    pages_ = std::move(pages);
+    len_ = len;
+    stored_ = Clock::now();
+  }
+  // Keeps positions [0, min(len, n)) (a history cut to n).
+  void trim(int64_t n) {
+    if (n >= len_) return;
+    len_ = n;
+    const auto keep = static_cast<size_t>(pages_for_tokens(n, pool_->device().page_size()));
+    while (pages_.size() > keep) {
+      pool_->release(pages_.back());
+      pages_.pop_back();
+    }
+    if (len_ == 0) pool_ = nullptr;
+  }
+  void clear() { trim(0); }
+  // Shares o's copy (a fork).
+  void share(const HostCopy& o) {
+    clear();
+    if (o.empty()) return;
+    for (int32_t p : o.pages_) o.pool_->retain(p);
+    pool_ = o.pool_;
+    pages_ = o.pages_;
+    len_ = o.len_;
+    stored_ = o.stored_;
+  }
+
+ private:
+  HostPagePool* pool_ = nullptr;
+  std::vector<int32_t> pages_;
+  int64_t len_ = 0;
+  Clock::time_point stored_;
 };
 
 struct Session {
@@ -74,6 +127,9 @@ struct Session {
   // needed, cut where the history shrinks); chain_root is link 0 (the model and the namespace).
   Digest chain_root{};
   std::vector<Digest> chain;
+  // Positions whose K/V moved to the host tier: beyond the cache (which holds a prefix of them, or
+  // none), copied back on the next use; trimmed with the history.
+  HostCopy host;
 };
 
 SessionRecord record_of(const Session& s) {
@@ -117,6 +173,7 @@ struct Engine::Impl {
   CpuBackend backend;                    // the CPU runner's
   std::unique_ptr<ModelRunner> runner;   // its backend holds the pool's memory: declared first,
   std::unique_ptr<PagePool> pool;        // destroyed after the pool
+  std::unique_ptr<HostPagePool> host;    // the host tier; null: none (or it does not pay)
   std::unique_ptr<PrefixCache> prefix;   // null when off; goes before the pool
   std::string model_fingerprint;
 
@@ -130,7 +187,9 @@ struct Engine::Impl {
   int64_t evictions = 0, steps = 0;
   int64_t waiting = 0, batch_sequences = 0, batch_tokens = 0, forward_tokens = 0;  // for stats()
   int64_t prefix_lookups = 0, prefix_hits = 0, prefix_hit_tokens = 0;
-  int64_t preemptions = 0;
+  int64_t preemptions = 0, queue_timeouts = 0;
+  int64_t host_offloads = 0, host_restores = 0, host_restored_tokens = 0, host_copies_dropped = 0;
+  double host_prefill_us_per_token = 0.0, host_copy_us_per_token = 0.0;
   // The arrival of the earliest request that waited for pages while holding some (see step()).
   std::optional<Clock::time_point> page_priority;
   Status abort;  // set by abort_generating(); the scheduler ends the running requests with it
@@ -200,6 +259,16 @@ struct Engine::Impl {
   void step(std::unique_lock<std::mutex>& lock);
   void sweep_expired();
   bool evict_one_idle(const std::set<Session*>& keep);
+  // Moves s's pages to the host tier (as many leading pages as it has room for, dropping the
+  // least recently stored copies of other sessions first) and empties its cache; without a tier,
+  // or if the copy fails, the pages are only dropped.
+  void offload(Session& s);
+  // Copies s's host copy back after its cache (which must end at a page boundary), up to the
+  // history's last position (computed for its logits), into at most `spare` new pages; the
+  // positions restored. The copy goes once the cache holds it all, or when it is of no more use.
+  int64_t restore(Session& s, int64_t spare);
+  // At start: prefill time against copy time per token; drops the tier when it does not pay.
+  Status calibrate_host_tier();
   void finish(Session& s, FinishKind kind, Status status,
               std::vector<std::pair<EventSink, GenerateEvent>>& out);
 };
@@ -234,6 +303,44 @@ StatusOr<std::unique_ptr<Session>> Engine::Impl::session_from(SessionRecord r, c
   if (prefix) s->chain_root = prefix->chain_root(model_fingerprint, s->options.cache_namespace);
   s->last_used = Clock::now();
   return s;
+}
+
+Status Engine::Impl::calibrate_host_tier() {
+  // A prefill of a few chunks' positions, the second of two (the first warms the kernels up),
+  // against storing the same positions' pages to the host and loading them back.
+  const int ps = pool->page_size();
+  const int64_t cap = std::min({pool->num_pages(), host->num_pages(), int64_t{16}}) * ps;
+  const int64_t n = std::min({int64_t{256}, cap, options.max_context});
+  if (n < 2) return ok_status();  // too small to measure: keep the tier
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  const int32_t V = model->config().n_vocab;
+  for (int64_t i = 0; i < n; ++i) tokens[i] = static_cast<int32_t>((i * 7919 + 1) % V);
+  COMBS_ASSIGN_OR_RETURN(std::unique_ptr<PagedKVCache> cache, PagedKVCache::create(*pool, n));
+  double prefill_s = 0.0;
+  for (int round = 0; round < 2; ++round) {
+    cache->reset();
+    const SequenceInput in{cache.get(), tokens};
+    const auto t0 = Clock::now();
+    COMBS_RETURN_IF_ERROR(runner->forward({&in, 1}, logits.data()));
+    prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  std::vector<int32_t> device_pages(cache->page_table().begin(), cache->page_table().end());
+  std::vector<int32_t> host_pages;
+  for (size_t i = 0; i < device_pages.size(); ++i) host_pages.push_back(*host->alloc());  // free at start
+  double copy_s = 0.0;
+  Status st;
+  for (int round = 0; round < 2 && st.ok(); ++round) {
+    const auto t0 = Clock::now();
+    st = host->store(device_pages, host_pages);
+    if (st.ok()) st = host->load(host_pages, device_pages);
+    copy_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  for (int32_t p : host_pages) host->release(p);
+  COMBS_RETURN_IF_ERROR(st);
+  host_prefill_us_per_token = prefill_s * 1e6 / static_cast<double>(n);
+  host_copy_us_per_token = copy_s * 1e6 / static_cast<double>(n);
+  if (host_copy_us_per_token >= host_prefill_us_per_token) host.reset();  // recomputing is cheaper
+  return ok_status();
 }
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -282,6 +389,13 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   }
   PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size, pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, kv_bytes)};
   COMBS_ASSIGN_OR_RETURN(impl->pool, PagePool::create(impl->runner->backend(), po));
+  if (o.host_kv_memory_bytes < 0) return invalid_argument_error("engine: host_kv_memory_bytes must be >= 0");
+  if (o.host_kv_memory_bytes > 0) {
+    const int64_t pages = o.host_kv_memory_bytes / page_bytes(po.geometry, po.page_size);
+    COMBS_ASSIGN_OR_RETURN(impl->host, HostPagePool::create(*impl->pool, pages));
+    impl->logits.resize(c.n_vocab);
+    if (o.host_kv_restore == EngineOptions::HostRestore::kAuto) COMBS_RETURN_IF_ERROR(impl->calibrate_host_tier());
+  }
   impl->model_fingerprint = to_hex(impl->model->file().fingerprint());
   if (o.prefix_cache) impl->prefix = std::make_unique<PrefixCache>(*impl->pool);
   for (SessionRecord& r : impl->options.restore) {  // a journal's sessions: histories, no pages
@@ -474,6 +588,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::chat(const SessionId& id, Chat
     const int64_t cached = s->cache->seq_len();
     if (cached > static_cast<int64_t>(keep)) s->cache->popn(cached - static_cast<int64_t>(keep));
     m.trim_chain(*s);
+    s->host.trim(static_cast<int64_t>(keep));
     if (m.options.journal) m.options.journal->truncate(s->id, static_cast<int64_t>(keep));
     s->chat_text_valid = false;
     ++s->edits;
@@ -537,6 +652,7 @@ StatusOr<int64_t> Engine::rollback(const SessionId& id, int64_t n) {
   const int64_t cached = s->cache->seq_len();
   if (cached > len - n) s->cache->popn(cached - (len - n));
   impl_->trim_chain(*s);
+  s->host.trim(len - n);
   if (impl_->options.journal && n > 0) impl_->options.journal->truncate(s->id, len - n);
   s->last_used = Clock::now();
   if (n > 0) {
@@ -552,6 +668,7 @@ Status Engine::reset(const SessionId& id) {
   s->history.clear();
   s->cache->reset();
   s->chain.clear();
+  s->host.clear();
   if (impl_->options.journal) {
     impl_->options.journal->truncate(s->id, 0);
     impl_->options.journal->set_conversation(s->id, nlohmann::ordered_json::array());
@@ -566,6 +683,9 @@ Status Engine::reset(const SessionId& id) {
 
 StatusOr<SessionId> Engine::fork(const SessionId& id) {
   std::unique_lock<std::mutex> lock(impl_->mu);
+  // Copies on the device (the partly filled page, an eviction's move to the host tier) wait for a
+  // forward in progress: they share its stream, which may be capturing a CUDA graph.
+  impl_->forward_done.wait(lock, [&] { return !impl_->in_forward; });
   COMBS_ASSIGN_OR_RETURN(Session * s, impl_->idle(id));
   if (static_cast<int>(impl_->sessions.size()) >= impl_->options.max_sessions) {
     return resource_exhausted_error("fork: the limit of " + std::to_string(impl_->options.max_sessions) + " sessions is reached");
@@ -586,6 +706,7 @@ StatusOr<SessionId> Engine::fork(const SessionId& id) {
   child->chat_text_valid = s->chat_text_valid;
   child->chain_root = s->chain_root;
   child->chain = s->chain;
+  child->host.share(s->host);
   child->parent = s->id;
   if (impl_->options.journal) impl_->options.journal->put(record_of(*child));
   child->cache = std::move(forked).value();
@@ -693,6 +814,18 @@ EngineStats Engine::stats() {
   st.pages_cached = impl_->pool->num_cached();
   st.pages_reclaimable = impl_->pool->num_reclaimable();
   st.cached_pages_reclaimed = impl_->pool->num_reclaimed();
+  st.queue_timeouts = impl_->queue_timeouts;
+  if (impl_->host) {
+    st.host_pages_total = impl_->host->num_pages();
+    st.host_pages_used = impl_->host->num_used();
+  }
+  st.host_tier_active = impl_->host != nullptr;
+  st.host_offloads = impl_->host_offloads;
+  st.host_restores = impl_->host_restores;
+  st.host_restored_tokens = impl_->host_restored_tokens;
+  st.host_copies_dropped = impl_->host_copies_dropped;
+  st.host_prefill_us_per_token = impl_->host_prefill_us_per_token;
+  st.host_copy_us_per_token = impl_->host_copy_us_per_token;
   return st;
 }
 
@@ -752,6 +885,32 @@ Status Engine::check_invariants() {
                           std::to_string(reclaimable));
   }
   if (m.prefix && !m.prefix->consistent()) return internal_error("the prefix cache's index and the pool's marks differ");
+  // The host tier: every host page's count is the sessions sharing it; copies within histories.
+  std::map<int32_t, int32_t> host_holders;
+  for (auto& [id, s] : m.sessions) {
+    if (s->host.len() > static_cast<int64_t>(s->history.size())) {
+      return internal_error("session " + id + "'s host copy holds more positions than its history");
+    }
+    if (static_cast<int64_t>(s->host.pages().size()) != pages_for_tokens(s->host.len(), ps)) {
+      return internal_error("session " + id + "'s host copy has pages beyond its positions");
+    }
+    if (!s->host.empty() && !m.host) return internal_error("session " + id + " has a host copy without a host tier");
+    for (int32_t p : s->host.pages()) ++host_holders[p];
+  }
+  if (m.host) {
+    for (int32_t p = 0; p < m.host->num_pages(); ++p) {
+      const auto it = host_holders.find(p);
+      const int32_t held = it == host_holders.end() ? 0 : it->second;
+      if (m.host->refcount(p) != held) {
+        return internal_error("host page " + std::to_string(p) + " has " + std::to_string(m.host->refcount(p)) +
+                              " references, " + std::to_string(held) + " sessions hold it");
+      }
+    }
+    if (m.host->num_used() != static_cast<int64_t>(host_holders.size())) {
+      return internal_error("host pages in use " + std::to_string(m.host->num_used()) + " != distinct pages held " +
+                            std::to_string(host_holders.size()));
+    }
+  }
   if (!m.prefix && pool.num_cached() != 0) return internal_error("pages are cached with the prefix cache off");
   return ok_status();
 }
@@ -774,6 +933,7 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
     const int64_t cached = s.cache->seq_len();
     if (cached > static_cast<int64_t>(a.history_before)) s.cache->popn(cached - static_cast<int64_t>(a.history_before));
     trim_chain(s);
+    s.host.trim(static_cast<int64_t>(a.history_before));
     if (options.journal) options.journal->truncate(s.id, static_cast<int64_t>(a.history_before));
   }
   if (a.chat_conversation && kind != FinishKind::kError) {  // the reply joins the conversation
@@ -850,9 +1010,77 @@ bool Engine::Impl::evict_one_idle(const std::set<Session*>& keep) {
     if (victim == nullptr || s->last_used < victim->last_used) victim = s.get();
   }
   if (victim == nullptr) return false;
-  victim->cache->reset();  // the history stays: the next generate rebuilds the pages
+  offload(*victim);  // the history stays: the next generate copies the pages back or rebuilds them
   ++evictions;
   return true;
+}
+
+void Engine::Impl::offload(Session& s) {
+  const int64_t cached = s.cache->seq_len();
+  if (!host || cached == 0 || s.host.len() >= cached) {  // nothing to keep, or the host has it already
+    s.cache->reset();
+    return;
+  }
+  s.host.clear();
+  const int64_t want = static_cast<int64_t>(s.cache->page_table().size());
+  // Room: the least recently stored copies of other idle sessions go first (they rebuild by
+  // prefill).
+  while (host->num_free() < want) {
+    Session* oldest = nullptr;
+    for (auto& [id, o] : sessions) {
+      // Never the copy of a request in progress: it is about to come back.
+    if (o.get() != &s && !o->active && !o->host.empty() && (oldest == nullptr || o->host.stored() < oldest->host.stored())) {
+        oldest = o.get();
+      }
+    }
+    if (oldest == nullptr) break;
+    oldest->host.clear();
+    ++host_copies_dropped;
+  }
+  const int64_t n = std::min(want, host->num_free());
+  if (n > 0) {
+    std::vector<int32_t> pages;
+    for (int64_t i = 0; i < n; ++i) pages.push_back(*host->alloc());
+    const std::span<const int32_t> table = s.cache->page_table().subspan(0, static_cast<size_t>(n));
+    if (host->store(table, pages).ok()) {
+      s.host.set(*host, std::move(pages), std::min(cached, n * pool->page_size()));
+      ++host_offloads;
+    } else {
+      for (int32_t p : pages) host->release(p);  // the pages are only dropped
+    }
+  }
+  s.cache->reset();
+}
+
+int64_t Engine::Impl::restore(Session& s, int64_t spare) {
+  if (s.host.empty()) return 0;
+  const int ps = pool->page_size();
+  const int64_t cached = s.cache->seq_len();
+  const int64_t end = std::min(s.host.len(), static_cast<int64_t>(s.history.size()) - 1);
+  if (cached % ps != 0 || end <= cached) {  // the cache went past the copy (or no longer ends where a page can follow)
+    s.host.clear();
+    return 0;
+  }
+  const int64_t first = cached / ps;
+  const int64_t n = std::min(pages_for_tokens(end, ps) - first, spare);
+  if (n <= 0) return 0;
+  std::vector<int32_t> pages;
+  {
+    auto lock = pool->bookkeeping_lock();  // spare counted what alloc() can hand out
+    for (int64_t i = 0; i < n; ++i) pages.push_back(*pool->alloc());
+  }
+  const int64_t to = std::min(end, (first + n) * ps);
+  Status st = host->load(s.host.pages().subspan(static_cast<size_t>(first), static_cast<size_t>(n)), pages);
+  if (st.ok()) st = s.cache->adopt_filled_pages(pages, to);
+  if (!st.ok()) {  // the copy is of no use: compute the positions instead
+    for (int32_t p : pages) pool->release(p);
+    s.host.clear();
+    return 0;
+  }
+  if (to == end) s.host.clear();
+  ++host_restores;
+  host_restored_tokens += to - cached;
+  return to - cached;
 }
 
 void Engine::Impl::sweep_expired() {
@@ -932,6 +1160,17 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     const bool yields = page_priority && s->active->arrival > *page_priority;
     bool looked = false;
     const int64_t mapped = map_cached_prefix(*s, yields ? 0 : pool->num_available() - reserved, &looked);
+    // Then what the host tier holds beyond it, into free pages or those of idle sessions.
+    int64_t restored = 0;
+    if (!s->host.empty() && !yields) {
+      const int64_t want = pages_for_tokens(std::min(s->host.len(), len - 1), pool->page_size()) -
+                           s->cache->seq_len() / pool->page_size();
+      while (want > pool->num_available() - reserved && evict_one_idle(chosen)) {
+      }
+      const int64_t from = s->cache->seq_len();
+      restored = restore(*s, pool->num_available() - reserved);
+      cache_filled_pages(*s, from, from + restored);
+    }
     Active& act = *s->active;
     if (!act.counted_cache) {  // positions this request need not compute
       act.usage.cached_tokens = s->cache->seq_len();
@@ -939,7 +1178,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       prefix_lookups += looked;
       prefix_hits += mapped > 0;
     } else {
-      act.usage.cached_tokens += mapped;
+      act.usage.cached_tokens += mapped + restored;
     }
     prefix_hit_tokens += mapped;
     const int64_t cached = s->cache->seq_len();
@@ -991,6 +1230,23 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     chosen.insert(s);
   }
   waiting = static_cast<int64_t>(order.size() - work.size());
+  // Requests that made no progress this step: past the queue timeout they end, undone.
+  const auto now = Clock::now();
+  for (Session* s : order) {
+    if (!s->active) continue;  // ended above
+    if (chosen.count(s)) {
+      s->active->waiting_since.reset();
+      continue;
+    }
+    if (!s->active->waiting_since) s->active->waiting_since = now;
+    if (options.queue_timeout.count() > 0 && now - *s->active->waiting_since >= options.queue_timeout) {
+      ++queue_timeouts;
+      finish(*s, FinishKind::kError,
+             resource_exhausted_error("the request waited " + std::to_string(options.queue_timeout.count()) +
+                                      " ms without room to run (the queue timeout)"),
+             events);
+    }
+  }
   batch_sequences = static_cast<int64_t>(work.size());
   batch_tokens = options.step_token_budget - budget;
 
@@ -1088,16 +1344,17 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     }
   }
   // Nothing ran and requests wait for pages that only they hold among them: none can move, so the
-  // most recently active one that holds pages is preempted — its pages go (its full ones stay in
-  // the prefix cache), it waits, and it resumes by rebuilding them (the same tokens: the runner is
-  // batch-invariant) once the others have moved on. Oldest first, so every request gets through.
+  // most recently active one that holds pages is preempted — its pages go to the host tier, or
+  // are dropped (its full ones stay in the prefix cache), it waits, and it resumes by copying them
+  // back or rebuilding them (the same tokens: the runner is batch-invariant) once the others have
+  // moved on. Oldest first, so every request gets through.
   if (work.empty() && !deferred.empty()) {
     Session* youngest = nullptr;  // by arrival
     for (Session* d : deferred) {
-      if (*d->cache->pages_used() > 0 && (youngest == nullptr || d->active->arrival > youngest->active->arrival)) youngest = d;
+      if (d->active && *d->cache->pages_used() > 0 && (youngest == nullptr || d->active->arrival > youngest->active->arrival)) youngest = d;
     }
     if (youngest != nullptr) {
-      youngest->cache->reset();
+      offload(*youngest);
       ++preemptions;
     }
   }

@@ -70,24 +70,41 @@ void PagedKVCache::reset() {
   release_pages_from(0);
 }
 
-Status PagedKVCache::adopt_pages(std::span<const int32_t> pages) {
+Status PagedKVCache::check_adoptable(const char* who, int64_t end) const {
   const int64_t len = seq_len();
   const int ps = pool_->page_size();
   for (int l = 0; l < geometry().num_layers; ++l) {
-    if (layer_len(l) != len) return failed_precondition_error("adopt_pages: layers hold different lengths");
+    if (layer_len(l) != len) return failed_precondition_error(std::string(who) + ": layers hold different lengths");
   }
   if (len % ps != 0 || static_cast<int64_t>(table_.size()) != len / ps) {
-    return failed_precondition_error("adopt_pages: the cache does not end at a page boundary");
+    return failed_precondition_error(std::string(who) + ": the cache does not end at a page boundary");
   }
-  const int64_t end = len + static_cast<int64_t>(pages.size()) * ps;
   if (end > max_seq_len_) {
-    return resource_exhausted_error("adopt_pages: " + std::to_string(end) + " positions exceed the capacity of " +
+    return resource_exhausted_error(std::string(who) + ": " + std::to_string(end) + " positions exceed the capacity of " +
                                     std::to_string(max_seq_len_));
   }
+  return ok_status();
+}
+
+Status PagedKVCache::adopt_pages(std::span<const int32_t> pages) {
+  const int64_t end = seq_len() + static_cast<int64_t>(pages.size()) * pool_->page_size();
+  COMBS_RETURN_IF_ERROR(check_adoptable("adopt_pages", end));
   for (int32_t p : pages) {
     pool_->retain(p);
     table_.push_back(p);
   }
+  grow_layers_to(end);
+  return ok_status();
+}
+
+Status PagedKVCache::adopt_filled_pages(std::span<const int32_t> pages, int64_t end) {
+  COMBS_RETURN_IF_ERROR(check_adoptable("adopt_filled_pages", end));
+  if (end <= seq_len() || pages_for_tokens(end, pool_->page_size()) - static_cast<int64_t>(table_.size()) !=
+                              static_cast<int64_t>(pages.size())) {
+    return invalid_argument_error("adopt_filled_pages: " + std::to_string(pages.size()) + " pages do not hold positions " +
+                                  std::to_string(seq_len()) + " to " + std::to_string(end));
+  }
+  table_.insert(table_.end(), pages.begin(), pages.end());
   grow_layers_to(end);
   return ok_status();
 }

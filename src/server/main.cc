@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
   using namespace combs;
   tools::Flags flags("combs-server",
                      {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""}, {"http-listen", ""}, {"http-threads", "64"}, {"http-keepalive-ms", "1000"}, {"max-body-bytes", "8388608"}, {"model-name", ""},
-                      {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"max-sessions", "1024"}, {"max-context", "0"},
+                      {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"host-kv-memory-mib", "0"}, {"host-kv-restore", "auto"}, {"queue-timeout-s", "0"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
                       {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()}, {"chat-template", ""},
                       {"api-keys", ""}, {"prefix-cache", "on"}, {"state-dir", ""}, {"durability", "full"}, {"journal-flush-ms", "200"}, {"prefix-cache-sharing", "key"}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}},
@@ -57,6 +57,9 @@ int main(int argc, char** argv) {
       {"threads", "CPU threads; 0: all cores"},
       {"kv-memory-mib", "KV cache page pool budget (MiB); 0: 1024 on the CPU, --kv-memory-fraction on a GPU"},
       {"kv-memory-fraction", "on a GPU without --kv-memory-mib: this fraction of the memory free after the weights"},
+      {"host-kv-memory-mib", "host tier (MiB of pinned host memory): idle sessions' and preempted requests' KV pages move there under pressure and are copied back; 0: none (they are dropped and prefilled again)"},
+      {"host-kv-restore", "auto: keep the host tier only where copying a page back is measured (at start) to cost less than computing it; copy: always"},
+      {"queue-timeout-s", "a request waiting this long without room to run ends RESOURCE_EXHAUSTED; 0: it waits as long as it takes"},
       {"max-sessions", "open sessions at most"},
       {"max-context", "tokens per session at most; 0: the model's context length"},
       {"max-input-tokens", "input tokens per Generate request at most; 0: up to the session's context"},
@@ -91,8 +94,9 @@ int main(int argc, char** argv) {
       !flags.integer("http-keepalive-ms", &keepalive_ms, 10, 60000)) {
     return 2;
   }
-  long long threads, kv_mib, max_sessions, ttl, grace, max_context, max_input, max_new, max_message;
+  long long threads, kv_mib, host_kv_mib, queue_timeout, max_sessions, ttl, grace, max_context, max_input, max_new, max_message;
   if (!flags.integer("threads", &threads, 0, 1024) || !flags.integer("kv-memory-mib", &kv_mib, 0, 1 << 24) ||
+      !flags.integer("host-kv-memory-mib", &host_kv_mib, 0, 1 << 24) || !flags.integer("queue-timeout-s", &queue_timeout, 0, 1ll << 31) ||
       !flags.integer("max-sessions", &max_sessions, 1, 1 << 24) || !flags.integer("session-ttl-s", &ttl, 1, 1ll << 31) ||
       !flags.integer("grace-s", &grace, 0, 3600) || !flags.integer("max-context", &max_context, 0, 1ll << 31) ||
       !flags.integer("max-input-tokens", &max_input, 0, 1ll << 31) ||
@@ -178,6 +182,12 @@ int main(int argc, char** argv) {
     }
     eo.kv_memory_fraction = fraction;  // used where the device reports free memory (a GPU)
   }
+  eo.host_kv_memory_bytes = host_kv_mib << 20;
+  if (flags.str("host-kv-restore") != "auto" && flags.str("host-kv-restore") != "copy") {
+    return std::fprintf(stderr, "combs-server: --host-kv-restore %s: expected auto or copy\n", flags.str("host-kv-restore").c_str()), 2;
+  }
+  eo.host_kv_restore = flags.str("host-kv-restore") == "copy" ? EngineOptions::HostRestore::kCopy : EngineOptions::HostRestore::kAuto;
+  eo.queue_timeout = std::chrono::seconds(queue_timeout);
   eo.max_sessions = static_cast<int>(max_sessions);
   eo.session_ttl = std::chrono::seconds(ttl);
   eo.max_context = max_context;
@@ -298,6 +308,15 @@ int main(int argc, char** argv) {
       .add("kv_pages", eng.stats().pages_total)
       .add("sessions_restored", static_cast<int64_t>(restored))
       .info();
+  if (host_kv_mib > 0) {  // what the start-up measurement decided, and why
+    const EngineStats st = eng.stats();
+    server::LogLine("host_tier")
+        .add("active", st.host_tier_active ? "yes" : "no (recomputing is cheaper here)")
+        .add("host_pages", st.host_pages_total)
+        .add("prefill_us_per_token", st.host_prefill_us_per_token)
+        .add("copy_us_per_token", st.host_copy_us_per_token)
+        .info();
+  }
   std::printf("combs-server: serving %s on %s:%d\n", path.c_str(), host.c_str(), port);
   std::fflush(stdout);
 

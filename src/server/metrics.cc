@@ -107,6 +107,8 @@ std::string Metrics::render() const {
       {"combs_kv_pages_free", {"KV cache pages free.", st.pages_free}},
       {"combs_kv_pages_cached", {"KV cache pages the prefix cache names.", st.pages_cached}},
       {"combs_kv_pages_reclaimable", {"Cached pages no session holds (reused first when pages run out).", st.pages_reclaimable}},
+      {"combs_kv_host_pages_total", {"Pages of the host tier (0: none, or it does not pay on this device).", st.host_pages_total}},
+      {"combs_kv_host_pages_used", {"Host tier pages holding sessions' K/V.", st.host_pages_used}},
   };
   for (const auto& [name, g] : gauges) {
     header(&out, name, "gauge", g.first);
@@ -121,6 +123,11 @@ std::string Metrics::render() const {
       {"combs_prefix_cache_hit_tokens_total", {"Positions mapped from the prefix cache instead of prefilled.", st.prefix_hit_tokens}},
       {"combs_prefix_cache_evictions_total", {"Cached pages taken back for reuse.", st.cached_pages_reclaimed}},
       {"combs_preemptions_total", {"Waiting requests whose pages were taken so that others could run (they resume).", st.preemptions}},
+      {"combs_queue_timeouts_total", {"Requests ended for waiting past --queue-timeout-s.", st.queue_timeouts}},
+      {"combs_kv_host_offloads_total", {"Sessions whose pages moved to the host tier.", st.host_offloads}},
+      {"combs_kv_host_restores_total", {"Copies of pages back from the host tier.", st.host_restores}},
+      {"combs_kv_host_restored_tokens_total", {"Positions copied back from the host tier instead of prefilled.", st.host_restored_tokens}},
+      {"combs_kv_host_dropped_total", {"Host tier copies dropped to make room (those sessions prefill again).", st.host_copies_dropped}},
   };
   for (const auto& [name, c] : counters) {
     header(&out, name, "counter", c.first);

@@ -242,13 +242,20 @@ TEST_CASE("a cancelled generate stops and keeps its tokens", "[engine]") {
 TEST_CASE("thousands of mixed operations from many threads keep the page invariants", "[engine]") {
   Rng seed_rng(test_seed());
   const uint64_t seed = seed_rng.integer(0, 1 << 30);
-  const bool prefix_cache = GENERATE(true, false);
-  INFO("seed " << seed << ", prefix cache " << (prefix_cache ? "on" : "off"));
+  // The prefix cache on or off; with it on, a host tier too (smaller than the pool: its copies
+  // are dropped as well as taken back, shared by forks and trimmed by rollbacks).
+  const int config = GENERATE(0, 1, 2);
+  const bool prefix_cache = config != 1, host_tier = config == 2;
+  INFO("seed " << seed << ", prefix cache " << (prefix_cache ? "on" : "off") << ", host tier " << (host_tier ? "on" : "off"));
   ModelFile mf;
   EngineOptions o;
   o.kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 40;  // 40 pages: eviction and waiting happen
   o.max_context = 256;
   o.prefix_cache = prefix_cache;
+  if (host_tier) {
+    o.host_kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 24;
+    o.host_kv_restore = EngineOptions::HostRestore::kCopy;
+  }
   auto e = mf.engine(o);
   // Sessions in two namespaces start from a few shared prefixes (cache hits, copy-on-write after
   // rollbacks into cached pages, cached pages reclaimed under pressure).
@@ -323,6 +330,9 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
   CHECK(e->stats().pages_reclaimable == e->stats().pages_cached);
   if (!prefix_cache) CHECK(e->stats().pages_used == 0);
   CHECK(e->stats().sessions == 0);
+  CHECK(e->stats().host_pages_used == 0);
+  if (host_tier) CHECK(e->stats().host_offloads > 0);
+  if (host_tier) CHECK(e->stats().host_restores > 0);
   REQUIRE(e->check_invariants().ok());
 }
 

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <optional>
+#include <span>
 #include <string_view>
 
 #include "combs/backend/tensor.h"
@@ -35,13 +36,33 @@ class Backend {
   // Bytes of device memory free now; nullopt where there is no such limit to read (the CPU).
   virtual std::optional<int64_t> free_memory_bytes() const { return std::nullopt; }
 
+  // Host memory that this device copies to and from at its link's full speed, for data that moves
+  // between the two (the host tier of the K/V pages): page-locked and addressable by the device's
+  // kernels on a GPU, plain memory on the CPU. A host tensor (DeviceType::kCpu) whose storage this
+  // backend frees. RESOURCE_EXHAUSTED when there is not that much.
+  StatusOr<Tensor> alloc_host(Shape shape, DType dtype);
+
+  // One of a batch of equal-sized copies: bytes from src to dst, each on this device or in its
+  // alloc_host() memory.
+  struct CopyChunk {
+    const void* src;
+    void* dst;
+  };
+  // Copies every chunk's `bytes` as one batched operation (one kernel on a GPU, not a call per
+  // chunk) and returns when they are done. Chunks must not overlap.
+  virtual Status copy_chunks(std::span<const CopyChunk> chunks, size_t bytes) = 0;
+
  protected:
   // nullptr when out of memory.
   virtual void* raw_alloc(size_t bytes) = 0;
   virtual void raw_free(void* ptr) noexcept = 0;
+  // alloc_host()'s memory; by default the device's own (a host device).
+  virtual void* raw_alloc_host(size_t bytes) { return raw_alloc(bytes); }
+  virtual void raw_free_host(void* ptr) noexcept { raw_free(ptr); }
 
  private:
   friend struct TensorStorage;
+  StatusOr<Tensor> allocate(Shape shape, DType dtype, bool host);
 };
 
 }  // namespace combs

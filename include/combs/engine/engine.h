@@ -13,6 +13,12 @@
 // - A session's token history is the source of truth; its KV pages are a cache of it. Under memory
 //   pressure the scheduler drops the pages of idle sessions, least recently used first, and a
 //   session rebuilds them by prefill on its next generate (transparently; usage reports it).
+// - Host tier (EngineOptions::host_kv_memory_bytes): the pages an idle session gives up (and a
+//   preempted request's) move to host memory instead of being dropped, and come back by copy on
+//   its next use — where copying costs less than computing them again, which the engine measures
+//   at start. Host copies are dropped last, least recently stored first, when the host tier is
+//   full; a session whose copy went rebuilds by prefill as before. The copied K/V are bitwise what
+//   was computed, so tokens are as if the pages had never left.
 // - A session runs one operation at a time: generate, rollback, reset and fork on a session that is
 //   generating fail with FAILED_PRECONDITION. close() cancels a running generate first.
 // - Cancellation stops a generate at the next step; the tokens generated so far stay in the
@@ -29,8 +35,10 @@
 //   ones to finish (EngineOptions::when_full = kWait) or fail with RESOURCE_EXHAUSTED (kFail); a
 //   request that could not fit even in an empty pool fails with RESOURCE_EXHAUSTED either way. When
 //   only waiting requests hold the pool (none can run), the most recent one that holds pages is
-//   preempted: its pages go and it waits, then resumes by rebuilding them, its tokens unchanged; so
-//   with kWait a request that fits the pool alone never fails for lack of pages.
+//   preempted: its pages go (to the host tier where there is one) and it waits, then resumes by
+//   copying or rebuilding them, its tokens unchanged; so with kWait a request that fits the pool
+//   alone never fails for lack of pages — unless it waits longer than
+//   EngineOptions::queue_timeout (RESOURCE_EXHAUSTED, the request undone).
 // - Prompts are prefilled in chunks whose boundaries are multiples of prefill_chunk positions,
 //   whatever else is in the step, and the runner is batch-invariant: a session's tokens do not
 //   depend on the other sessions sharing its steps.
@@ -75,6 +83,16 @@ struct EngineOptions {
   int64_t prefill_chunk = 128;                 // prefill chunk boundaries: multiples of this
   std::chrono::milliseconds session_ttl{std::chrono::minutes(30)};  // idle sessions expire
   enum class WhenFull : uint8_t { kWait, kFail } when_full = WhenFull::kWait;
+  // A request that makes no progress for this long (waiting for pages or a place in a step) ends
+  // with RESOURCE_EXHAUSTED, undone; 0: it waits as long as it takes.
+  std::chrono::milliseconds queue_timeout{0};
+  // The host tier: bytes of host memory (pinned on a GPU) for K/V pages moved off the device pool
+  // under pressure (see Semantics); 0: none, pages that must go are dropped.
+  int64_t host_kv_memory_bytes = 0;
+  // kAuto: at start, time a prefill on this model and device against copying the same positions'
+  // pages to the host and back, and keep the tier only where copying is cheaper (EngineStats says
+  // which and the figures). kCopy: always use it.
+  enum class HostRestore : uint8_t { kAuto, kCopy } host_kv_restore = HostRestore::kAuto;
   // Makes the runner (and so picks the device: the KV pages live on its backend). Empty: the CPU
   // runner on `threads` threads. combs_cuda's make_cuda_runner() gives the GPU one.
   std::function<StatusOr<std::unique_ptr<ModelRunner>>(const Model&)> make_runner;
@@ -139,7 +157,7 @@ struct Usage {
   int64_t input_tokens = 0;      // appended by the request
   int64_t output_tokens = 0;     // generated
   int64_t prefilled_tokens = 0;  // positions computed by prefill (input + rebuilt history)
-  int64_t cached_tokens = 0;     // history positions whose pages were reused (the session's own or the prefix cache's)
+  int64_t cached_tokens = 0;     // history positions whose pages were reused (the session's own, the prefix cache's or the host tier's)
 };
 
 enum class FinishKind : uint8_t { kLength, kEos, kStop, kCancelled, kError };
@@ -191,6 +209,15 @@ struct EngineStats {
   int64_t prefix_lookups = 0, prefix_hits = 0, prefix_hit_tokens = 0;
   int64_t pages_cached = 0, pages_reclaimable = 0, cached_pages_reclaimed = 0;
   int64_t preemptions = 0;  // waiting requests whose pages were taken so that others could run
+  int64_t queue_timeouts = 0;  // requests ended for waiting past EngineOptions::queue_timeout
+  // The host tier: its pages (0 without one) and those holding session copies; sessions whose
+  // pages moved there, those whose pages came back (and the positions that did), copies dropped
+  // for room. The start-up measurement, microseconds per token: prefill, and the copy to the host
+  // and back (0 when not measured); host_tier_active: whether the tier is in use.
+  int64_t host_pages_total = 0, host_pages_used = 0;
+  int64_t host_offloads = 0, host_restores = 0, host_restored_tokens = 0, host_copies_dropped = 0;
+  double host_prefill_us_per_token = 0.0, host_copy_us_per_token = 0.0;
+  bool host_tier_active = false;
 };
 
 class Engine {
@@ -244,7 +271,8 @@ class Engine {
 
   // Test hook: pages in use equal the distinct pages the sessions hold or the prefix cache names;
   // every page's reference count is its holders (+1 when cached); cached pages that sessions hold
-  // at full positions are named by those positions' keys.
+  // at full positions are named by those positions' keys; host pages likewise, and a session's
+  // host copy covers no more than its history.
   Status check_invariants();
 
  private:

@@ -32,6 +32,12 @@ class PagedKVCache final : public KVCache {
   // every layer holds seq_len() positions and seq_len() is a whole number of pages;
   // RESOURCE_EXHAUSTED past capacity(). On error nothing changes.
   Status adopt_pages(std::span<const int32_t> pages);
+  // Appends pages that hold positions [seq_len(), end) (the host tier's copies loaded into pages
+  // the caller allocated): the cache takes over their references (one each, not retained). end may
+  // fall inside the last page. Preconditions and errors as adopt_pages, and INVALID_ARGUMENT unless
+  // the pages hold exactly the positions up to end; on error nothing changes (the caller keeps the
+  // references).
+  Status adopt_filled_pages(std::span<const int32_t> pages, int64_t end);
 
   int64_t popn(int64_t n) override;
   void reset() override;
@@ -59,6 +65,8 @@ class PagedKVCache final : public KVCache {
   // Index of the first page that positions from seq_len() on would write into.
   int64_t first_written_page(int64_t end) const;
   void release_pages_from(int64_t keep);
+  // adopt_pages' checks: every layer at seq_len(), a page boundary, end within the capacity.
+  Status check_adoptable(const char* who, int64_t end) const;
 
   PagePool* pool_;
   int64_t max_seq_len_;

@@ -132,6 +132,11 @@ Status CpuBackend::copy(const Tensor& src, const Tensor& dst) {
   return ok_status();
 }
 
+Status CpuBackend::copy_chunks(std::span<const CopyChunk> chunks, size_t bytes) {
+  for (const CopyChunk& c : chunks) std::memcpy(c.dst, c.src, bytes);
+  return ok_status();
+}
+
 Status CpuBackend::zero(const Tensor& t) {
   if (t.device() != DeviceType::kCpu) return invalid_argument_error("zero: not host memory");
   if (t.nbytes() > 0) std::memset(t.data(), 0, t.nbytes());

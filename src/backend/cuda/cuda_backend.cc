@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "combs/backend/cuda/cuda_ops.h"
 #include "cuda_check.h"
 
 namespace combs {
@@ -147,5 +148,32 @@ void* CudaBackend::raw_alloc(size_t bytes) {
 }
 
 void CudaBackend::raw_free(void* ptr) noexcept { cudaFree(ptr); }
+
+void* CudaBackend::raw_alloc_host(size_t bytes) {
+  void* p = nullptr;
+  if (cudaSetDevice(impl_->device) != cudaSuccess ||
+      cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  // With unified addressing (every 64-bit platform CUDA 13 runs on) the device addresses mapped
+  // host memory at its host pointer; copy_chunks() relies on it.
+  void* dev = nullptr;
+  if (cudaHostGetDevicePointer(&dev, p, 0) != cudaSuccess || dev != p) {
+    cudaGetLastError();
+    cudaFreeHost(p);
+    return nullptr;
+  }
+  return p;
+}
+
+void CudaBackend::raw_free_host(void* ptr) noexcept { cudaFreeHost(ptr); }
+
+Status CudaBackend::copy_chunks(std::span<const CopyChunk> chunks, size_t bytes) {
+  if (chunks.empty() || bytes == 0) return ok_status();
+  COMBS_ASSIGN_OR_RETURN(void* list, upload(kCopySlot, chunks.data(), chunks.size_bytes()));
+  COMBS_RETURN_IF_ERROR(cuda::copy_chunks(*this, static_cast<const CopyChunk*>(list), static_cast<int64_t>(chunks.size()), bytes));
+  return synchronize();
+}
 
 }  // namespace combs

@@ -433,6 +433,25 @@ __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t
   if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(best < cols ? best : 0);
 }
 
+// Block b copies chunk b (grid-strided over chunks when there are more than the grid holds).
+// Either side may be mapped host memory: the loads or stores then cross the bus.
+__global__ void copy_chunks_kernel(const Backend::CopyChunk* __restrict__ chunks, int64_t n, size_t bytes, bool vec) {
+  for (int64_t c = blockIdx.x; c < n; c += gridDim.x) {
+    const Backend::CopyChunk ch = chunks[c];
+    if (vec) {
+      const uint4* src = static_cast<const uint4*>(ch.src);
+      uint4* dst = static_cast<uint4*>(ch.dst);
+      const size_t n16 = bytes / 16;
+#pragma unroll 4
+      for (size_t i = threadIdx.x; i < n16; i += blockDim.x) dst[i] = src[i];
+    } else {
+      const char* src = static_cast<const char*>(ch.src);
+      char* dst = static_cast<char*>(ch.dst);
+      for (size_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+    }
+  }
+}
+
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 // Weights a GEMM takes directly: F32, F16 or BF16 (block types go through quant_gemm's tiles).
@@ -782,6 +801,16 @@ Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_
   if (n == 0) return ok_status();
   gather_rows_kernel<<<static_cast<unsigned>(n), 256, 0, stream_of(b)>>>(src, rows, dst, dim);
   return launched("gather_rows_kernel");
+}
+
+Status copy_chunks(CudaBackend& b, const Backend::CopyChunk* chunks, int64_t n, size_t bytes) {
+  if (n == 0) return ok_status();
+  // The chunks are page slices (16-byte multiples at 16-byte aligned addresses) in practice; the
+  // byte loop keeps any other call correct.
+  const bool vec = bytes % 16 == 0;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n, 65535));
+  copy_chunks_kernel<<<grid, 256, 0, stream_of(b)>>>(chunks, n, bytes, vec);
+  return launched("copy_chunks_kernel");
 }
 
 Status argmax_rows(CudaBackend& b, const float* x, int64_t rows, int64_t cols, int32_t* out) {

@@ -44,6 +44,7 @@ class CpuBackend final : public Backend {
   std::string_view name() const override { return "cpu"; }
   Status copy(const Tensor& src, const Tensor& dst) override;
   Status zero(const Tensor& t) override;
+  Status copy_chunks(std::span<const CopyChunk> chunks, size_t bytes) override;
 
   int num_threads() const;
   // Runs fn(i) for every i in [0, n) on the worker threads and the calling thread, dynamically

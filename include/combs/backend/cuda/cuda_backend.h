@@ -29,6 +29,9 @@ class CudaBackend final : public Backend {
   Status copy(const Tensor& src, const Tensor& dst) override;
   Status zero(const Tensor& t) override;
   std::optional<int64_t> free_memory_bytes() const override;
+  // One kernel over all chunks (alloc_host() memory is mapped: the kernel reads and writes it over
+  // the bus directly), then waits.
+  Status copy_chunks(std::span<const CopyChunk> chunks, size_t bytes) override;
 
   // Waits for the stream; the first error of its queued work, if any.
   Status synchronize();
@@ -46,7 +49,8 @@ class CudaBackend final : public Backend {
   static constexpr int kAttentionSlot = 2;      // attention partial results
   static constexpr int kSamplingSlot = 3;       // sampling parameters (upload())
   static constexpr int kWeightTileSlot = 4;     // block-quantized weights dequantized for a GEMM, a tile at a time
-  static constexpr int kScratchSlots = 5;
+  static constexpr int kCopySlot = 5;           // copy_chunks()'s list of addresses (upload())
+  static constexpr int kScratchSlots = 6;
   StatusOr<void*> scratch(size_t bytes, int slot = 0);
   // Bumped whenever a scratch buffer moves: launches captured before hold stale pointers.
   uint64_t scratch_generation() const;
@@ -57,6 +61,9 @@ class CudaBackend final : public Backend {
  protected:
   void* raw_alloc(size_t bytes) override;
   void raw_free(void* ptr) noexcept override;
+  // Page-locked and mapped (cudaHostAlloc): the device's kernels address it at the same pointer.
+  void* raw_alloc_host(size_t bytes) override;
+  void raw_free_host(void* ptr) noexcept override;
 
  private:
   struct Impl;

@@ -12,6 +12,10 @@
 
 namespace combs::cuda {
 
+// Copies `bytes` for each of n chunks (the list in device memory: CudaBackend::copy_chunks), a
+// block per chunk, 16 bytes a load where every address and the size allow.
+Status copy_chunks(CudaBackend& b, const Backend::CopyChunk* chunks, int64_t n, size_t bytes);
+
 // y[t, :] = x[t, :] @ w^T (+ bias): w [out, in] on the device, x [n, in] f32, y [n, out] f32.
 // F16/BF16 weights: x rounded to the weight's dtype, f32 accumulation; n <= 8 (decode) a
 // bandwidth-bound kernel, larger n cuBLAS on tensor cores. F32 weights: cuBLAS SGEMM. Block types:
