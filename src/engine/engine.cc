@@ -302,6 +302,11 @@ StatusOr<std::unique_ptr<Session>> Engine::Impl::session_from(SessionRecord r, c
   COMBS_ASSIGN_OR_RETURN(s->cache, PagedKVCache::create(*pool, s->max_context));
   if (prefix) s->chain_root = prefix->chain_root(model_fingerprint, s->options.cache_namespace);
   s->last_used = Clock::now();
+  if (r.last_used_unix_ms > 0) {  // it keeps the time to live it had left (expired: swept at once)
+    const auto since = std::chrono::system_clock::now() -
+                       std::chrono::system_clock::time_point(std::chrono::milliseconds(r.last_used_unix_ms));
+    if (since > since.zero()) s->last_used -= std::chrono::duration_cast<Clock::duration>(since);
+  }
   return s;
 }
 

@@ -5,13 +5,16 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <map>
 
 namespace combs {
 
 namespace {
 
-constexpr int kSchemaVersion = 1;
+// Version 2 added sessions.last_used (Unix milliseconds of the last change recorded), so that a
+// restart keeps each session's time to live instead of giving every session a fresh one.
+constexpr int kSchemaVersion = 2;
 
 constexpr const char* kSchema = R"(
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -23,7 +26,8 @@ CREATE TABLE IF NOT EXISTS sessions(
   sampling TEXT NOT NULL,
   max_context INTEGER NOT NULL,
   conversation TEXT NOT NULL,
-  length INTEGER NOT NULL);
+  length INTEGER NOT NULL,
+  last_used INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS tokens(
   session TEXT NOT NULL,
   pos INTEGER NOT NULL,
@@ -31,6 +35,19 @@ CREATE TABLE IF NOT EXISTS tokens(
   checksum INTEGER NOT NULL,
   PRIMARY KEY(session, pos)) WITHOUT ROWID;
 )";
+
+// Migrations: kMigrations[v - 1] takes a database from version v to v + 1 (one transaction with
+// the version's bump). %NOW% is the migration's time in Unix milliseconds.
+constexpr const char* kMigrations[] = {
+    // 1 -> 2: sessions.last_used; what was there counts as used at the migration.
+    "ALTER TABLE sessions ADD COLUMN last_used INTEGER NOT NULL DEFAULT 0;"
+    "UPDATE sessions SET last_used = %NOW%;",
+};
+static_assert(std::size(kMigrations) == kSchemaVersion - 1);
+
+int64_t unix_ms_now() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 Status db_error(sqlite3* db, const std::string& what) {
   return internal_error("session journal: " + what + ": " + (db ? sqlite3_errmsg(db) : "out of memory"));
@@ -97,6 +114,7 @@ int64_t checksum(const uint8_t* p, size_t n) {
 struct SqliteJournal::Op {
   enum class Kind : uint8_t { kPut, kAppend, kTruncate, kConversation, kErase, kBarrier } kind;
   SessionId id;
+  int64_t when = unix_ms_now();   // the session's last_used
   SessionRecord record;           // kPut
   int64_t at = 0;                 // kAppend: position; kTruncate: length
   std::vector<int32_t> tokens;    // kAppend
@@ -141,9 +159,14 @@ StatusOr<std::unique_ptr<SqliteJournal>> SqliteJournal::open(const SqliteJournal
     if (!q.ok()) return fail("cannot read meta");
     while (q.step() == SQLITE_ROW) meta[q.column_text(0)] = q.column_text(1);
   }
-  if (meta.count("schema_version") && meta["schema_version"] != std::to_string(kSchemaVersion)) {
-    return failed_precondition_error("session journal " + path + " has schema version " + meta["schema_version"] +
-                                     "; this combs-server reads version " + std::to_string(kSchemaVersion));
+  int version = kSchemaVersion;  // a new file's
+  if (meta.count("schema_version")) {
+    const std::string& v = meta["schema_version"];
+    if (v.empty() || v.size() > 4 || v.find_first_not_of("0123456789") != std::string::npos ||
+        (version = std::stoi(v)) < 1 || version > kSchemaVersion) {
+      return failed_precondition_error("session journal " + path + " has schema version " + v +
+                                       "; this combs-server reads versions 1 to " + std::to_string(kSchemaVersion));
+    }
   }
   bool foreign = meta.count("model_fingerprint") && meta["model_fingerprint"] != o.model_fingerprint;
   if (foreign && !o.drop_foreign) {
@@ -152,6 +175,17 @@ StatusOr<std::unique_ptr<SqliteJournal>> SqliteJournal::open(const SqliteJournal
                                      "); start with --drop-foreign-sessions to delete them, or use another --state-dir");
   }
   if (foreign && (!exec(db, "DELETE FROM tokens") || !exec(db, "DELETE FROM sessions"))) return fail("cannot drop the sessions");
+  for (; version < kSchemaVersion; ++version) {  // an older file: migrated in place, a version at a time
+    std::string step = kMigrations[version - 1];
+    const size_t at = step.find("%NOW%");
+    if (at != std::string::npos) step.replace(at, 5, std::to_string(unix_ms_now()));
+    const std::string bump = "UPDATE meta SET value = '" + std::to_string(version + 1) + "' WHERE key = 'schema_version';";
+    if (!exec(db, "BEGIN IMMEDIATE") || !exec(db, (step + bump).c_str()) || !exec(db, "COMMIT")) {
+      Status failed = fail("cannot migrate schema version " + std::to_string(version) + " to " + std::to_string(version + 1));
+      exec(db, "ROLLBACK");
+      return failed;
+    }
+  }
   {
     Stmt put(db, "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)");
     if (!put.ok() || !put.text(1, "schema_version").text(2, std::to_string(kSchemaVersion)).run() ||
@@ -161,7 +195,7 @@ StatusOr<std::unique_ptr<SqliteJournal>> SqliteJournal::open(const SqliteJournal
   }
   // The sessions, each history from its token runs (which must tile [0, length) exactly).
   {
-    Stmt q(db, "SELECT id, parent, owner, cache_namespace, sampling, max_context, conversation, length FROM sessions");
+    Stmt q(db, "SELECT id, parent, owner, cache_namespace, sampling, max_context, conversation, length, last_used FROM sessions");
     Stmt t(db, "SELECT pos, ids, checksum FROM tokens WHERE session = ? ORDER BY pos");
     if (!q.ok() || !t.ok()) return fail("cannot read the sessions");
     while (q.step() == SQLITE_ROW) {
@@ -180,6 +214,7 @@ StatusOr<std::unique_ptr<SqliteJournal>> SqliteJournal::open(const SqliteJournal
         return failed_precondition_error("session journal " + path + ": session " + r.id + ": its conversation is not a JSON array");
       }
       const int64_t length = sqlite3_column_int64(q.get(), 7);
+      r.last_used_unix_ms = sqlite3_column_int64(q.get(), 8);
       t.text(1, r.id);
       while (t.step() == SQLITE_ROW) {
         const int64_t pos = sqlite3_column_int64(t.get(), 0);
@@ -280,17 +315,17 @@ void SqliteJournal::barrier(std::function<void()> done) {
 }
 
 void SqliteJournal::writer() {
-  Stmt put(db_, "INSERT OR REPLACE INTO sessions(id, parent, owner, cache_namespace, sampling, max_context, conversation, length) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)");
+  Stmt put(db_, "INSERT OR REPLACE INTO sessions(id, parent, owner, cache_namespace, sampling, max_context, conversation, length, last_used) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)");
   Stmt clear(db_, "DELETE FROM tokens WHERE session = ?");
   Stmt insert(db_, "INSERT OR REPLACE INTO tokens(session, pos, ids, checksum) VALUES (?, ?, ?, ?)");
   auto insert_run = [&](const SessionId& id, int64_t pos, const std::vector<uint8_t>& ids) {
     return insert.text(1, id).integer(2, pos).blob(3, ids.data(), ids.size()).integer(4, checksum(ids.data(), ids.size())).run();
   };
-  Stmt length(db_, "UPDATE sessions SET length = ? WHERE id = ?");
+  Stmt length(db_, "UPDATE sessions SET length = ?, last_used = ? WHERE id = ?");
   Stmt cut(db_, "DELETE FROM tokens WHERE session = ? AND pos >= ?");
   Stmt spanning(db_, "SELECT pos, ids FROM tokens WHERE session = ? AND pos < ? ORDER BY pos DESC LIMIT 1");
-  Stmt conversation(db_, "UPDATE sessions SET conversation = ? WHERE id = ?");
+  Stmt conversation(db_, "UPDATE sessions SET conversation = ?, last_used = ? WHERE id = ?");
   Stmt erase_session(db_, "DELETE FROM sessions WHERE id = ?");
   auto apply = [&](const Op& op) -> bool {
     switch (op.kind) {
@@ -300,14 +335,14 @@ void SqliteJournal::writer() {
         return put.text(1, r.id).text(2, r.parent).text(3, r.owner).text(4, r.cache_namespace)
                    .text(5, sampling_to_json(r.sampling).dump()).integer(6, r.max_context)
                    .text(7, r.conversation.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace))
-                   .integer(8, static_cast<int64_t>(r.history.size())).run() &&
+                   .integer(8, static_cast<int64_t>(r.history.size())).integer(9, op.when).run() &&
                clear.text(1, r.id).run() &&
                (ids.empty() || insert_run(r.id, 0, ids));
       }
       case Op::Kind::kAppend: {
         const std::vector<uint8_t> ids = token_bytes(op.tokens);
         return insert_run(op.id, op.at, ids) &&
-               length.integer(1, op.at + static_cast<int64_t>(op.tokens.size())).text(2, op.id).run();
+               length.integer(1, op.at + static_cast<int64_t>(op.tokens.size())).integer(2, op.when).text(3, op.id).run();
       }
       case Op::Kind::kTruncate: {
         if (!cut.text(1, op.id).integer(2, op.at).run()) return false;
@@ -326,9 +361,9 @@ void SqliteJournal::writer() {
         }
         sqlite3_reset(spanning.get());
         sqlite3_clear_bindings(spanning.get());
-        return ok && length.integer(1, op.at).text(2, op.id).run();
+        return ok && length.integer(1, op.at).integer(2, op.when).text(3, op.id).run();
       }
-      case Op::Kind::kConversation: return conversation.text(1, op.conversation).text(2, op.id).run();
+      case Op::Kind::kConversation: return conversation.text(1, op.conversation).integer(2, op.when).text(3, op.id).run();
       case Op::Kind::kErase: return clear.text(1, op.id).run() && erase_session.text(1, op.id).run();
       case Op::Kind::kBarrier: return true;
     }

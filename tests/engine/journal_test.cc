@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <thread>
 
 #include "combs/engine/engine.h"
 #include "combs/engine/sqlite_journal.h"
@@ -252,4 +253,108 @@ TEST_CASE("an engine restarted on its journal continues every session as before"
   auto refused = Engine::create(std::move(m).value(), bad);
   REQUIRE_FALSE(refused.ok());
   CHECK_THAT(refused.status().message(), Catch::Contains(r.id) && Catch::Contains("outside the vocabulary"));
+}
+
+TEST_CASE("a version 1 journal is migrated in place and keeps every session", "[engine]") {
+  TempDir dir;
+  SqliteJournalOptions o = options_in(dir);
+  const std::string db = o.dir + "/sessions.db";
+  {
+    std::vector<SessionRecord> loaded;
+    auto j = SqliteJournal::open(o, &loaded);
+    REQUIRE(j.ok());
+    SessionRecord r;
+    r.id = std::string(32, 'a');
+    r.owner = "key-1";
+    r.history = iota_tokens(1, 300);
+    (*j)->put(r);
+    r.id = std::string(32, 'b');
+    r.parent = std::string(32, 'a');
+    (*j)->put(r);
+    (*j)->append(r.id, 300, iota_tokens(7, 3));
+    flush(**j);
+  }
+  // The file as version 1 wrote it: no last_used column.
+  sql(db, "ALTER TABLE sessions DROP COLUMN last_used; UPDATE meta SET value = '1' WHERE key = 'schema_version'");
+  const int64_t before = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::system_clock::now().time_since_epoch()).count();
+  for (int open = 0; open < 2; ++open) {  // migrated once, then read as it is
+    INFO("open " << open);
+    std::vector<SessionRecord> loaded;
+    auto j = SqliteJournal::open(o, &loaded);
+    REQUIRE(j.ok());
+    REQUIRE(loaded.size() == 2);
+    std::sort(loaded.begin(), loaded.end(), [](auto& x, auto& y) { return x.id < y.id; });
+    CHECK(loaded[0].history == iota_tokens(1, 300));
+    CHECK(loaded[0].owner == "key-1");
+    std::vector<int32_t> b = iota_tokens(1, 300);
+    for (int32_t t : iota_tokens(7, 3)) b.push_back(t);
+    CHECK(loaded[1].history == b);
+    CHECK(loaded[1].parent == loaded[0].id);
+    for (const SessionRecord& r : loaded) {  // used as of the migration
+      CHECK(r.last_used_unix_ms >= before);
+      CHECK(r.last_used_unix_ms <= before + 60000);
+    }
+  }
+  sqlite3* h = nullptr;
+  REQUIRE(sqlite3_open(db.c_str(), &h) == SQLITE_OK);
+  sqlite3_stmt* q = nullptr;
+  REQUIRE(sqlite3_prepare_v2(h, "SELECT value FROM meta WHERE key = 'schema_version'", -1, &q, nullptr) == SQLITE_OK);
+  REQUIRE(sqlite3_step(q) == SQLITE_ROW);
+  CHECK(std::string(reinterpret_cast<const char*>(sqlite3_column_text(q, 0))) == "2");
+  sqlite3_finalize(q);
+  sqlite3_close(h);
+  // A version this server cannot read (0, or not a number) is refused, the file left as it is.
+  for (const char* v : {"0", "x1"}) {
+    sql(db, std::string("UPDATE meta SET value = '") + v + "' WHERE key = 'schema_version'");
+    std::vector<SessionRecord> loaded;
+    auto j = SqliteJournal::open(o, &loaded);
+    REQUIRE_FALSE(j.ok());
+    CHECK_THAT(j.status().message(), Catch::Contains(std::string("schema version ") + v));
+  }
+}
+
+TEST_CASE("restored sessions keep the time to live they had left", "[engine]") {
+  ModelFile mf;
+  TempDir dir;
+  SqliteJournalOptions jo = options_in(dir, "tiny");
+  SessionId fresh, stale;
+  {
+    std::vector<SessionRecord> loaded;
+    auto journal = SqliteJournal::open(jo, &loaded);
+    REQUIRE(journal.ok());
+    EngineOptions eo;
+    eo.journal = journal->get();
+    auto e = mf.engine(eo);
+    fresh = e->create_session().value();
+    stale = e->create_session().value();
+    run(*e, fresh, request({1, 2, 3}, 2));
+    run(*e, stale, request({4, 5, 6}, 2));
+    flush(**journal);
+  }
+  // stale's last change was two hours ago.
+  const int64_t two_hours_ago = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                    std::chrono::system_clock::now().time_since_epoch()).count() - 7200 * 1000;
+  sql(jo.dir + "/sessions.db", "UPDATE sessions SET last_used = " + std::to_string(two_hours_ago) + " WHERE id = '" + stale + "'");
+  std::vector<SessionRecord> loaded;
+  auto journal = SqliteJournal::open(jo, &loaded);
+  REQUIRE(journal.ok());
+  REQUIRE(loaded.size() == 2);
+  EngineOptions eo;
+  eo.journal = journal->get();
+  eo.restore = loaded;
+  eo.session_ttl = std::chrono::hours(1);
+  auto e = mf.engine(eo);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (e->info(stale).ok() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  CHECK(e->info(stale).status().code() == StatusCode::kNotFound);  // expired, and erased from the journal
+  CHECK(e->info(fresh)->length == 5);
+  flush(**journal);
+  journal->reset();
+  std::vector<SessionRecord> again;
+  REQUIRE(SqliteJournal::open(jo, &again).ok());
+  REQUIRE(again.size() == 1);
+  CHECK(again[0].id == fresh);
 }

@@ -33,6 +33,9 @@ struct SessionRecord {
   int64_t max_context = 0;
   std::vector<int32_t> history;
   nlohmann::ordered_json conversation = nlohmann::ordered_json::array();
+  // When its last change was recorded (Unix milliseconds; 0: unknown, as now): a restored session
+  // keeps the time to live it had left.
+  int64_t last_used_unix_ms = 0;
 };
 
 // SamplingParams as JSON and back (INVALID_ARGUMENT naming a bad field).

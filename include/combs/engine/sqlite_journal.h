@@ -10,9 +10,10 @@
 //
 // The database names the model it was written for (a fingerprint of the GGUF): opening it for
 // another model is FAILED_PRECONDITION unless `drop_foreign` (then its sessions are deleted).
-// Schema version 1; a newer version, a file that is not a database, or rows that do not add up
-// (a token run missing or overlapping) are refused with the reason — never a crash, never a
-// session silently cut short.
+// Schema version 2: an older file is migrated in place at open, a version at a time, each step
+// one transaction (so a crash mid-way leaves the last whole version); a newer version, a file that
+// is not a database, or rows that do not add up (a token run missing or overlapping) are refused
+// with the reason — never a crash, never a session silently cut short.
 // Thread-safe.
 #pragma once
 

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
       "  engine  aggregate tokens/s and inter-token latency of 1/8/64 sessions at once\n"
       "  prefix  sessions sharing a system prompt: time to first token and tokens/s, prefix cache on and off\n"
       "  journal restart time with many sessions in the session journal\n"
+      "  resume  an evicted session brought back: host tier copy vs recompute, per history length\n"
       "  gpu     the CUDA backend: decode, prefill, many sessions, paged attention (CUDA builds)\n"
       "  (combs-bench SUBCOMMAND --help for the flags of each)\n";
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
   if (!std::strcmp(argv[1], "engine")) return combs::bench::run_engine(argc, argv);
   if (!std::strcmp(argv[1], "prefix")) return combs::bench::run_prefix(argc, argv);
   if (!std::strcmp(argv[1], "journal")) return combs::bench::run_journal(argc, argv);
+  if (!std::strcmp(argv[1], "resume")) return combs::bench::run_resume(argc, argv);
 #ifdef COMBS_HAVE_CUDA
   if (!std::strcmp(argv[1], "gpu")) return combs::bench::run_gpu(argc, argv);
 #endif

@@ -1,0 +1,92 @@
+// The host tier on the GPU: pages copied to pinned host memory and back by one kernel hold the
+// same bytes; an engine on the GPU whose sessions go to the host and come back (evicted and
+// preempted) gives the tokens of one that never runs short of pages; the start-up measurement.
+// [cuda]: skipped (and saying so) without a GPU.
+#include <catch2/catch.hpp>
+
+#include "combs/engine/engine.h"
+#include "combs/kv/host_page_pool.h"
+#include "combs/model/cuda_runner.h"
+#include "support/cuda_helpers.h"
+#include "support/engine_helpers.h"
+#include "support/host_tier_check.h"
+#include "support/model_helpers.h"
+#include "support/random.h"
+
+using namespace combs;
+using namespace combs::testing;
+
+TEST_CASE("pages copied to pinned host memory and back on the gpu hold the same bytes", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  const DType dtype = GENERATE(DType::kF16, DType::kBF16, DType::kF32);
+  const int head_dim = GENERATE(64, 128, 9);  // 9: chunks of 36 or 72 bytes (the byte loop)
+  PagePoolOptions o;
+  o.geometry = {4, 2, head_dim, dtype};
+  o.page_size = head_dim == 9 ? 1 : 16;
+  o.num_pages = 24;
+  auto pool = std::move(PagePool::create(*gpu, o)).value();
+  auto host = std::move(HostPagePool::create(*pool, 24)).value();
+  check_round_trip(*pool, *host, {0, 23, 7, 8, 9}, {3, 2, 1, 0, 22}, rng);
+  std::vector<int32_t> all(24), reversed(24);
+  for (int i = 0; i < 24; ++i) all[i] = i, reversed[i] = 23 - i;
+  check_round_trip(*pool, *host, all, reversed, rng);
+}
+
+TEST_CASE("an engine on the gpu whose sessions move to the host tier gives the tokens of a roomy one", "[cuda]") {
+  if (!have_gpu()) return;
+  register_cuda_attention();
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  testing::TinyModel m("tiny", DType::kBF16);
+  const int64_t page = page_bytes(m.model->config().kv_geometry(DType::kF16), 16);
+  auto engine = [&](int64_t pages, int64_t host_pages) {
+    EngineOptions eo;
+    eo.kv_memory_bytes = pages * page;
+    eo.host_kv_memory_bytes = host_pages * page;
+    eo.host_kv_restore = EngineOptions::HostRestore::kCopy;
+    eo.make_runner = make_cuda_runner(0);
+    return std::move(Engine::create(std::move(Model::load(m.path)).value(), eo)).value();
+  };
+  auto tight = engine(12, 64), roomy = engine(1024, 0);
+  // Eight requests that cannot all hold their pages (preemptions to the host), then each session
+  // continued after the others pushed it out (evictions to the host).
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::unique_ptr<Collector>> runs;
+  std::vector<SessionId> ids, roomy_ids;
+  for (int i = 0; i < 8; ++i) {
+    std::vector<int32_t> p(40);
+    for (auto& t : p) t = static_cast<int32_t>(rng.integer(3, m.n_vocab() - 1));
+    prompts.push_back(p);
+    ids.push_back(tight->create_session().value());
+    roomy_ids.push_back(roomy->create_session().value());
+    runs.push_back(std::make_unique<Collector>());
+    REQUIRE(tight->generate(ids.back(), request(p, 100), runs.back()->sink()).ok());
+  }
+  for (int i = 0; i < 8; ++i) {
+    runs[i]->wait();
+    INFO("request " << i << ": " << runs[i]->status.to_string());
+    CHECK(runs[i]->tokens == run(*roomy, roomy_ids[i], request(prompts[i], 100)));
+  }
+  for (int i = 0; i < 8; ++i) {
+    INFO("session " << i);
+    CHECK(run(*tight, ids[i], request({5}, 16)) == run(*roomy, roomy_ids[i], request({5}, 16)));
+  }
+  const EngineStats st = tight->stats();
+  CHECK(st.preemptions > 0);
+  CHECK(st.host_offloads > 0);
+  CHECK(st.host_restored_tokens > 0);
+  CHECK(tight->check_invariants().ok());
+  // The measurement on this device (the figures go to RESULTS.md through combs-bench).
+  EngineOptions eo;
+  eo.host_kv_memory_bytes = 64 * page;
+  eo.make_runner = make_cuda_runner(0);
+  auto measured = std::move(Engine::create(std::move(Model::load(m.path)).value(), eo)).value();
+  const EngineStats ms = measured->stats();
+  WARN("tiny on the gpu: prefill " << ms.host_prefill_us_per_token << " us/token, copy " << ms.host_copy_us_per_token
+                                   << " us/token, tier " << (ms.host_tier_active ? "on" : "off"));
+  CHECK(ms.host_prefill_us_per_token > 0.0);
+  CHECK(ms.host_copy_us_per_token > 0.0);
+}
