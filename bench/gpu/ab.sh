@@ -7,14 +7,7 @@
 # A/B figures from one machine session, the only comparison these noisy machines allow.
 set -u
 VARIANTS=$1; SHAPES=$2; ONLY=$3; ROUNDS=$4
-mkdir -p /tmp/gpulibs  # the gzipped libraries of .gpu/libs, unpacked
-for f in .gpu/libs/*.gz; do gunzip -c "$f" > /tmp/gpulibs/$(basename "$f" .gz); done
-export LD_LIBRARY_PATH=$PWD/.gpu/libs:/tmp/gpulibs:/usr/local/cuda/lib64
-for v in $VARIANTS; do
-  mkdir -p /tmp/bin/$v
-  for f in .gpu/$v/*.gz; do gunzip -c "$f" > /tmp/bin/$v/$(basename "$f" .gz); done
-  chmod +x /tmp/bin/$v/*
-done
+. "$(dirname "$0")/unpack.sh" $VARIANTS
 if [ "${5:-}" = tests ]; then
   for v in $VARIANTS; do
     [ -x /tmp/bin/$v/combs_cuda_tests ] || continue

@@ -4,11 +4,7 @@
 # transformers (tests/reference/compare_hf_archs.sh) with its combs-mkmodel and combs-generate.
 set -u
 V=${1:-main}
-mkdir -p /tmp/gpulibs /tmp/bin/$V
-for f in .gpu/libs/*.gz; do gunzip -c "$f" > /tmp/gpulibs/$(basename "$f" .gz); done
-for f in .gpu/$V/*.gz; do gunzip -c "$f" > /tmp/bin/$V/$(basename "$f" .gz); done
-chmod +x /tmp/bin/$V/*
-export LD_LIBRARY_PATH=$PWD/.gpu/libs:/tmp/gpulibs:/usr/local/cuda/lib64
+. "$(dirname "$0")/unpack.sh" $V
 echo "== cuda tests"
 timeout 400 /tmp/bin/$V/combs_cuda_tests "${TESTS:-[cuda]}" 2>&1 | tail -n "${TAIL:-40}"
 echo "== transformers"

@@ -5,7 +5,7 @@
 # tracked tree (~11 MiB) included: with the libraries (~23 MiB) about eight binaries fit; drop a
 # variant's test binary where only its speed is measured.
 # .gpu/libs must hold the shared libraries the GPU machine lacks (see ../shared/gpu/README.md);
-# ab.sh unpacks those gzipped there (*.gz) before running.
+# unpack.sh (sourced by the scripts that run there) unpacks those gzipped there (*.gz).
 set -eu
 V=$1; B=${2:-build/portable}
 mkdir -p .gpu/$V

@@ -7,11 +7,7 @@
 # 3's vocabulary. Each report is also written to $OUT/resume-SHAPE-DTYPE.md.
 set -u
 V=$1; MODELS=$2; LENGTHS=$3; ROUNDS=$4
-mkdir -p /tmp/gpulibs /tmp/bin/$V
-for f in .gpu/libs/*.gz; do gunzip -c "$f" > /tmp/gpulibs/$(basename "$f" .gz); done
-for f in .gpu/$V/*.gz; do gunzip -c "$f" > /tmp/bin/$V/$(basename "$f" .gz); done
-chmod +x /tmp/bin/$V/*
-export LD_LIBRARY_PATH=/tmp/gpulibs:/usr/local/cuda/lib64
+. "$(dirname "$0")/unpack.sh" $V
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 if [ "${5:-}" = tests ] && [ -x /tmp/bin/$V/combs_cuda_tests ]; then
   echo "== [cuda] tests of $V"

@@ -184,12 +184,9 @@ struct Engine::Impl {
   std::condition_variable forward_done;
   std::unordered_map<SessionId, std::unique_ptr<Session>> sessions;
   bool stopping = false;
-  int64_t evictions = 0, steps = 0;
-  int64_t waiting = 0, batch_sequences = 0, batch_tokens = 0, forward_tokens = 0;  // for stats()
-  int64_t prefix_lookups = 0, prefix_hits = 0, prefix_hit_tokens = 0;
-  int64_t preemptions = 0, queue_timeouts = 0;
-  int64_t host_offloads = 0, host_restores = 0, host_restored_tokens = 0, host_copies_dropped = 0;
-  double host_prefill_us_per_token = 0.0, host_copy_us_per_token = 0.0;
+  // The scheduler's counters and the last step's figures; stats() adds the pool's and the
+  // sessions' from the same lock.
+  EngineStats counts;
   // The arrival of the earliest request that waited for pages while holding some (see step()).
   std::optional<Clock::time_point> page_priority;
   Status abort;  // set by abort_generating(); the scheduler ends the running requests with it
@@ -342,9 +339,9 @@ Status Engine::Impl::calibrate_host_tier() {
   }
   for (int32_t p : host_pages) host->release(p);
   COMBS_RETURN_IF_ERROR(st);
-  host_prefill_us_per_token = prefill_s * 1e6 / static_cast<double>(n);
-  host_copy_us_per_token = copy_s * 1e6 / static_cast<double>(n);
-  if (host_copy_us_per_token >= host_prefill_us_per_token) host.reset();  // recomputing is cheaper
+  counts.host_prefill_us_per_token = prefill_s * 1e6 / static_cast<double>(n);
+  counts.host_copy_us_per_token = copy_s * 1e6 / static_cast<double>(n);
+  if (counts.host_copy_us_per_token >= counts.host_prefill_us_per_token) host.reset();  // recomputing is cheaper
   return ok_status();
 }
 
@@ -800,37 +797,22 @@ std::vector<SessionInfo> Engine::list() {
 
 EngineStats Engine::stats() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  EngineStats st;
-  for (auto& [id, s] : impl_->sessions) st.sessions += s->closing ? 0 : 1;
+  EngineStats st = impl_->counts;
+  for (auto& [id, s] : impl_->sessions) {
+    st.sessions += s->closing ? 0 : 1;
+    st.generating += s->active != nullptr;
+  }
   st.pages_total = impl_->pool->num_pages();
   st.pages_free = impl_->pool->num_free();
   st.pages_used = impl_->pool->num_used();
-  st.evictions = impl_->evictions;
-  st.steps = impl_->steps;
-  for (auto& [id, s] : impl_->sessions) st.generating += s->active != nullptr;
-  st.waiting = impl_->waiting;
-  st.batch_sequences = impl_->batch_sequences;
-  st.batch_tokens = impl_->batch_tokens;
-  st.forward_tokens = impl_->forward_tokens;
-  st.prefix_lookups = impl_->prefix_lookups;
-  st.preemptions = impl_->preemptions;
-  st.prefix_hits = impl_->prefix_hits;
-  st.prefix_hit_tokens = impl_->prefix_hit_tokens;
   st.pages_cached = impl_->pool->num_cached();
   st.pages_reclaimable = impl_->pool->num_reclaimable();
   st.cached_pages_reclaimed = impl_->pool->num_reclaimed();
-  st.queue_timeouts = impl_->queue_timeouts;
   if (impl_->host) {
     st.host_pages_total = impl_->host->num_pages();
     st.host_pages_used = impl_->host->num_used();
   }
   st.host_tier_active = impl_->host != nullptr;
-  st.host_offloads = impl_->host_offloads;
-  st.host_restores = impl_->host_restores;
-  st.host_restored_tokens = impl_->host_restored_tokens;
-  st.host_copies_dropped = impl_->host_copies_dropped;
-  st.host_prefill_us_per_token = impl_->host_prefill_us_per_token;
-  st.host_copy_us_per_token = impl_->host_copy_us_per_token;
   return st;
 }
 
@@ -1016,7 +998,7 @@ bool Engine::Impl::evict_one_idle(const std::set<Session*>& keep) {
   }
   if (victim == nullptr) return false;
   offload(*victim);  // the history stays: the next generate copies the pages back or rebuilds them
-  ++evictions;
+  ++counts.evictions;
   return true;
 }
 
@@ -1040,7 +1022,7 @@ void Engine::Impl::offload(Session& s) {
     }
     if (oldest == nullptr) break;
     oldest->host.clear();
-    ++host_copies_dropped;
+    ++counts.host_copies_dropped;
   }
   const int64_t n = std::min(want, host->num_free());
   if (n > 0) {
@@ -1049,7 +1031,7 @@ void Engine::Impl::offload(Session& s) {
     const std::span<const int32_t> table = s.cache->page_table().subspan(0, static_cast<size_t>(n));
     if (host->store(table, pages).ok()) {
       s.host.set(*host, std::move(pages), std::min(cached, n * pool->page_size()));
-      ++host_offloads;
+      ++counts.host_offloads;
     } else {
       for (int32_t p : pages) host->release(p);  // the pages are only dropped
     }
@@ -1083,8 +1065,8 @@ int64_t Engine::Impl::restore(Session& s, int64_t spare) {
     return 0;
   }
   if (to == end) s.host.clear();
-  ++host_restores;
-  host_restored_tokens += to - cached;
+  ++counts.host_restores;
+  counts.host_restored_tokens += to - cached;
   return to - cached;
 }
 
@@ -1107,7 +1089,7 @@ void Engine::Impl::run() {
     bool any_active = false;
     for (auto& [id, s] : sessions) any_active |= s->active != nullptr;
     if (!any_active) {
-      waiting = batch_sequences = batch_tokens = 0;
+      counts.waiting = counts.batch_sequences = counts.batch_tokens = 0;
       abort = ok_status();  // nothing was running to abort
       wake.wait_for(lock, std::chrono::seconds(1));  // idle: no busy-waiting; wakes for work or TTL
       continue;
@@ -1180,12 +1162,12 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     if (!act.counted_cache) {  // positions this request need not compute
       act.usage.cached_tokens = s->cache->seq_len();
       act.counted_cache = true;
-      prefix_lookups += looked;
-      prefix_hits += mapped > 0;
+      counts.prefix_lookups += looked;
+      counts.prefix_hits += mapped > 0;
     } else {
       act.usage.cached_tokens += mapped + restored;
     }
-    prefix_hit_tokens += mapped;
+    counts.prefix_hit_tokens += mapped;
     const int64_t cached = s->cache->seq_len();
     // A session of this step computes the same page (one prompt arriving many times at once): this
     // one waits and maps that page next step instead of computing it again.
@@ -1234,7 +1216,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     if (first_page) in_flight.insert(*first_page);
     chosen.insert(s);
   }
-  waiting = static_cast<int64_t>(order.size() - work.size());
+  counts.waiting = static_cast<int64_t>(order.size() - work.size());
   // Requests that made no progress this step: past the queue timeout they end, undone.
   const auto now = Clock::now();
   for (Session* s : order) {
@@ -1245,15 +1227,15 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     }
     if (!s->active->waiting_since) s->active->waiting_since = now;
     if (options.queue_timeout.count() > 0 && now - *s->active->waiting_since >= options.queue_timeout) {
-      ++queue_timeouts;
+      ++counts.queue_timeouts;
       finish(*s, FinishKind::kError,
              resource_exhausted_error("the request waited " + std::to_string(options.queue_timeout.count()) +
                                       " ms without room to run (the queue timeout)"),
              events);
     }
   }
-  batch_sequences = static_cast<int64_t>(work.size());
-  batch_tokens = options.step_token_budget - budget;
+  counts.batch_sequences = static_cast<int64_t>(work.size());
+  counts.batch_tokens = options.step_token_budget - budget;
 
   if (!work.empty()) {
     std::vector<SequenceInput> inputs;
@@ -1297,8 +1279,8 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     lock.lock();
     in_forward = false;
     forward_done.notify_all();
-    ++steps;
-    forward_tokens += batch_tokens;
+    ++counts.steps;
+    counts.forward_tokens += counts.batch_tokens;
     for (size_t i = 0; i < work.size(); ++i) {
       Session& s = *work[i].s;
       Active& a = *s.active;
@@ -1360,7 +1342,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     }
     if (youngest != nullptr) {
       offload(*youngest);
-      ++preemptions;
+      ++counts.preemptions;
     }
   }
   // The earliest request left waiting with pages has the first claim on pages next step.

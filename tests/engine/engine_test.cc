@@ -16,16 +16,6 @@
 using namespace combs;
 using namespace combs::testing;
 
-namespace {
-
-std::vector<int32_t> prompt_of(Rng& rng, int n, int vocab) {
-  std::vector<int32_t> p(n);
-  for (auto& t : p) t = static_cast<int32_t>(rng.integer(3, vocab - 1));
-  return p;
-}
-
-}  // namespace
-
 TEST_CASE("sessions decoded together produce exactly the tokens each produces alone", "[engine]") {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());
@@ -36,7 +26,7 @@ TEST_CASE("sessions decoded together produce exactly the tokens each produces al
   const int n = 6;
   std::vector<GenerateRequest> reqs;
   for (int i = 0; i < n; ++i) {
-    reqs.push_back(request(prompt_of(rng, 5 + 37 * i % 150, 259), 24, i % 2 ? 0.0f : 0.8f, 100 + i));
+    reqs.push_back(request(random_tokens(rng, 5 + 37 * i % 150, 3, 258), 24, i % 2 ? 0.0f : 0.8f, 100 + i));
   }
   std::vector<std::vector<int32_t>> alone(n), together(n);
   {
@@ -65,7 +55,7 @@ TEST_CASE("rollback then generate equals a fresh session fed the truncated histo
   INFO("weights " << weights);
   ModelFile mf(weights);
   auto e = mf.engine();
-  const auto prompt = prompt_of(rng, 40, 259);
+  const auto prompt = random_tokens(rng, 40, 3, 258);
   const SessionId a = e->create_session().value();
   const auto first = run(*e, a, request(prompt, 20, 0.0f, 0));
   CHECK(e->info(a)->length == 60);
@@ -93,7 +83,7 @@ TEST_CASE("forks continue independently and share pages counted once", "[engine]
   ModelFile mf(weights);
   auto e = mf.engine();
   const SessionId parent = e->create_session().value();
-  run(*e, parent, request(prompt_of(rng, 70, 259), 10, 0.0f, 0));
+  run(*e, parent, request(random_tokens(rng, 70, 3, 258), 10, 0.0f, 0));
   const int64_t used_before = e->stats().pages_used;
   const SessionId child = e->fork(parent).value();
   CHECK(e->info(child)->length == 80);
@@ -136,7 +126,7 @@ TEST_CASE("evicted sessions rebuild transparently and produce the same tokens", 
   ModelFile mf;
   const int n = 5, turns = 3;
   std::vector<std::vector<int32_t>> prompts;
-  for (int i = 0; i < n; ++i) prompts.push_back(prompt_of(rng, 60, 259));
+  for (int i = 0; i < n; ++i) prompts.push_back(random_tokens(rng, 60, 3, 258));
   auto play = [&](Engine& e) {
     std::vector<SessionId> ids;
     for (int i = 0; i < n; ++i) ids.push_back(e.create_session().value());
@@ -261,7 +251,7 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
   // rollbacks into cached pages, cached pages reclaimed under pressure).
   Rng prefix_rng(seed);
   std::vector<std::vector<int32_t>> prefixes;
-  for (int i = 0; i < 3; ++i) prefixes.push_back(prompt_of(prefix_rng, static_cast<int>(prefix_rng.integer(16, 56)), 259));
+  for (int i = 0; i < 3; ++i) prefixes.push_back(random_tokens(prefix_rng, static_cast<int>(prefix_rng.integer(16, 56)), 3, 258));
   std::mutex ids_mu;
   std::vector<SessionId> ids;
   std::atomic<int> failures{0};
@@ -287,7 +277,7 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
         case 1:
         case 2: {
           auto c = std::make_shared<Collector>();
-          std::vector<int32_t> input = prompt_of(rng, rng.integer(1, 20), 259);
+          std::vector<int32_t> input = random_tokens(rng, rng.integer(1, 20), 3, 258);
           if (rng.integer(0, 1) == 0) {  // a shared prefix, then its own tokens
             std::vector<int32_t> shared = prefixes[rng.integer(0, prefixes.size() - 1)];
             input.insert(input.begin(), shared.begin(), shared.end());
@@ -420,7 +410,7 @@ TEST_CASE("requests that fit the pool alone never fail for lack of pages: waitin
   // Each prompt takes 3 pages, its 100 tokens 6 more: four prompts fill the pool, and then none
   // of the four can grow.
   for (int i = 0; i < 8; ++i) {
-    prompts.push_back(prompt_of(rng, 40, 259));
+    prompts.push_back(random_tokens(rng, 40, 3, 258));
     runs.push_back(std::make_unique<Collector>());
     REQUIRE(e->generate(e->create_session().value(), request(prompts.back(), 100, 0.0f, 0), runs.back()->sink()).ok());
   }

@@ -18,17 +18,6 @@ namespace {
 
 constexpr int64_t kPage = 2 * 2 * 64 * 2 * 2 * 16;  // the tiny model's page: 16 positions, f16
 
-std::vector<int32_t> prompt_of(Rng& rng, int n) {
-  std::vector<int32_t> p(n);
-  for (auto& t : p) t = static_cast<int32_t>(rng.integer(3, 258));
-  return p;
-}
-
-std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 EngineOptions tight(int64_t device_pages, int64_t host_pages) {
   EngineOptions o;
   o.kv_memory_bytes = device_pages * kPage;
@@ -53,18 +42,18 @@ TEST_CASE("an idle session's pages move to the host tier and come back by copy w
   auto e = mf.engine(tight(12, 64));  // 12 pages: 192 positions
   REQUIRE(e->stats().host_tier_active);
   REQUIRE(e->stats().host_pages_total == 64);
-  const std::vector<int32_t> pa = prompt_of(rng, 70);
+  const std::vector<int32_t> pa = random_tokens(rng, 70, 3, 258);
   const SessionId a = e->create_session().value();
   const std::vector<int32_t> ta = run(*e, a, request(pa, 20));  // 90 positions: 6 pages
   // b needs 9 pages: a's go to the host.
   const SessionId b = e->create_session().value();
-  run(*e, b, request(prompt_of(rng, 130), 10));
+  run(*e, b, request(random_tokens(rng, 130, 3, 258), 10));
   CHECK(e->info(a)->cached == 0);
   CHECK(e->stats().host_offloads == 1);
   CHECK(e->stats().host_pages_used == 6);
   REQUIRE(e->check_invariants().ok());
   // a continues: its 89 positions come back by copy (the 90th is computed for its logits).
-  const std::vector<int32_t> more = prompt_of(rng, 5);
+  const std::vector<int32_t> more = random_tokens(rng, 5, 3, 258);
   const Generated g = generate(*e, a, request(more, 15));
   CHECK(g.tokens == continuation(mf, concat(concat(pa, ta), more), 15));
   CHECK(g.usage.cached_tokens == 89);
@@ -89,7 +78,7 @@ TEST_CASE("preempted requests resume from the host tier with the tokens they get
   std::vector<std::unique_ptr<Collector>> runs;
   // As the preemption test: four prompts fill the pool, and then none of them can grow.
   for (int i = 0; i < 8; ++i) {
-    prompts.push_back(prompt_of(rng, 40));
+    prompts.push_back(random_tokens(rng, 40, 3, 258));
     runs.push_back(std::make_unique<Collector>());
     REQUIRE(e->generate(e->create_session().value(), request(prompts.back(), 100), runs.back()->sink()).ok());
   }
@@ -119,12 +108,12 @@ TEST_CASE("a full host tier drops the least recently stored copies first", "[eng
   std::vector<std::vector<int32_t>> histories;
   for (int i = 0; i < 3; ++i) {  // each 60 positions: 4 pages; the third pushes the first out
     ids.push_back(e->create_session().value());
-    const std::vector<int32_t> p = prompt_of(rng, 50);
+    const std::vector<int32_t> p = random_tokens(rng, 50, 3, 258);
     histories.push_back(concat(p, run(*e, ids.back(), request(p, 10))));
   }
   // The device holds the last two, the host the first. A fourth and a fifth push the second
   // and the third to the host: the first's copy (stored longest ago) is dropped for the third.
-  for (int i = 0; i < 2; ++i) run(*e, e->create_session().value(), request(prompt_of(rng, 100), 10));
+  for (int i = 0; i < 2; ++i) run(*e, e->create_session().value(), request(random_tokens(rng, 100, 3, 258), 10));
   CHECK(e->stats().host_copies_dropped >= 1);
   CHECK(e->stats().host_pages_used <= 8);
   REQUIRE(e->check_invariants().ok());
@@ -142,10 +131,10 @@ TEST_CASE("rollback trims a host copy, a fork shares it, reset and close free it
   INFO("seed " << rng.seed());
   ModelFile mf;
   auto e = mf.engine(tight(10, 32));
-  const std::vector<int32_t> p = prompt_of(rng, 90);
+  const std::vector<int32_t> p = random_tokens(rng, 90, 3, 258);
   const SessionId a = e->create_session().value();
   const std::vector<int32_t> history = concat(p, run(*e, a, request(p, 10)));  // 100 positions: 7 pages
-  run(*e, e->create_session().value(), request(prompt_of(rng, 120), 5));       // a goes to the host
+  run(*e, e->create_session().value(), request(random_tokens(rng, 120, 3, 258), 5));       // a goes to the host
   REQUIRE(e->stats().host_pages_used == 7);
   const SessionId f = e->fork(a).value();
   CHECK(e->stats().host_pages_used == 7);  // shared
@@ -162,7 +151,7 @@ TEST_CASE("rollback trims a host copy, a fork shares it, reset and close free it
   CHECK(gf.usage.cached_tokens == 99);  // all a's cache held: the last generated token was never fed
   REQUIRE(e->check_invariants().ok());
   // Both on the device again or pushed out: close and reset leave no host page behind.
-  run(*e, e->create_session().value(), request(prompt_of(rng, 140), 5));
+  run(*e, e->create_session().value(), request(random_tokens(rng, 140, 3, 258), 5));
   CHECK(e->reset(a).ok());
   CHECK(e->close(f).ok());
   REQUIRE(e->check_invariants().ok());
@@ -204,9 +193,9 @@ TEST_CASE("a request that waits past the queue timeout ends RESOURCE_EXHAUSTED a
     if (ev.type == GenerateEvent::Type::kToken) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     inner(ev);
   };
-  REQUIRE(e->generate(a, request(prompt_of(rng, 50), 10), slow).ok());
+  REQUIRE(e->generate(a, request(random_tokens(rng, 50, 3, 258), 10), slow).ok());
   while (e->info(a)->cached < 50) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  REQUIRE(e->generate(b, request(prompt_of(rng, 20), 4), cb.sink()).ok());
+  REQUIRE(e->generate(b, request(random_tokens(rng, 20, 3, 258), 4), cb.sink()).ok());
   ca.wait();
   cb.wait();
   CHECK(ca.finish == FinishKind::kLength);

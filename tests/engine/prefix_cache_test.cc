@@ -13,17 +13,6 @@ using namespace combs::testing;
 
 namespace {
 
-std::vector<int32_t> tokens_of(Rng& rng, int n) {
-  std::vector<int32_t> p(n);
-  for (auto& t : p) t = static_cast<int32_t>(rng.integer(3, 258));
-  return p;
-}
-
-std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 SessionId session(Engine& e, const std::string& ns = "") {
   SessionOptions o;
   o.cache_namespace = ns;
@@ -40,8 +29,8 @@ TEST_CASE("a session sharing a 1000-token prefix maps the cached pages and prefi
   INFO("weights " << weights);
   ModelFile mf(weights);
   auto e = mf.engine();
-  const std::vector<int32_t> shared = tokens_of(rng, 1000);
-  const std::vector<int32_t> mine = tokens_of(rng, 24), yours = tokens_of(rng, 24);
+  const std::vector<int32_t> shared = random_tokens(rng, 1000, 3, 258);
+  const std::vector<int32_t> mine = random_tokens(rng, 24, 3, 258), yours = random_tokens(rng, 24, 3, 258);
 
   const Generated first = generate(*e, session(*e, "k"), request(concat(shared, mine), 8));
   CHECK(first.usage.cached_tokens == 0);
@@ -81,7 +70,7 @@ TEST_CASE("cached pages outlive closed and reset and rolled-back and evicted ses
   EngineOptions o;
   o.kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 24;  // 24 pages of 16 positions
   auto e = mf.engine(o);
-  const std::vector<int32_t> prompt = tokens_of(rng, 160);  // 10 pages
+  const std::vector<int32_t> prompt = random_tokens(rng, 160, 3, 258);  // 10 pages
 
   SECTION("closed") {
     const SessionId a = session(*e);
@@ -121,7 +110,7 @@ TEST_CASE("cached pages outlive closed and reset and rolled-back and evicted ses
     const Generated ra = generate(*e, a, request(prompt, 4));
     // A second session's prompt needs the whole pool: a's pages go (evicted, then reclaimed).
     const SessionId b = session(*e);
-    generate(*e, b, request(tokens_of(rng, 24 * 16 - 8), 4));
+    generate(*e, b, request(random_tokens(rng, 24 * 16 - 8, 3, 258), 4));
     CHECK(e->stats().evictions >= 1);
     CHECK(e->stats().cached_pages_reclaimed > 0);
     REQUIRE(e->close(b).ok());
@@ -143,13 +132,13 @@ TEST_CASE("cached pages never make a request wait or fail", "[engine]") {
   auto e = mf.engine(o);
   for (int i = 0; i < 6; ++i) {  // the pool fills with cached pages of closed sessions
     const SessionId s = session(*e);
-    generate(*e, s, request(tokens_of(rng, 150), 2));
+    generate(*e, s, request(random_tokens(rng, 150, 3, 258), 2));
     REQUIRE(e->close(s).ok());
   }
   CHECK(e->stats().pages_cached > 0);
   CHECK(e->stats().pages_free < 12);
   // A prompt of the whole pool runs; the cached pages give way, least recently released first.
-  const Generated r = generate(*e, session(*e), request(tokens_of(rng, 12 * 16 - 4), 2));
+  const Generated r = generate(*e, session(*e), request(random_tokens(rng, 12 * 16 - 4, 3, 258), 2));
   CHECK(r.tokens.size() == 2);
   CHECK(e->stats().cached_pages_reclaimed > 0);
   REQUIRE(e->check_invariants().ok());
@@ -160,7 +149,7 @@ TEST_CASE("forks of a prefilled session share its pages with the prefix cache", 
   ModelFile mf;
   auto e = mf.engine();
   const SessionId parent = session(*e, "k");
-  generate(*e, parent, request(tokens_of(rng, 200), 0));
+  generate(*e, parent, request(random_tokens(rng, 200, 3, 258), 0));
   std::vector<SessionId> kids;
   for (int i = 0; i < 3; ++i) kids.push_back(e->fork(parent).value());
   for (size_t i = 0; i < kids.size(); ++i) {
@@ -177,11 +166,11 @@ TEST_CASE("sessions arriving together with one prompt compute it once", "[engine
   Rng rng(test_seed());
   ModelFile mf;
   auto e = mf.engine();
-  const std::vector<int32_t> shared = tokens_of(rng, 512);
+  const std::vector<int32_t> shared = random_tokens(rng, 512, 3, 258);
   std::vector<std::unique_ptr<Collector>> runs;
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 8; ++i) {  // submitted back to back: they meet in the scheduler's first steps
-    prompts.push_back(concat(shared, tokens_of(rng, 20)));
+    prompts.push_back(concat(shared, random_tokens(rng, 20, 3, 258)));
     runs.push_back(std::make_unique<Collector>());
     REQUIRE(e->generate(session(*e), request(prompts.back(), 4), runs.back()->sink()).ok());
   }

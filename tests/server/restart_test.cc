@@ -14,21 +14,6 @@
 using namespace combs::testing;
 using namespace combs::v1;
 
-namespace {
-
-std::vector<int32_t> tokens_of(Rng& rng, int n) {
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng.integer(1, 30000));
-  return t;
-}
-
-std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-}  // namespace
-
 TEST_CASE("sessions survive kill -9 of the server restart after restart", "[server]") {
   Rng rng(test_seed());
   TempDir state;
@@ -88,7 +73,7 @@ TEST_CASE("sessions survive kill -9 of the server restart after restart", "[serv
     }
     // A new session with a prompt and a reply.
     const std::string s = create(*stub);
-    const std::vector<int32_t> prompt = tokens_of(rng, static_cast<int>(rng.integer(4, 24)));
+    const std::vector<int32_t> prompt = random_tokens(rng, rng.integer(4, 24), 1, 30000);
     const Streamed r = generate(*stub, greedy(s, prompt, 6));
     REQUIRE(r.status.ok());
     known[s] = concat(prompt, r.tokens);
@@ -125,7 +110,7 @@ TEST_CASE("sessions survive kill -9 of the server restart after restart", "[serv
     }
     // A long Generate streams as the server is killed.
     const std::string busy = create(*stub);
-    const std::vector<int32_t> input = tokens_of(rng, 8);
+    const std::vector<int32_t> input = random_tokens(rng, 8, 1, 30000);
     Streamed streaming;
     std::thread t([&] { streaming = generate(*stub, greedy(busy, input, 1800)); });
     std::this_thread::sleep_for(std::chrono::milliseconds(rng.integer(20, 200)));
@@ -141,7 +126,7 @@ TEST_CASE("a session exported from one server continues on another", "[server]")
   ServerProcess a, b;
   auto sa = a.stub(), sb = b.stub();
   const std::string id = create(*sa);
-  REQUIRE(generate(*sa, greedy(id, tokens_of(rng, 20), 10)).status.ok());
+  REQUIRE(generate(*sa, greedy(id, random_tokens(rng, 20, 1, 30000), 10)).status.ok());
   auto export_of = [](Combs::Stub& stub, const std::string& session, grpc::Status* status) {
     grpc::ClientContext ctx;
     ExportSessionRequest q;

@@ -35,4 +35,16 @@ class Rng {
   std::mt19937_64 gen_;
 };
 
+// n token ids drawn uniformly from [lo, hi].
+inline std::vector<int32_t> random_tokens(Rng& rng, int64_t n, int32_t lo, int32_t hi) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = static_cast<int32_t>(rng.integer(lo, hi));
+  return t;
+}
+
+inline std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 }  // namespace combs::testing
