@@ -400,9 +400,17 @@ TEST_CASE("an abort ends running generates from the scheduler thread and is not 
 
 TEST_CASE("requests that fit the pool alone never fail for lack of pages: waiting ones are preempted", "[engine]") {
   Rng rng(test_seed());
+  // Without a host tier preempted pages are dropped and rebuilt; with one they go there and come
+  // back by copy.
+  const bool host_tier = GENERATE(false, true);
+  INFO("seed " << rng.seed() << ", host tier " << (host_tier ? "on" : "off"));
   ModelFile mf;
   EngineOptions tight;
   tight.kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 12;  // 12 pages of 16: 192 positions
+  if (host_tier) {
+    tight.host_kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 64;
+    tight.host_kv_restore = EngineOptions::HostRestore::kCopy;
+  }
   auto e = mf.engine(tight);
   auto roomy = mf.engine();
   std::vector<std::vector<int32_t>> prompts;
@@ -421,6 +429,9 @@ TEST_CASE("requests that fit the pool alone never fail for lack of pages: waitin
     // Preempted or not, the tokens a request gets alone.
     CHECK(runs[i]->tokens == run(*roomy, roomy->create_session().value(), request(prompts[i], 100, 0.0f, 0)));
   }
-  CHECK(e->stats().preemptions > 0);
+  const EngineStats st = e->stats();
+  CHECK(st.preemptions > 0);
+  CHECK(st.host_offloads >= (host_tier ? st.preemptions : 0));
+  CHECK((st.host_restored_tokens > 0) == host_tier);
   REQUIRE(e->check_invariants().ok());
 }

@@ -1,5 +1,5 @@
-// The host tier: idle sessions' and preempted requests' pages move to host memory under pressure
-// and come back by copy with the tokens unchanged; copies are dropped least recently stored first
+// The host tier: idle sessions' pages move to host memory under pressure and come back by copy
+// with the tokens unchanged (preempted requests': engine_test.cc); copies are dropped least recently stored first
 // when the tier is full, trimmed with the history, shared by forks; the start-up measurement
 // decides whether the tier pays; a request that waits past the queue timeout ends undone.
 #include <catch2/catch.hpp>
@@ -61,41 +61,6 @@ TEST_CASE("an idle session's pages move to the host tier and come back by copy w
   CHECK(e->stats().host_restored_tokens == 89);
   CHECK(e->stats().host_restores == 1);
   CHECK(e->stats().host_pages_used == 9);  // b's 140 positions went to the host in turn
-  REQUIRE(e->check_invariants().ok());
-}
-
-TEST_CASE("preempted requests resume from the host tier with the tokens they get alone", "[engine]") {
-  Rng rng(test_seed());
-  INFO("seed " << rng.seed());
-  ModelFile mf;
-  const bool tier = GENERATE(true, false);
-  INFO("host tier " << (tier ? "on" : "off"));
-  EngineOptions o = tight(12, tier ? 64 : 0);
-  o.prefix_cache = true;
-  auto e = mf.engine(o);
-  auto roomy = mf.engine();
-  std::vector<std::vector<int32_t>> prompts;
-  std::vector<std::unique_ptr<Collector>> runs;
-  // As the preemption test: four prompts fill the pool, and then none of them can grow.
-  for (int i = 0; i < 8; ++i) {
-    prompts.push_back(random_tokens(rng, 40, 3, 258));
-    runs.push_back(std::make_unique<Collector>());
-    REQUIRE(e->generate(e->create_session().value(), request(prompts.back(), 100), runs.back()->sink()).ok());
-  }
-  for (int i = 0; i < 8; ++i) {
-    runs[i]->wait();
-    INFO("request " << i << ": " << runs[i]->status.to_string());
-    CHECK(runs[i]->finish == FinishKind::kLength);
-    CHECK(runs[i]->tokens == run(*roomy, roomy->create_session().value(), request(prompts[i], 100)));
-  }
-  const EngineStats st = e->stats();
-  CHECK(st.preemptions > 0);
-  if (tier) {
-    CHECK(st.host_offloads >= st.preemptions);
-    CHECK(st.host_restored_tokens > 0);
-  } else {
-    CHECK(st.host_offloads == 0);
-  }
   REQUIRE(e->check_invariants().ok());
 }
 
