@@ -46,6 +46,9 @@ struct Active {
   Usage usage;
   bool counted_cache = false;  // usage.cached_tokens set and the prefix cache looked up
   std::optional<Clock::time_point> waiting_since;  // when it last made progress, while it waits
+  // Speculation (request's, else the session's): how many tokens the next step drafts.
+  SpeculationParams speculation;
+  std::optional<DraftLength> draft_length;  // set when speculation is on
   size_t history_before = 0;  // a request that fails leaves the session as it found it
   Clock::time_point arrival = Clock::now();  // when it was accepted: its claim on pages
   // A chat turn's: the conversation it rendered and the rendering (the reply joins them at the end).
@@ -127,6 +130,7 @@ struct Session {
   // needed, cut where the history shrinks); chain_root is link 0 (the model and the namespace).
   Digest chain_root{};
   std::vector<Digest> chain;
+  int64_t drafted = 0, accepted = 0;  // speculation's tokens over its requests
   // Positions whose K/V moved to the host tier: beyond the cache (which holds a prefix of them, or
   // none), copied back on the next use; trimmed with the history.
   HostCopy host;
@@ -192,7 +196,9 @@ struct Engine::Impl {
   Status abort;  // set by abort_generating(); the scheduler ends the running requests with it
   std::thread scheduler;
 
+  std::shared_ptr<Proposer> proposer;  // SpeculationParams::kNgram's drafts
   // Scratch of the scheduler thread.
+  std::vector<int32_t> draft, spec_history;
   std::vector<float> logits;
   std::vector<int32_t> token_ids;
   std::vector<RowSampling> row_sampling;
@@ -267,6 +273,15 @@ struct Engine::Impl {
   // At start: prefill time against copy time per token; drops the tier when it does not pay.
   Status calibrate_host_tier();
   void finish(Session& s, FinishKind kind, Status status,
+              std::vector<std::pair<EventSink, GenerateEvent>>& out);
+  // A generated token joins s's history and its request's output (the journal, the event, the
+  // stop checks); true when it ended the request.
+  bool emit(Session& s, int32_t token, std::vector<std::pair<EventSink, GenerateEvent>>& out);
+  // The outcome of a speculative step for s: `tokens` (its history's last and the drafts) gave
+  // output rows from `row` on (token_ids where the runner picked them, else logits): the drafts
+  // the model agrees with and the token after them are emitted, the rejected drafts' positions
+  // dropped from the cache.
+  void verify(Session& s, std::span<const int32_t> tokens, int64_t row, bool have_ids,
               std::vector<std::pair<EventSink, GenerateEvent>>& out);
 };
 
@@ -410,6 +425,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   }
   impl->options.restore.clear();
   impl->logits.resize(c.n_vocab);
+  impl->proposer = o.proposer ? o.proposer : std::make_shared<NgramProposer>();
   Impl* raw = impl.get();
   impl->scheduler = std::thread([raw] { raw->run(); });
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
@@ -492,9 +508,13 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::Impl::start(Session* s, Genera
   if (s->history.empty() && request.input.empty()) {
     return invalid_argument_error("generate: the session is empty and the request has no input");
   }
+  const SpeculationParams spec = request.speculation.value_or(s->options.speculation);
+  COMBS_RETURN_IF_ERROR(validate(spec));
   a->handle = std::make_shared<GenerateHandle>();
   a->sink = std::move(sink);
   a->sampler = std::make_unique<Sampler>(params);
+  a->speculation = spec;
+  if (spec.method != SpeculationParams::Method::kOff) a->draft_length.emplace(spec.max_draft);
   a->stop.max_tokens = request.max_tokens;
   a->stop.stop_sequences = request.stop_sequences;
   if (!request.ignore_eos && tokenizer) a->stop.eos_ids = tokenizer->end_of_generation();
@@ -767,6 +787,8 @@ SessionInfo info_of(const Session& s) {
   i.sampling = s.options.sampling;
   i.owner = s.options.owner;
   i.parent = s.parent;
+  i.drafted_tokens = s.drafted;
+  i.accepted_tokens = s.accepted;
   if (i.generating) {  // as of the last step
     i.cached = s.snap_cached;
     i.pages_held = s.snap_pages;
@@ -938,6 +960,90 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
   out.back().second.session_length = static_cast<int64_t>(s.history.size());
   s.active.reset();
   s.last_used = Clock::now();
+}
+
+bool Engine::Impl::emit(Session& s, int32_t token, std::vector<std::pair<EventSink, GenerateEvent>>& out) {
+  Active& a = *s.active;
+  a.generated.push_back(token);
+  s.history.push_back(token);
+  if (options.journal) options.journal->append(s.id, static_cast<int64_t>(s.history.size()) - 1, {&token, 1});
+  GenerateEvent e;
+  e.token = token;
+  if (a.text) e.text = a.text->push(token);
+  bool stop_string = false;
+  if (!a.request.stop_strings.empty()) {
+    // Only the tail can hold a new match: the text this token added and what precedes it.
+    const size_t before = a.generated_text.size();
+    a.generated_text += e.text;
+    for (const std::string& stop : a.request.stop_strings) {
+      const size_t from = before >= stop.size() ? before - stop.size() + 1 : 0;
+      stop_string |= a.generated_text.find(stop, from) != std::string::npos;
+    }
+  }
+  out.emplace_back(a.sink, std::move(e));
+  if (stop_string) {
+    finish(s, FinishKind::kStop, ok_status(), out);
+    return true;
+  }
+  switch (check_stop(a.stop, a.generated)) {
+    case FinishReason::kNone: return false;
+    case FinishReason::kEos: finish(s, FinishKind::kEos, ok_status(), out); return true;
+    case FinishReason::kStopSequence: finish(s, FinishKind::kStop, ok_status(), out); return true;
+    case FinishReason::kLength: finish(s, FinishKind::kLength, ok_status(), out); return true;
+  }
+  return false;
+}
+
+void Engine::Impl::verify(Session& s, std::span<const int32_t> tokens, int64_t row, bool have_ids,
+                          std::vector<std::pair<EventSink, GenerateEvent>>& out) {
+  Active& a = *s.active;
+  const int V = model->config().n_vocab;
+  const auto d = static_cast<int64_t>(tokens.size()) - 1;  // drafted
+  // Row j's output follows the history and drafts 0..j-1: the draft j it checks is accepted, or
+  // the token it yields instead ends the run; after every draft accepted, one more from row d.
+  std::vector<int32_t> taken;
+  // The penalties' window at row j sees the drafts before it.
+  const bool penalties = !have_ids && !is_plain_greedy(a.sampler->params());
+  if (penalties) {
+    spec_history.assign(s.history.begin(), s.history.end());
+    spec_history.insert(spec_history.end(), tokens.begin() + 1, tokens.end());
+  }
+  int64_t accepted = 0;
+  for (int64_t j = 0; j <= d; ++j) {
+    std::span<float> l(logits.data() + (row + j) * V, V);
+    const std::span<const int32_t> h =
+        penalties ? std::span<const int32_t>(spec_history).first(s.history.size() + j) : std::span<const int32_t>(s.history);
+    if (j == d) {
+      taken.push_back(have_ids ? token_ids[row + j] : a.sampler->sample(l, h));
+      break;
+    }
+    bool ok = false;
+    int32_t t;
+    if (have_ids) {
+      t = token_ids[row + j];
+      ok = t == tokens[j + 1];
+    } else {
+      t = a.sampler->verify(l, h, tokens[j + 1], &ok);
+    }
+    taken.push_back(t);
+    if (!ok) break;
+    ++accepted;
+  }
+  // The cache holds the history's last position and every draft: the rejected ones go.
+  s.cache->popn(d - accepted);
+  a.draft_length->observe(static_cast<int>(d), static_cast<int>(accepted));
+  a.usage.drafted_tokens += d;
+  a.usage.accepted_tokens += accepted;
+  s.drafted += d;
+  s.accepted += accepted;
+  counts.drafted_tokens += d;
+  counts.accepted_tokens += accepted;
+  for (int32_t t : taken) {
+    if (emit(s, t, out)) break;
+  }
+  // A request that ended inside the run keeps no position past its history's last.
+  const int64_t keep = static_cast<int64_t>(s.history.size()) - 1;
+  if (s.cache->seq_len() > keep) s.cache->popn(s.cache->seq_len() - keep);
 }
 
 const Digest& Engine::Impl::page_key(Session& s, int64_t i) {
@@ -1128,6 +1234,9 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   struct Work {
     Session* s;
     int64_t from, n;  // history positions [from, from + n)
+    // A speculative step's: the history's last token and the drafted ones after it (n of them),
+    // with an output row each.
+    std::vector<int32_t> tokens;
   };
   std::vector<Work> work;
   std::set<Session*> chosen;
@@ -1182,6 +1291,22 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     // Mid-page with cached pages after this one (a rollback into a page): compute only to the
     // page's end, and map the rest next step.
     if (const int64_t page_end = next_page_cached(*s)) n = std::min(n, page_end - cached);
+    // Decoding with speculation: drafted tokens ride along, as many as the request still wants
+    // (less the token the verification itself yields), the budget and the context allow, and only
+    // into pages that are free without pushing anyone out.
+    std::vector<int32_t> spec_tokens;
+    if (act.draft_length && cached == len - 1 && n == 1) {
+      const int64_t want = std::min<int64_t>({act.draft_length->next(), act.request.max_tokens - 1 -
+                                              static_cast<int64_t>(act.generated.size()), s->max_context - len, budget - 1});
+      if (want > 0) proposer->propose(s->history, static_cast<int>(want), &draft);
+      if (want > 0 && !draft.empty() && static_cast<int64_t>(draft.size()) <= want &&
+          s->cache->pages_to_grow(cached + 1 + static_cast<int64_t>(draft.size())) <=
+              std::max(s->cache->pages_to_grow(cached + 1), pool->num_available() - reserved)) {
+        spec_tokens.push_back(s->history.back());
+        spec_tokens.insert(spec_tokens.end(), draft.begin(), draft.end());
+        n = static_cast<int64_t>(spec_tokens.size());
+      }
+    }
     if (n > budget) {
       if (!work.empty()) continue;  // waits for a step with room
       // Alone in the step it may exceed the budget by at most one chunk.
@@ -1212,7 +1337,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     }
     reserved += need;
     budget -= n;
-    work.push_back({s, cached, n});
+    work.push_back({s, cached, n, std::move(spec_tokens)});
     if (first_page) in_flight.insert(*first_page);
     chosen.insert(s);
   }
@@ -1239,9 +1364,18 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
 
   if (!work.empty()) {
     std::vector<SequenceInput> inputs;
-    for (const Work& w : work) inputs.push_back({w.s->cache.get(), {w.s->history.data() + w.from, static_cast<size_t>(w.n)}});
+    bool any_draft = false;
+    for (const Work& w : work) {
+      if (w.tokens.empty()) {
+        inputs.push_back({w.s->cache.get(), {w.s->history.data() + w.from, static_cast<size_t>(w.n)}});
+      } else {  // a verification: every position's output
+        inputs.push_back({w.s->cache.get(), w.tokens, true});
+        any_draft = true;
+      }
+    }
     const int V = model->config().n_vocab;
-    if (logits.size() < work.size() * V) logits.resize(work.size() * V);
+    const auto rows = static_cast<size_t>(output_rows(inputs, false));
+    if (logits.size() < rows * V) logits.resize(rows * V);
     // The forward runs outside the lock: API calls go on meanwhile. The sessions in the step are
     // generating, so no call touches their history or cache (close() only marks them); calls on
     // other sessions meet the forward only in the page pool, whose bookkeeping has its own lock.
@@ -1249,10 +1383,12 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     // that samples on its device takes every row's sampling (each draw taken from the sequence's
     // generator here, as Sampler::sample would, and given back if the step does not happen). Either
     // way a device runner sends only the token ids to the host.
+    // (A step with a sampled request's drafts takes the logits to the host: the rejection rule
+    // runs there.)
     bool all_greedy = true;
     for (const Work& w : work) all_greedy &= is_plain_greedy(w.s->active->sampler->params());
-    const bool device_sampling = !all_greedy && runner->samples_on_device();
-    if (token_ids.size() < work.size()) token_ids.resize(work.size());
+    const bool device_sampling = !all_greedy && !any_draft && runner->samples_on_device();
+    if (token_ids.size() < rows) token_ids.resize(rows);
     ForwardOptions fo;
     if (all_greedy || device_sampling) fo.token_ids = token_ids.data();
     if (device_sampling) {
@@ -1281,7 +1417,8 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     forward_done.notify_all();
     ++counts.steps;
     counts.forward_tokens += counts.batch_tokens;
-    for (size_t i = 0; i < work.size(); ++i) {
+    int64_t row = 0;  // the first output row of work[i]
+    for (size_t i = 0; i < work.size(); row += work[i].tokens.empty() ? 1 : work[i].n, ++i) {
       Session& s = *work[i].s;
       Active& a = *s.active;
       snapshot(s);
@@ -1291,43 +1428,21 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
         finish(s, FinishKind::kError, st, events);
         continue;
       }
+      s.last_used = Clock::now();
+      if (!work[i].tokens.empty()) {  // a verification
+        verify(s, work[i].tokens, row, fo.token_ids != nullptr, events);
+        cache_filled_pages(s, work[i].from, s.cache->seq_len());
+        continue;
+      }
       a.usage.prefilled_tokens += work[i].n > 1 || a.generated.empty() ? work[i].n : 0;
       cache_filled_pages(s, work[i].from, work[i].from + work[i].n);
-      s.last_used = Clock::now();
       if (s.cache->seq_len() < static_cast<int64_t>(s.history.size())) continue;  // more prefill
       if (a.request.max_tokens == 0) {
         finish(s, FinishKind::kLength, ok_status(), events);
         continue;
       }
-      std::span<float> l(logits.data() + i * V, V);
-      const int32_t token = fo.token_ids ? token_ids[i] : a.sampler->sample(l, s.history);
-      a.generated.push_back(token);
-      s.history.push_back(token);
-      if (options.journal) options.journal->append(s.id, static_cast<int64_t>(s.history.size()) - 1, {&token, 1});
-      GenerateEvent e;
-      e.token = token;
-      if (a.text) e.text = a.text->push(token);
-      bool stop_string = false;
-      if (!a.request.stop_strings.empty()) {
-        // Only the tail can hold a new match: the text this token added and what precedes it.
-        const size_t before = a.generated_text.size();
-        a.generated_text += e.text;
-        for (const std::string& stop : a.request.stop_strings) {
-          const size_t from = before >= stop.size() ? before - stop.size() + 1 : 0;
-          stop_string |= a.generated_text.find(stop, from) != std::string::npos;
-        }
-      }
-      events.emplace_back(a.sink, std::move(e));
-      if (stop_string) {
-        finish(s, FinishKind::kStop, ok_status(), events);
-        continue;
-      }
-      switch (check_stop(a.stop, a.generated)) {
-        case FinishReason::kNone: break;
-        case FinishReason::kEos: finish(s, FinishKind::kEos, ok_status(), events); break;
-        case FinishReason::kStopSequence: finish(s, FinishKind::kStop, ok_status(), events); break;
-        case FinishReason::kLength: finish(s, FinishKind::kLength, ok_status(), events); break;
-      }
+      std::span<float> l(logits.data() + row * V, V);
+      emit(s, fo.token_ids ? token_ids[row] : a.sampler->sample(l, s.history), events);
     }
   }
   // Nothing ran and requests wait for pages that only they hold among them: none can move, so the

@@ -29,6 +29,12 @@ void Runner::reserve(int64_t n) {
   capacity_ = n;
 }
 
+int64_t output_rows(std::span<const SequenceInput> seqs, bool all_logits) {
+  int64_t n = 0;
+  for (const SequenceInput& s : seqs) n += all_logits || s.all_logits ? static_cast<int64_t>(s.tokens.size()) : 1;
+  return n;
+}
+
 Status check_forward_inputs(const ModelConfig& c, std::span<const SequenceInput> seqs, const Backend* backend,
                             int64_t* total) {
   *total = 0;
@@ -132,19 +138,18 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
     for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
   }
 
-  // Final norm and logits, for every token or each sequence's last.
-  int64_t n_out = total;
-  if (!options.all_logits) {
-    n_out = 0;
-    int64_t end = 0;
-    for (const SeqAttention& b : batch_) {
-      end += b.n_new;
-      std::copy(x + (end - 1) * e, x + end * e, h + n_out * e);
-      ++n_out;
+  // Final norm and logits: every token of the sequences that ask for all, the last of the others.
+  int64_t n_out = 0;
+  {
+    int64_t start = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const int64_t end = start + batch_[i].n_new;
+      const int64_t from = options.all_logits || seqs[i].all_logits ? start : end - 1;
+      std::copy(x + from * e, x + end * e, h + n_out * e);
+      n_out += end - from;
+      start = end;
     }
     cpu::rms_norm(h, m.output_norm.data_as<float>(), h, n_out, e, c.rms_eps);
-  } else {
-    cpu::rms_norm(x, m.output_norm.data_as<float>(), h, total, e, c.rms_eps);
   }
   cpu::matmul(*backend_, m.output, h, n_out, logits, nullptr, policy);
   if (c.final_softcap > 0.0f) cpu::softcap(logits, n_out * c.n_vocab, c.final_softcap);

@@ -59,7 +59,7 @@ void Sampler::penalized(std::span<const int32_t> history, int n, std::vector<std
   }
 }
 
-int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
+void Sampler::adjust(std::span<float> logits, std::span<const int32_t> history) {
   const SamplingParams& p = params_;
   const int n = static_cast<int>(logits.size());
   for (const auto& [id, b] : p.logit_bias) logits[id] += b;
@@ -69,9 +69,11 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> histor
     l = l > 0.0f ? l / p.repetition_penalty : l * p.repetition_penalty;
     l -= p.presence_penalty + p.frequency_penalty * static_cast<float>(count);
   }
-  if (p.temperature == 0.0f) {
-    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-  }
+}
+
+double Sampler::keep_candidates(std::span<const float> logits) {
+  const SamplingParams& p = params_;
+  const int n = static_cast<int>(logits.size());
   candidates_.resize(n);
   for (int i = 0; i < n; ++i) candidates_[i] = {logits[i] / p.temperature, i};
   auto by_logit = [](const auto& a, const auto& b) {
@@ -100,12 +102,46 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> histor
   }
   double total = 0.0;
   for (const auto& c : candidates_) total += c.first;
+  return total;
+}
+
+int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
+  adjust(logits, history);
+  if (params_.temperature == 0.0f) {
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  }
+  const double total = keep_candidates(logits);
   double r = uniform() * total;
   for (const auto& c : candidates_) {
     r -= c.first;
     if (r < 0.0) return c.second;
   }
   return candidates_.back().second;
+}
+
+int32_t Sampler::verify(std::span<float> logits, std::span<const int32_t> history, int32_t draft, bool* accepted) {
+  adjust(logits, history);
+  if (params_.temperature == 0.0f) {
+    const auto t = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    *accepted = t == draft;
+    return t;
+  }
+  const double total = keep_candidates(logits);
+  double mass = 0.0;  // the draft's share of the kept candidates
+  for (const auto& c : candidates_)
+    if (c.second == draft) mass = c.first;
+  *accepted = uniform() * total < mass;
+  if (*accepted) return draft;
+  // The rest of the distribution, renormalized without the draft (it has mass < total here).
+  double r = uniform() * (total - mass);
+  int32_t last = -1;
+  for (const auto& c : candidates_) {
+    if (c.second == draft) continue;
+    last = c.second;
+    r -= c.first;
+    if (r < 0.0) return c.second;
+  }
+  return last;
 }
 
 std::string_view finish_reason_name(FinishReason r) {

@@ -57,6 +57,7 @@
 
 #include "combs/base/status.h"
 #include "combs/engine/journal.h"
+#include "combs/engine/speculation.h"
 #include "combs/model/model.h"
 #include "combs/model/runner.h"
 #include "combs/model/sampler.h"
@@ -111,6 +112,9 @@ struct EngineOptions {
   // prefills them, or maps them from the prefix cache). A record that does not fit this model or
   // these limits makes create() fail naming it.
   std::vector<SessionRecord> restore;
+  // Where SpeculationParams::Method::kNgram requests' drafts come from; null: the n-gram prompt
+  // lookup (NgramProposer). Benchmarks and tests give drafts of a known quality here.
+  std::shared_ptr<Proposer> proposer;
 };
 
 struct SessionOptions {
@@ -120,6 +124,7 @@ struct SessionOptions {
   // own, so one tenant's prompts never serve, or time-signal, another's). Forks inherit it.
   std::string cache_namespace;
   std::string owner;  // opaque to the engine (the server's API key); kept, journaled, inherited by forks
+  SpeculationParams speculation;  // the default of its generates (not journaled: off after a restart)
 };
 
 struct GenerateRequest {
@@ -131,6 +136,7 @@ struct GenerateRequest {
   // needs a tokenizer; INVALID_ARGUMENT otherwise or for an empty string).
   std::vector<std::string> stop_strings;
   bool ignore_eos = false;
+  std::optional<SpeculationParams> speculation;  // else the session's default
 };
 
 // A chat turn: the session's conversation with new messages, rendered with the model's chat
@@ -158,6 +164,8 @@ struct Usage {
   int64_t output_tokens = 0;     // generated
   int64_t prefilled_tokens = 0;  // positions computed by prefill (input + rebuilt history)
   int64_t cached_tokens = 0;     // history positions whose pages were reused (the session's own, the prefix cache's or the host tier's)
+  int64_t drafted_tokens = 0;    // speculation: tokens drafted and verified
+  int64_t accepted_tokens = 0;   // of which the model agreed with (each saved a forward)
 };
 
 enum class FinishKind : uint8_t { kLength, kEos, kStop, kCancelled, kError };
@@ -195,6 +203,7 @@ struct SessionInfo {
   SamplingParams sampling;    // the session's defaults
   std::string owner;          // SessionOptions::owner
   SessionId parent;           // the session it was forked from, if any
+  int64_t drafted_tokens = 0, accepted_tokens = 0;  // speculation over its requests
 };
 
 struct EngineStats {
@@ -210,6 +219,7 @@ struct EngineStats {
   int64_t pages_cached = 0, pages_reclaimable = 0, cached_pages_reclaimed = 0;
   int64_t preemptions = 0;  // waiting requests whose pages were taken so that others could run
   int64_t queue_timeouts = 0;  // requests ended for waiting past EngineOptions::queue_timeout
+  int64_t drafted_tokens = 0, accepted_tokens = 0;  // speculation
   // The host tier: its pages (0 without one) and those holding session copies; sessions whose
   // pages moved there, those whose pages came back (and the positions that did), copies dropped
   // for room. The start-up measurement, microseconds per token: prefill, and the copy to the host

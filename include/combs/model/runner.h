@@ -22,7 +22,13 @@ namespace combs {
 struct SequenceInput {
   KVCache* cache = nullptr;           // its geometry must be the model's
   std::span<const int32_t> tokens;    // appended at cache->seq_len(); at least one
+  bool all_logits = false;            // an output row for every token (a speculative step's
+                                      // verification), not only for the last
 };
+
+// Output rows of a forward: one per sequence, or one per token of the sequences that ask for
+// all_logits (every token with ForwardOptions::all_logits), in input order.
+int64_t output_rows(std::span<const SequenceInput> seqs, bool all_logits);
 
 // One output row's sampling by the runner (ModelRunner::samples_on_device()): what
 // Sampler::sample does with the same inputs — the parameters, the draw it would take
@@ -56,8 +62,8 @@ class ModelRunner {
  public:
   virtual ~ModelRunner() = default;
   // Appends every sequence's tokens to its cache and writes f32 logits into `logits` (host
-  // memory): [n_seqs, n_vocab] (each sequence's last token), or [total tokens, n_vocab] with
-  // all_logits. INVALID_ARGUMENT for a bad token id, empty input or a cache of another geometry or
+  // memory): [output_rows(seqs, options.all_logits), n_vocab] — each sequence's last token, or
+  // each of its tokens where it (or the options) asks for all_logits. INVALID_ARGUMENT for a bad token id, empty input or a cache of another geometry or
   // backend; RESOURCE_EXHAUSTED / FAILED_PRECONDITION from the caches. On error no cache changes.
   virtual Status forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options = {}) = 0;
   virtual Backend& backend() = 0;

@@ -47,6 +47,12 @@ class Sampler {
   // Picks the next token. logits (n_vocab values) are modified in place; history is the
   // sequence's tokens so far (prompt and generated) for the penalties.
   int32_t sample(std::span<float> logits, std::span<const int32_t> history);
+  // Speculative decoding's check of a drafted token (a deterministic draft: a point mass), with
+  // the same inputs as sample(): takes `draft` with the probability sample() would pick it (*accepted
+  // true), else a token drawn from the rest of that distribution, renormalized without the draft —
+  // so the token returned is distributed exactly as sample()'s. Greedy: the argmax, accepted when it
+  // is the draft.
+  int32_t verify(std::span<float> logits, std::span<const int32_t> history, int32_t draft, bool* accepted);
 
   // The pieces a device sampler needs to do what sample() does (cuda::sample_rows):
   // the draw sample() would take next (advances the generator; only when temperature > 0 does
@@ -59,6 +65,12 @@ class Sampler {
   void penalized(std::span<const int32_t> history, int n_vocab, std::vector<std::pair<int32_t, int32_t>>* out);
 
  private:
+  // Logit bias and penalties, in place.
+  void adjust(std::span<float> logits, std::span<const int32_t> history);
+  // Temperature, top-k, softmax, min-p and top-p into candidates_ (probability, token), most likely
+  // first; returns their total probability.
+  double keep_candidates(std::span<const float> logits);
+
   SamplingParams params_;
   uint64_t state_;
   std::vector<std::pair<float, int32_t>> candidates_;

@@ -305,7 +305,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   int64_t total = 0;
   COMBS_RETURN_IF_ERROR(check_forward_inputs(c, seqs, &b, &total));
   const int64_t e = c.n_embd, hd = c.head_dim, nq = c.n_heads, nkv = c.n_kv_heads, ff = c.n_ff;
-  const int64_t n_out = options.all_logits ? total : static_cast<int64_t>(seqs.size());
+  const int64_t n_out = output_rows(seqs, options.all_logits);
   const bool sampling = !options.sampling.empty();
   if (sampling) COMBS_RETURN_IF_ERROR(check_sampling(options, n_out, c.n_vocab));
   if (total > I.capacity) {
@@ -334,18 +334,18 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   // metadata).
   I.host_ints.assign(static_cast<size_t>(total + n_out), 0);
   I.batch.clear();
-  bool decode = !options.all_logits;  // one new token per sequence
-  int64_t row = 0;
+  bool decode = true;  // one new token per sequence
+  int64_t row = 0, out = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const SequenceInput& in = seqs[s];
     const int64_t pos = in.cache->seq_len();
     I.batch.push_back({in.cache, pos, static_cast<int64_t>(in.tokens.size())});
     decode &= in.tokens.size() == 1;
+    const bool every = options.all_logits || in.all_logits;
     for (size_t i = 0; i < in.tokens.size(); ++i, ++row) {
       I.host_ints[static_cast<size_t>(row)] = in.tokens[i];
-      if (options.all_logits) I.host_ints[static_cast<size_t>(total + row)] = static_cast<int32_t>(row);
+      if (every || i + 1 == in.tokens.size()) I.host_ints[static_cast<size_t>(total + out++)] = static_cast<int32_t>(row);
     }
-    if (!options.all_logits) I.host_ints[static_cast<size_t>(total + s)] = static_cast<int32_t>(row - 1);
   }
   // Checks the caches, reserves their pages and uploads the attention metadata, for every layer;
   // RoPE runs inside the step, fused with the K/V append.

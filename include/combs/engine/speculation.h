@@ -1,0 +1,64 @@
+// Speculative decoding in the engine: a proposer drafts the tokens a session's history is likely to
+// continue with; the session's next forward computes them with its last token (one position each,
+// all in one step) and keeps the longest run the model agrees with — exactly for greedy requests,
+// and for sampled ones by the rejection rule that leaves the output distributed as without
+// speculation (Sampler::verify); the rejected positions are dropped from the cache (popn), which
+// is all rollback costs. How many tokens a session drafts follows its measured acceptance.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "combs/base/status.h"
+
+namespace combs {
+
+struct SpeculationParams {
+  // kNgram: prompt lookup — the tokens that followed the latest earlier occurrence of the history's
+  // last few tokens (or EngineOptions::proposer's drafts).
+  enum class Method : uint8_t { kOff, kNgram } method = Method::kOff;
+  int max_draft = 4;  // tokens drafted per step at most, 1 to 16
+};
+
+// INVALID_ARGUMENT naming the field for a value out of range.
+Status validate(const SpeculationParams& params);
+
+// Drafts tokens to follow a history. Called from the engine's scheduler thread only.
+class Proposer {
+ public:
+  virtual ~Proposer() = default;
+  // Up to `max` tokens continuing `history` into *out (cleared first; empty: nothing to propose).
+  virtual void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) = 0;
+};
+
+// Prompt lookup (vLLM's n-gram proposer, llama.cpp's lookup decoding): the longest suffix of the
+// history of at most max_n and at least min_n tokens that occurred earlier; the tokens that followed
+// its latest earlier occurrence. Costs one backward scan of the history per call.
+class NgramProposer final : public Proposer {
+ public:
+  explicit NgramProposer(int min_n = 2, int max_n = 4) : min_n_(min_n), max_n_(max_n) {}
+  void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) override;
+
+ private:
+  int min_n_, max_n_;
+};
+
+// The adaptive draft length: how many tokens the next step drafts, from the acceptance measured so
+// far (a moving average of the share of drafted tokens accepted). Where drafts are mostly rejected
+// it stops drafting and probes with one token every few steps, so that a session whose text does
+// not repeat runs as fast as without speculation.
+class DraftLength {
+ public:
+  explicit DraftLength(int max_draft) : max_(max_draft) {}
+  int next();                             // 0: no draft this step
+  void observe(int drafted, int accepted);  // after a verification
+  double acceptance() const { return rate_; }
+
+ private:
+  int max_;
+  double rate_ = 0.6;  // prior: drafts are worth trying
+  int idle_ = 0;       // steps without a draft since the rate fell
+};
+
+}  // namespace combs

@@ -1,0 +1,54 @@
+#include "combs/engine/speculation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace combs {
+
+Status validate(const SpeculationParams& p) {
+  if (p.method != SpeculationParams::Method::kOff && p.method != SpeculationParams::Method::kNgram) {
+    return invalid_argument_error("speculation: unknown method");
+  }
+  if (p.max_draft < 1 || p.max_draft > 16) {
+    return invalid_argument_error("speculation: max_draft must be in [1, 16], got " + std::to_string(p.max_draft));
+  }
+  return ok_status();
+}
+
+void NgramProposer::propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) {
+  out->clear();
+  const auto len = static_cast<int64_t>(history.size());
+  if (max < 1) return;
+  for (int n = std::min<int64_t>(max_n_, len - 1); n >= min_n_; --n) {
+    const std::span<const int32_t> suffix = history.subspan(static_cast<size_t>(len - n));
+    // The latest earlier occurrence: ends before the suffix itself starts.
+    for (int64_t at = len - n - 1; at >= 0; --at) {
+      if (!std::equal(suffix.begin(), suffix.end(), history.begin() + at)) continue;
+      const int64_t from = at + n, to = std::min(len, from + max);
+      out->assign(history.begin() + from, history.begin() + to);
+      return;
+    }
+  }
+}
+
+int DraftLength::next() {
+  if (rate_ >= 0.15) {
+    // About as many as are expected to be accepted, and one more: a run of accepted tokens is
+    // geometric with mean rate / (1 - rate).
+    const double expect = rate_ / std::max(1e-3, 1.0 - rate_);
+    return std::clamp(static_cast<int>(std::lround(1.0 + expect)), 1, max_);
+  }
+  if (++idle_ >= 8) {  // a probe
+    idle_ = 0;
+    return 1;
+  }
+  return 0;
+}
+
+void DraftLength::observe(int drafted, int accepted) {
+  if (drafted <= 0) return;
+  rate_ = 0.7 * rate_ + 0.3 * static_cast<double>(accepted) / static_cast<double>(drafted);
+}
+
+}  // namespace combs

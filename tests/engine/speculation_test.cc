@@ -1,0 +1,265 @@
+// Speculative decoding in the engine: the n-gram proposer and the adaptive draft length; greedy
+// output with speculation equals greedy output without it, token for token (drafts right, wrong
+// or half and half, sessions with and without speculation sharing steps, stops inside an accepted
+// run, rollback after); sampled output keeps its distribution (two-sample chi-square over seeds).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <map>
+
+#include "combs/engine/engine.h"
+#include "combs/engine/speculation.h"
+#include "support/engine_helpers.h"
+#include "support/engine_model.h"
+#include "support/random.h"
+
+using namespace combs;
+using namespace combs::testing;
+
+namespace {
+
+// Drafts the known continuation `truth` (from the history's length on), each token wrong (another
+// id) with probability `error`, decided by the position so that the drafts are reproducible.
+class ReplayProposer final : public Proposer {
+ public:
+  ReplayProposer(std::vector<int32_t> truth, double error) : truth_(std::move(truth)), error_(error) {}
+  void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) override {
+    out->clear();
+    for (size_t p = history.size(); p < truth_.size() && static_cast<int>(out->size()) < max; ++p) {
+      Rng rng(p * 7919 + 1);
+      out->push_back(rng.uniform(0.0f, 1.0f) < error_ ? (truth_[p] + 1 + static_cast<int32_t>(rng.integer(0, 200))) % 259
+                                                       : truth_[p]);
+    }
+  }
+
+ private:
+  std::vector<int32_t> truth_;
+  double error_;
+};
+
+SpeculationParams ngram(int max_draft = 4) {
+  SpeculationParams p;
+  p.method = SpeculationParams::Method::kNgram;
+  p.max_draft = max_draft;
+  return p;
+}
+
+GenerateRequest speculative(GenerateRequest r, int max_draft = 4) {
+  r.speculation = ngram(max_draft);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("the n-gram proposer drafts what followed the latest earlier occurrence of the history's end", "[engine]") {
+  NgramProposer p(2, 4);
+  std::vector<int32_t> out;
+  p.propose(std::vector<int32_t>{5, 1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2, 3}, 3, &out);
+  CHECK(out == std::vector<int32_t>{7, 1, 2});  // [1 2 3] last seen before at 6: 7 followed
+  p.propose(std::vector<int32_t>{5, 1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2, 3}, 10, &out);
+  CHECK(out == std::vector<int32_t>{7, 1, 2, 3});  // up to the history's end
+  p.propose(std::vector<int32_t>{8, 6, 1, 2, 9, 9, 4, 1, 2}, 2, &out);
+  CHECK(out == std::vector<int32_t>{9, 9});  // the 2-gram [1 2]
+  p.propose(std::vector<int32_t>{1, 2, 3, 4, 5}, 4, &out);
+  CHECK(out.empty());  // nothing repeats
+  p.propose(std::vector<int32_t>{7, 7, 7}, 4, &out);
+  CHECK(out == std::vector<int32_t>{7});  // overlapping occurrences count
+  p.propose(std::vector<int32_t>{1, 2, 1, 2}, 0, &out);
+  CHECK(out.empty());
+  NgramProposer strict(3, 3);
+  strict.propose(std::vector<int32_t>{8, 6, 1, 2, 9, 9, 4, 1, 2}, 2, &out);
+  CHECK(out.empty());  // no 3-gram repeats
+}
+
+TEST_CASE("the draft length follows the acceptance and probes when drafts fail", "[engine]") {
+  DraftLength good(8);
+  for (int i = 0; i < 20; ++i) good.observe(4, 4);
+  CHECK(good.next() == 8);
+  DraftLength bad(8);
+  for (int i = 0; i < 20; ++i) bad.observe(4, 0);
+  CHECK(bad.acceptance() < 0.01);
+  int drafts = 0;
+  for (int i = 0; i < 80; ++i) drafts += bad.next();
+  CHECK(drafts == 10);  // one token every eighth step
+  DraftLength half(8);
+  for (int i = 0; i < 30; ++i) half.observe(4, 2);
+  CHECK(half.next() == 2);  // rate 0.5: one expected, and one more
+  CHECK(validate(ngram(0)).code() == StatusCode::kInvalidArgument);
+  CHECK(validate(ngram(17)).code() == StatusCode::kInvalidArgument);
+  CHECK(validate(ngram(16)).ok());
+}
+
+TEST_CASE("greedy output with speculation equals greedy output without it", "[engine]") {
+  Rng rng(test_seed());
+  const std::string weights = GENERATE(as<std::string>{}, "bf16", "q4_k_m");
+  INFO("seed " << rng.seed() << ", weights " << weights);
+  ModelFile mf(weights);
+  auto e = mf.engine();
+  for (int i = 0; i < 4; ++i) {
+    // Random models fall into loops: the n-gram proposer finds them.
+    const std::vector<int32_t> prompt = random_tokens(rng, 10 + 13 * i, 3, 258);
+    const Generated plain = generate(*e, e->create_session().value(), request(prompt, 80));
+    const int64_t steps = e->stats().steps;
+    const Generated spec = generate(*e, e->create_session().value(), speculative(request(prompt, 80), 1 + 2 * i));
+    INFO("prompt " << i);
+    CHECK(spec.tokens == plain.tokens);
+    CHECK(spec.usage.accepted_tokens <= spec.usage.drafted_tokens);
+    // One prefill step, then a step per token less one per accepted draft.
+    CHECK(e->stats().steps - steps + spec.usage.accepted_tokens == 80);
+  }
+  CHECK(e->stats().accepted_tokens > 0);
+  REQUIRE(e->check_invariants().ok());
+}
+
+TEST_CASE("drafts right, wrong or half and half give the tokens of no speculation", "[engine]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf;
+  const std::vector<int32_t> prompt = random_tokens(rng, 20, 3, 258);
+  std::vector<int32_t> truth = prompt;
+  {
+    auto e = mf.engine();
+    const std::vector<int32_t> out = run(*e, e->create_session().value(), request(prompt, 60));
+    truth.insert(truth.end(), out.begin(), out.end());
+  }
+  const std::vector<int32_t> expected(truth.begin() + 20, truth.end());
+  for (double error : {0.0, 0.5, 1.0}) {
+    INFO("draft error rate " << error);
+    EngineOptions o;
+    o.proposer = std::make_shared<ReplayProposer>(truth, error);
+    auto e = mf.engine(o);
+    const Generated g = generate(*e, e->create_session().value(), speculative(request(prompt, 60), 6));
+    CHECK(g.tokens == expected);
+    if (error == 0.0) CHECK(g.usage.accepted_tokens == g.usage.drafted_tokens);
+    if (error == 0.0) CHECK(g.usage.accepted_tokens >= 40);  // 59 after the prefill's, up to 6 + 1 a step
+    if (error == 1.0) CHECK(g.usage.accepted_tokens == 0);
+    if (error == 1.0) CHECK(g.usage.drafted_tokens < 20);  // it stops drafting, probing now and then
+    REQUIRE(e->check_invariants().ok());
+  }
+}
+
+TEST_CASE("sessions with and without speculation share steps and each gets its alone tokens", "[engine]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf;
+  const int n = 6;
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < n; ++i) {
+    GenerateRequest r = request(random_tokens(rng, 8 + 21 * i % 90, 3, 258), 48);
+    if (i % 2) r = speculative(r, 2 + i);
+    reqs.push_back(r);
+  }
+  std::vector<std::vector<int32_t>> alone(n);
+  {
+    auto e = mf.engine();
+    for (int i = 0; i < n; ++i) {
+      GenerateRequest plain = reqs[i];
+      plain.speculation.reset();
+      alone[i] = run(*e, e->create_session().value(), plain);
+    }
+  }
+  auto e = mf.engine();
+  std::vector<Collector> cs(n);
+  for (int i = 0; i < n; ++i) REQUIRE(e->generate(e->create_session().value(), reqs[i], cs[i].sink()).ok());
+  for (int i = 0; i < n; ++i) {
+    cs[i].wait();
+    INFO("request " << i);
+    CHECK(cs[i].finish == FinishKind::kLength);
+    CHECK(cs[i].tokens == alone[i]);
+  }
+  REQUIRE(e->check_invariants().ok());
+}
+
+TEST_CASE("a stop inside an accepted run ends the request there and the session stays consistent", "[engine]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf;
+  const std::vector<int32_t> prompt = random_tokens(rng, 16, 3, 258);
+  std::vector<int32_t> truth = prompt;
+  {
+    auto e = mf.engine();
+    const std::vector<int32_t> out = run(*e, e->create_session().value(), request(prompt, 40));
+    truth.insert(truth.end(), out.begin(), out.end());
+  }
+  EngineOptions o;
+  o.proposer = std::make_shared<ReplayProposer>(truth, 0.0);
+  auto e = mf.engine(o);
+  // A stop sequence: the 7th and 8th generated tokens, drafted together with what follows them.
+  GenerateRequest r = speculative(request(prompt, 40), 8);
+  r.stop_sequences = {{truth[16 + 6], truth[16 + 7]}};
+  const SessionId id = e->create_session().value();
+  Collector c;
+  REQUIRE(e->generate(id, r, c.sink()).ok());
+  c.wait();
+  CHECK(c.finish == FinishKind::kStop);
+  const auto end = std::search(truth.begin() + 16, truth.end(), r.stop_sequences[0].begin(), r.stop_sequences[0].end()) + 2;
+  CHECK(c.tokens == std::vector<int32_t>(truth.begin() + 16, end));
+  CHECK(e->info(id)->length == end - truth.begin());
+  CHECK(e->info(id)->cached == e->info(id)->length - 1);
+  REQUIRE(e->check_invariants().ok());
+  // max_tokens inside a run: exactly that many.
+  const Generated g = generate(*e, e->create_session().value(), speculative(request(prompt, 5), 8));
+  CHECK(g.tokens == std::vector<int32_t>(truth.begin() + 16, truth.begin() + 21));
+  // Rolled back and continued without speculation: as a fresh session fed the same history.
+  REQUIRE(e->rollback(id, 3).ok());
+  std::vector<int32_t> history(truth.begin(), end - 3);
+  auto fresh = mf.engine();
+  CHECK(run(*e, id, request({}, 10)) == run(*fresh, fresh->create_session().value(), request(history, 10)));
+  REQUIRE(e->check_invariants().ok());
+}
+
+TEST_CASE("sampled output with speculation keeps its distribution", "[engine]") {
+  // The 2nd and 3rd tokens of many seeded generations, with drafts (the greedy continuation, often
+  // right, often wrong) and without: two samples of one distribution if the rejection rule holds.
+  ModelFile mf;
+  Rng rng(11);
+  const std::vector<int32_t> prompt = random_tokens(rng, 12, 3, 258);
+  std::vector<int32_t> truth = prompt;
+  {
+    auto e = mf.engine();
+    const std::vector<int32_t> out = run(*e, e->create_session().value(), request(prompt, 8));
+    truth.insert(truth.end(), out.begin(), out.end());
+  }
+  EngineOptions o;
+  o.proposer = std::make_shared<ReplayProposer>(truth, 0.0);
+  auto e = mf.engine(o);
+  const int n = 1500;
+  std::map<int32_t, int> plain[2], spec[2];
+  int64_t drafted = 0, accepted = 0;
+  for (int seed = 0; seed < n; ++seed) {
+    // Cool enough that the greedy drafts are often right, warm enough that they are often not.
+    GenerateRequest r = request(prompt, 4, 0.2f, static_cast<uint64_t>(seed));
+    r.sampling->top_k = 8;
+    const SessionId sa = e->create_session().value(), sb = e->create_session().value();
+    const Generated a = generate(*e, sa, r);
+    const Generated b = generate(*e, sb, speculative(r, 3));
+    REQUIRE(e->close(sa).ok());
+    REQUIRE(e->close(sb).ok());
+    drafted += b.usage.drafted_tokens;
+    accepted += b.usage.accepted_tokens;
+    for (int k = 0; k < 2; ++k) ++plain[k][a.tokens[k + 1]], ++spec[k][b.tokens[k + 1]];
+  }
+  INFO("drafted " << drafted << ", accepted " << accepted);
+  CHECK(accepted > n / 4);             // drafts were taken ...
+  CHECK(drafted - accepted > n / 4);   // ... and refused, often
+  for (int k = 0; k < 2; ++k) {
+    // Categories with at least 10 observations in all; the rest pooled into one.
+    std::map<int32_t, std::pair<int, int>> cells;
+    for (auto [t, c] : plain[k]) cells[t].first += c;
+    for (auto [t, c] : spec[k]) cells[t].second += c;
+    std::vector<std::pair<int, int>> table{{0, 0}};
+    for (auto [t, c] : cells) {
+      if (c.first + c.second >= 10) table.push_back(c);
+      else table[0].first += c.first, table[0].second += c.second;
+    }
+    if (table[0].first + table[0].second == 0) table.erase(table.begin());
+    double chi2 = 0.0;
+    for (auto [x, y] : table) chi2 += std::pow(x - y, 2) / (x + y);  // equal sample sizes
+    const double df = static_cast<double>(table.size()) - 1;
+    // The 0.999 quantile of chi-square(df) (Wilson-Hilferty).
+    const double z = 3.09, q = df * std::pow(1 - 2 / (9 * df) + z * std::sqrt(2 / (9 * df)), 3);
+    INFO("token " << k + 2 << ": chi-square " << chi2 << " over " << df << " degrees of freedom, 0.999 quantile " << q);
+    CHECK(df >= 3);
+    CHECK(chi2 < q);
+  }
+}
