@@ -371,6 +371,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   if (!(o.kv_memory_fraction >= 0.0 && o.kv_memory_fraction <= 1.0)) {
     return invalid_argument_error("engine: kv_memory_fraction must be in [0, 1]");
   }
+  COMBS_RETURN_IF_ERROR(validate(o.speculation));
   auto impl = std::make_unique<Impl>(o);
   const ModelConfig& c = model->config();
   if (impl->options.max_context <= 0) impl->options.max_context = c.context_length;
@@ -453,6 +454,7 @@ int64_t Engine::kv_capacity_tokens() const { return impl_->pool->num_pages() * i
 
 StatusOr<SessionId> Engine::create_session(const SessionOptions& options) {
   COMBS_RETURN_IF_ERROR(validate(options.sampling, impl_->model->config().n_vocab));
+  if (options.speculation) COMBS_RETURN_IF_ERROR(validate(*options.speculation));
   if (options.max_context < 0) return invalid_argument_error("session: max_context must be >= 0");
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (static_cast<int>(impl_->sessions.size()) >= impl_->options.max_sessions) {
@@ -508,7 +510,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::Impl::start(Session* s, Genera
   if (s->history.empty() && request.input.empty()) {
     return invalid_argument_error("generate: the session is empty and the request has no input");
   }
-  const SpeculationParams spec = request.speculation.value_or(s->options.speculation);
+  const SpeculationParams spec = request.speculation.value_or(s->options.speculation.value_or(options.speculation));
   COMBS_RETURN_IF_ERROR(validate(spec));
   a->handle = std::make_shared<GenerateHandle>();
   a->sink = std::move(sink);

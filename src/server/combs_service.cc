@@ -75,6 +75,21 @@ SamplingParams merge(const SamplingParams& base, const v1::SamplingParams& p) {
   return out;
 }
 
+// A request's or a session's speculation (nullopt: unset, the session's default). INVALID_ARGUMENT
+// for an unknown method or a bad max_draft.
+StatusOr<std::optional<SpeculationParams>> speculation_of(const v1::Speculation& s, bool set) {
+  if (!set || s.method() == v1::Speculation::METHOD_UNSPECIFIED) return std::optional<SpeculationParams>();
+  SpeculationParams p;
+  switch (s.method()) {
+    case v1::Speculation::METHOD_OFF: p.method = SpeculationParams::Method::kOff; break;
+    case v1::Speculation::METHOD_NGRAM: p.method = SpeculationParams::Method::kNgram; break;
+    default: return invalid_argument_error("speculation: unknown method " + std::to_string(s.method()));
+  }
+  if (s.max_draft() != 0) p.max_draft = s.max_draft();
+  COMBS_RETURN_IF_ERROR(validate(p));
+  return std::optional<SpeculationParams>(p);
+}
+
 void fill_info(const SessionInfo& i, v1::SessionInfo* out) {
   out->set_session_id(i.id);
   out->set_length(i.length);
@@ -82,6 +97,8 @@ void fill_info(const SessionInfo& i, v1::SessionInfo* out) {
   out->set_pages_held(i.pages_held);
   out->set_pages_shared(i.pages_shared);
   out->set_generating(i.generating);
+  out->set_drafted_tokens(i.drafted_tokens);
+  out->set_accepted_tokens(i.accepted_tokens);
 }
 
 v1::FinishReason finish_reason(FinishKind k) {
@@ -184,6 +201,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
           u->set_output_tokens(e.usage.output_tokens);
           u->set_prefilled_tokens(e.usage.prefilled_tokens);
           u->set_cached_tokens(e.usage.cached_tokens);
+          u->set_drafted_tokens(e.usage.drafted_tokens);
+          u->set_accepted_tokens(e.usage.accepted_tokens);
           resp.set_session_length(e.session_length);
           st->finish = v1::FinishReason_Name(resp.finish_reason()).c_str();
         }
@@ -289,6 +308,9 @@ grpc::ServerUnaryReactor* CombsService::CreateSession(grpc::CallbackServerContex
   SessionOptions o;
   o.sampling = merge(SamplingParams{}, req->sampling());
   o.max_context = req->max_context();
+  auto spec = speculation_of(req->speculation(), req->has_speculation());
+  if (!spec.ok()) return done(ctx, call, spec.status());
+  o.speculation = *spec;
   o.cache_namespace = keys_.prefix_namespace(*key);
   o.owner = *key;
   auto id = engine_->create_session(o);
@@ -321,6 +343,7 @@ StatusOr<GenerateRequest> engine_request(Engine& engine, const Tokenizer* tok, c
   for (const auto& seq : req.stop_token_sequences()) r.stop_sequences.emplace_back(seq.ids().begin(), seq.ids().end());
   r.ignore_eos = req.ignore_eos();
   r.stop_strings.assign(req.stop().begin(), req.stop().end());
+  COMBS_ASSIGN_OR_RETURN(r.speculation, speculation_of(req.speculation(), req.has_speculation()));
   return r;
 }
 

@@ -459,3 +459,54 @@ TEST_CASE("every token is streamed even one that serializes to nothing", "[serve
   CHECK(info(*stub, t).length() == 1 + 2);
   CHECK(server.stop() == 0);
 }
+
+TEST_CASE("speculation over grpc: the tokens of a plain generate with drafted and accepted counted", "[server]") {
+  // The built-in 259-token vocabulary: a random-weight model over it falls into loops within a
+  // hundred or so greedy tokens, and the n-gram proposer drafts from them.
+  ServerProcess server({"--metrics-listen", "127.0.0.1:0", "--vocab", "none"}, false);
+  auto stub = server.stub();
+  std::vector<int32_t> prompt;
+  for (int r = 0; r < 3; ++r)
+    for (int32_t t : {11, 40, 90, 27, 141, 59, 65, 89}) prompt.push_back(t);
+  const Streamed plain = generate(*stub, greedy(create(*stub), prompt, 160));
+  REQUIRE(plain.status.ok());
+  GenerateRequest g = greedy(create(*stub), prompt, 160);
+  g.mutable_speculation()->set_method(Speculation::METHOD_NGRAM);
+  g.mutable_speculation()->set_max_draft(6);
+  const Streamed spec = generate(*stub, g);
+  REQUIRE(spec.status.ok());
+  CHECK(spec.tokens == plain.tokens);
+  CHECK(spec.last.usage().drafted_tokens() > 0);
+  CHECK(spec.last.usage().accepted_tokens() <= spec.last.usage().drafted_tokens());
+  CHECK(plain.last.usage().drafted_tokens() == 0);
+  CHECK(info(*stub, g.session_id()).drafted_tokens() == spec.last.usage().drafted_tokens());
+  // A session default, and bad values refused.
+  {
+    grpc::ClientContext ctx;
+    CreateSessionRequest c;
+    c.mutable_speculation()->set_method(Speculation::METHOD_NGRAM);
+    CreateSessionResponse r;
+    REQUIRE(stub->CreateSession(&ctx, c, &r).ok());
+    const Streamed d = generate(*stub, greedy(r.session_id(), prompt, 160));
+    REQUIRE(d.status.ok());
+    CHECK(d.tokens == plain.tokens);
+    CHECK(d.last.usage().drafted_tokens() > 0);
+  }
+  for (int bad : {17, -1}) {
+    GenerateRequest b = greedy(create(*stub), prompt, 4);
+    b.mutable_speculation()->set_method(Speculation::METHOD_NGRAM);
+    b.mutable_speculation()->set_max_draft(bad);
+    CHECK(generate(*stub, b).status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  const std::string metrics = http_get(server.metrics_address, "/metrics");
+  CHECK(metric(metrics, "combs_speculation_drafted_tokens_total") >= spec.last.usage().drafted_tokens());
+  CHECK(server.stop() == 0);
+  // The server's default for sessions that choose none (the same default model, written again).
+  ServerProcess with_default({"--vocab", "none", "--speculation", "ngram", "--max-draft", "3"}, false);
+  auto stub2 = with_default.stub();
+  const Streamed d = generate(*stub2, greedy(create(*stub2), prompt, 160));
+  REQUIRE(d.status.ok());
+  CHECK(d.tokens == plain.tokens);
+  CHECK(d.last.usage().drafted_tokens() > 0);
+  CHECK(with_default.stop() == 0);
+}

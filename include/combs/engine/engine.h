@@ -115,6 +115,8 @@ struct EngineOptions {
   // Where SpeculationParams::Method::kNgram requests' drafts come from; null: the n-gram prompt
   // lookup (NgramProposer). Benchmarks and tests give drafts of a known quality here.
   std::shared_ptr<Proposer> proposer;
+  // Speculation for sessions that set none (SessionOptions::speculation): off by default.
+  SpeculationParams speculation;
 };
 
 struct SessionOptions {
@@ -124,7 +126,9 @@ struct SessionOptions {
   // own, so one tenant's prompts never serve, or time-signal, another's). Forks inherit it.
   std::string cache_namespace;
   std::string owner;  // opaque to the engine (the server's API key); kept, journaled, inherited by forks
-  SpeculationParams speculation;  // the default of its generates (not journaled: off after a restart)
+  // The default of its generates; unset: EngineOptions::speculation (not journaled: a restored
+  // session takes the engine's).
+  std::optional<SpeculationParams> speculation;
 };
 
 struct GenerateRequest {
