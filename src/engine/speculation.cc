@@ -39,8 +39,9 @@ int DraftLength::next() {
     const double expect = rate_ / std::max(1e-3, 1.0 - rate_);
     return std::clamp(static_cast<int>(std::lround(1.0 + expect)), 1, max_);
   }
-  if (++idle_ >= 8) {  // a probe
+  if (++idle_ >= probe_every_) {  // a probe; each that fails waits twice as long for the next
     idle_ = 0;
+    probe_every_ = std::min(2 * probe_every_, kMaxProbeEvery);
     return 1;
   }
   return 0;
@@ -49,6 +50,7 @@ int DraftLength::next() {
 void DraftLength::observe(int drafted, int accepted) {
   if (drafted <= 0) return;
   rate_ = 0.7 * rate_ + 0.3 * static_cast<double>(accepted) / static_cast<double>(drafted);
+  if (accepted > 0) probe_every_ = kFirstProbe;  // drafts pay again: probe soon if they stop
 }
 
 }  // namespace combs

@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
       {"host-kv-memory-mib", "host tier (MiB of pinned host memory): idle sessions' and preempted requests' KV pages move there under pressure and are copied back; 0: none (they are dropped and prefilled again)"},
       {"host-kv-restore", "auto: keep the host tier only where copying a page back is measured (at start) to cost less than computing it; copy: always"},
       {"queue-timeout-s", "a request waiting this long without room to run ends RESOURCE_EXHAUSTED; 0: it waits as long as it takes"},
-      {"speculation", "speculative decoding of sessions that choose none: off, or ngram (prompt lookup drafts, verified in one forward; greedy output unchanged)"},
+      {"speculation", "speculative decoding of sessions that choose none: off, or ngram (prompt lookup drafts, verified in one forward; greedy output unchanged on the CPU, within the kernels' rounding on a GPU)"},
       {"max-draft", "--speculation: tokens drafted per step at most (1 to 16; fewer while drafts are rejected)"},
       {"max-sessions", "open sessions at most"},
       {"max-context", "tokens per session at most; 0: the model's context length"},

@@ -78,9 +78,17 @@ TEST_CASE("the draft length follows the acceptance and probes when drafts fail",
   DraftLength bad(8);
   for (int i = 0; i < 20; ++i) bad.observe(4, 0);
   CHECK(bad.acceptance() < 0.01);
-  int drafts = 0;
-  for (int i = 0; i < 80; ++i) drafts += bad.next();
-  CHECK(drafts == 10);  // one token every eighth step
+  std::vector<int> probes;  // the steps that draft one token while every probe fails
+  for (int i = 1; i <= 1000; ++i) {
+    const int n = bad.next();
+    CHECK(n <= 1);
+    if (n == 1) probes.push_back(i), bad.observe(1, 0);
+  }
+  CHECK(probes == std::vector<int>{8, 24, 56, 120, 248, 504, 760});  // waits doubling to 256
+  bad.observe(1, 1);  // a probe that holds: the next comes soon again
+  int soon = 0;
+  while (bad.next() == 0) ++soon;
+  CHECK(soon < 8);
   DraftLength half(8);
   for (int i = 0; i < 30; ++i) half.observe(4, 2);
   CHECK(half.next() == 2);  // rate 0.5: one expected, and one more

@@ -46,8 +46,9 @@ class NgramProposer final : public Proposer {
 
 // The adaptive draft length: how many tokens the next step drafts, from the acceptance measured so
 // far (a moving average of the share of drafted tokens accepted). Where drafts are mostly rejected
-// it stops drafting and probes with one token every few steps, so that a session whose text does
-// not repeat runs as fast as without speculation.
+// it stops drafting and probes with one token now and then — after 8 steps, then 16, 32, ... up to
+// 256 while the probes fail — so that a session whose drafts never hold runs at the speed of no
+// speculation (a verification step is dearer than a decode step: on a GPU it is not a CUDA graph).
 class DraftLength {
  public:
   explicit DraftLength(int max_draft) : max_(max_draft) {}
@@ -57,8 +58,10 @@ class DraftLength {
 
  private:
   int max_;
+  static constexpr int kFirstProbe = 8, kMaxProbeEvery = 256;
   double rate_ = 0.6;  // prior: drafts are worth trying
-  int idle_ = 0;       // steps without a draft since the rate fell
+  int idle_ = 0;       // steps without a draft since the last probe
+  int probe_every_ = kFirstProbe;
 };
 
 }  // namespace combs
