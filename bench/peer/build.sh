@@ -2,7 +2,8 @@
 # Builds the peer, llama.cpp, from the source that the npm package node-llama-cpp (3.22.1)
 # bundles (package/llama/gitRelease.bundle, llama.cpp v0.5.0), in a scratch folder outside the
 # repo: no llama.cpp code is kept in combs. Only llama-bench and llama-batched-bench are built
-# (and llama-quantize, for quantized test files).
+# (and llama-quantize, for quantized test files; llama-speculative, for speculative decoding with
+# a draft model, on the GPU).
 #
 #   bench/peer/build.sh source            # fetch: npm pack + git clone of the bundle into $PEER_DIR/llama.cpp
 #   bench/peer/build.sh cpu               # this CPU: GGML_NATIVE=OFF, AVX-512 on, AMX off -> $PEER_DIR/build-cpu/bin
@@ -39,7 +40,7 @@ case "${1:-}" in
   tarball)
     fetch
     out=${2:?usage: build.sh tarball FILE.tar.xz}
-    git -C "$src" archive --format=tar HEAD CMakeLists.txt cmake ggml src include common tools vendor licenses LICENSE |
+    git -C "$src" archive --format=tar HEAD CMakeLists.txt cmake ggml src include common tools examples pocs vendor licenses LICENSE |
       xz -T0 -6 > "$out"
     echo "build.sh: $out ($(du -h "$out" | cut -f1))" ;;
   cpu)
@@ -54,9 +55,10 @@ case "${1:-}" in
     if [ -n "${2:-}" ] && [ ! -f "$src/CMakeLists.txt" ]; then mkdir -p "$src" && xz -dc "$2" | tar x -C "$src"; fi
     fetch
     nvcc=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-    cmake -S "$src" -B "$PEER_DIR/build-cuda" "${generator[@]}" "${common[@]}" -DGGML_CUDA=ON \
+    # Examples configured (llama-speculative is one), only the targets built.
+    cmake -S "$src" -B "$PEER_DIR/build-cuda" "${generator[@]}" "${common[@]}" -DLLAMA_BUILD_EXAMPLES=ON -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
-    cmake --build "$PEER_DIR/build-cuda" -j "$(nproc)" --target "${targets[@]}" >/dev/null
+    cmake --build "$PEER_DIR/build-cuda" -j "$(nproc)" --target "${targets[@]}" llama-speculative >/dev/null
     echo "build.sh: $PEER_DIR/build-cuda/bin: $(ls "$PEER_DIR/build-cuda/bin" | tr '\n' ' ')" ;;
   *) sed -n '2,13p' "$0" >&2; exit 2 ;;
 esac

@@ -11,6 +11,7 @@
 
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/chat/jinja.h"
+#include "combs/engine/draft_model.h"
 #include "combs/kv/host_page_pool.h"
 #include "combs/kv/paged_kv_cache.h"
 #include "combs/kv/prefix_cache.h"
@@ -197,8 +198,9 @@ struct Engine::Impl {
   std::thread scheduler;
 
   std::shared_ptr<Proposer> proposer;  // SpeculationParams::kNgram's drafts
+  std::shared_ptr<DraftModel> draft;   // kDraft's (EngineOptions::draft_model); null without one
   // Scratch of the scheduler thread.
-  std::vector<int32_t> draft, spec_history;
+  std::vector<int32_t> spec_history;
   std::vector<float> logits;
   std::vector<int32_t> token_ids;
   std::vector<RowSampling> row_sampling;
@@ -262,10 +264,19 @@ struct Engine::Impl {
   void step(std::unique_lock<std::mutex>& lock);
   void sweep_expired();
   bool evict_one_idle(const std::set<Session*>& keep);
+  // The drafts of the step's decoding sessions that speculate, each proposer's in one call (a
+  // draft model's as one batch per drafted position).
+  void propose_drafts(const std::vector<Session*>& order, std::unordered_map<Session*, std::vector<int32_t>>* drafts);
+  // INVALID_ARGUMENT for a method this engine has no proposer for.
+  Status check_speculation(const SpeculationParams& p) const;
+  void forget_drafts(const SessionId& id) {  // a session is gone: so is the proposers' state of it
+    proposer->forget(id);
+    if (draft) draft->forget(id);
+  }
   // Moves s's pages to the host tier (as many leading pages as it has room for, dropping the
   // least recently stored copies of other sessions first) and empties its cache; without a tier,
   // or if the copy fails, the pages are only dropped.
-  void offload(Session& s);
+  void offload(Session& s, const std::set<Session*>& keep = {});
   // Copies s's host copy back after its cache (which must end at a page boundary), up to the
   // history's last position (computed for its logits), into at most `spare` new pages; the
   // positions restored. The copy goes once the cache holds it all, or when it is of no more use.
@@ -399,6 +410,19 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
     COMBS_ASSIGN_OR_RETURN(impl->runner,
                            Runner::create(*impl->model, impl->backend, RunnerOptions{.batch_invariant = true}));
   }
+  if (o.draft_model) {  // before the KV pool takes its share of the device's free memory
+    DraftModel::MakeRunner make = o.make_runner;
+    if (!make) {
+      CpuBackend& backend = impl->backend;
+      make = [&backend](const Model& m) -> StatusOr<std::unique_ptr<ModelRunner>> {
+        COMBS_ASSIGN_OR_RETURN(std::unique_ptr<Runner> r, Runner::create(m, backend, RunnerOptions{.batch_invariant = true}));
+        return std::unique_ptr<ModelRunner>(std::move(r));
+      };
+    }
+    DraftModelOptions d{.kv_memory_bytes = o.draft_kv_memory_bytes, .page_size = o.page_size, .kv_dtype = o.kv_dtype};
+    COMBS_ASSIGN_OR_RETURN(impl->draft, DraftModel::create(o.draft_model, *impl->model, make, d));
+  }
+  COMBS_RETURN_IF_ERROR(impl->check_speculation(o.speculation));
   int64_t kv_bytes = o.kv_memory_bytes;
   if (o.kv_memory_fraction > 0.0) {
     if (auto free = impl->runner->backend().free_memory_bytes()) {
@@ -454,7 +478,7 @@ int64_t Engine::kv_capacity_tokens() const { return impl_->pool->num_pages() * i
 
 StatusOr<SessionId> Engine::create_session(const SessionOptions& options) {
   COMBS_RETURN_IF_ERROR(validate(options.sampling, impl_->model->config().n_vocab));
-  if (options.speculation) COMBS_RETURN_IF_ERROR(validate(*options.speculation));
+  if (options.speculation) COMBS_RETURN_IF_ERROR(impl_->check_speculation(*options.speculation));
   if (options.max_context < 0) return invalid_argument_error("session: max_context must be >= 0");
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (static_cast<int>(impl_->sessions.size()) >= impl_->options.max_sessions) {
@@ -511,7 +535,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::Impl::start(Session* s, Genera
     return invalid_argument_error("generate: the session is empty and the request has no input");
   }
   const SpeculationParams spec = request.speculation.value_or(s->options.speculation.value_or(options.speculation));
-  COMBS_RETURN_IF_ERROR(validate(spec));
+  COMBS_RETURN_IF_ERROR(check_speculation(spec));
   a->handle = std::make_shared<GenerateHandle>();
   a->sink = std::move(sink);
   a->sampler = std::make_unique<Sampler>(params);
@@ -737,6 +761,8 @@ StatusOr<SessionId> Engine::fork(const SessionId& id) {
   child->last_used = s->last_used = Clock::now();
   SessionId cid = child->id;
   impl_->sessions.emplace(cid, std::move(child));
+  impl_->proposer->fork(s->id, cid);
+  if (impl_->draft) impl_->draft->fork(s->id, cid);
   return cid;
 }
 
@@ -751,6 +777,7 @@ Status Engine::close(const SessionId& id) {
       s->active->handle->cancel();
       s->closing = true;
     } else {
+      impl_->forget_drafts(id);
       impl_->sessions.erase(id);
       if (impl_->options.journal) impl_->options.journal->erase(id);
     }
@@ -837,6 +864,12 @@ EngineStats Engine::stats() {
     st.host_pages_used = impl_->host->num_used();
   }
   st.host_tier_active = impl_->host != nullptr;
+  if (impl_->draft) {
+    const DraftModelStats d = impl_->draft->stats();
+    st.draft_forwards = d.forwards;
+    st.draft_sessions = d.sessions;
+    st.draft_cache_evictions = d.evictions;
+  }
   return st;
 }
 
@@ -1098,6 +1131,41 @@ void Engine::Impl::cache_filled_pages(Session& s, int64_t from, int64_t to) {
   }
 }
 
+void Engine::Impl::propose_drafts(const std::vector<Session*>& order,
+                                  std::unordered_map<Session*, std::vector<int32_t>>* drafts) {
+  std::vector<DraftRequest> requests[2];  // [0]: proposer's, [1]: the draft model's
+  std::vector<Session*> whose[2];
+  for (Session* s : order) {
+    Active& a = *s->active;
+    const auto len = static_cast<int64_t>(s->history.size());
+    if (!a.draft_length || s->cache->seq_len() != len - 1) continue;  // not decoding, or not speculating
+    const int64_t want = std::min<int64_t>({a.draft_length->next(), a.request.max_tokens - 1 - static_cast<int64_t>(a.generated.size()),
+                                            s->max_context - len, options.step_token_budget - 1});
+    if (want <= 0) continue;
+    const int k = a.speculation.method == SpeculationParams::Method::kDraft ? 1 : 0;
+    requests[k].push_back({s->id, s->history, static_cast<int>(want)});
+    whose[k].push_back(s);
+  }
+  std::vector<std::vector<int32_t>> out;
+  for (int k = 0; k < 2; ++k) {
+    if (requests[k].empty()) continue;
+    Proposer& p = k == 1 ? static_cast<Proposer&>(*draft) : *proposer;
+    p.propose(requests[k], &out);
+    for (size_t i = 0; i < whose[k].size() && i < out.size(); ++i) {
+      if (static_cast<int>(out[i].size()) > requests[k][i].max) out[i].resize(static_cast<size_t>(requests[k][i].max));
+      if (!out[i].empty()) (*drafts)[whose[k][i]] = std::move(out[i]);
+    }
+  }
+}
+
+Status Engine::Impl::check_speculation(const SpeculationParams& p) const {
+  COMBS_RETURN_IF_ERROR(validate(p));
+  if (p.method == SpeculationParams::Method::kDraft && !draft) {
+    return invalid_argument_error("speculation: method draft needs a draft model (combs-server --draft-model FILE)");
+  }
+  return ok_status();
+}
+
 bool Engine::Impl::evict_one_idle(const std::set<Session*>& keep) {
   Session* victim = nullptr;
   for (auto& [id, s] : sessions) {
@@ -1105,12 +1173,12 @@ bool Engine::Impl::evict_one_idle(const std::set<Session*>& keep) {
     if (victim == nullptr || s->last_used < victim->last_used) victim = s.get();
   }
   if (victim == nullptr) return false;
-  offload(*victim);  // the history stays: the next generate copies the pages back or rebuilds them
+  offload(*victim, keep);  // the history stays: the next generate copies the pages back or rebuilds them
   ++counts.evictions;
   return true;
 }
 
-void Engine::Impl::offload(Session& s) {
+void Engine::Impl::offload(Session& s, const std::set<Session*>& keep) {
   const int64_t cached = s.cache->seq_len();
   if (!host || cached == 0 || s.host.len() >= cached) {  // nothing to keep, or the host has it already
     s.cache->reset();
@@ -1123,8 +1191,8 @@ void Engine::Impl::offload(Session& s) {
   while (host->num_free() < want) {
     Session* oldest = nullptr;
     for (auto& [id, o] : sessions) {
-      // Never the copy of a request in progress: it is about to come back.
-    if (o.get() != &s && !o->active && !o->host.empty() && (oldest == nullptr || o->host.stored() < oldest->host.stored())) {
+      // Never the copy of a request in progress (it is about to come back) nor one of `keep`'s.
+      if (o.get() != &s && !o->active && !keep.count(o.get()) && !o->host.empty() && (oldest == nullptr || o->host.stored() < oldest->host.stored())) {
         oldest = o.get();
       }
     }
@@ -1183,6 +1251,7 @@ void Engine::Impl::sweep_expired() {
   for (auto it = sessions.begin(); it != sessions.end();) {
     if (!it->second->active && now - it->second->last_used > options.session_ttl) {
       if (options.journal) options.journal->erase(it->first);
+      forget_drafts(it->first);
       it = sessions.erase(it);
     } else {
       ++it;
@@ -1222,6 +1291,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     if (s.active && s.active->handle->cancelled()) finish(s, FinishKind::kCancelled, ok_status(), events);
     if (s.closing && !s.active) {
       if (options.journal) options.journal->erase(it->first);
+      forget_drafts(it->first);
       it = sessions.erase(it);
     } else {
       ++it;
@@ -1232,6 +1302,8 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   for (auto& [id, s] : sessions)
     if (s->active) order.push_back(s.get());
   std::sort(order.begin(), order.end(), [](Session* a, Session* b) { return a->last_used < b->last_used; });
+  std::unordered_map<Session*, std::vector<int32_t>> drafts;
+  propose_drafts(order, &drafts);
 
   struct Work {
     Session* s;
@@ -1297,13 +1369,17 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     // (less the token the verification itself yields), the budget and the context allow, and only
     // into pages that are free without pushing anyone out.
     std::vector<int32_t> spec_tokens;
-    if (act.draft_length && cached == len - 1 && n == 1) {
-      const int64_t want = std::min<int64_t>({act.draft_length->next(), act.request.max_tokens - 1 -
-                                              static_cast<int64_t>(act.generated.size()), s->max_context - len, budget - 1});
-      if (want > 0) proposer->propose(s->history, static_cast<int>(want), &draft);
-      if (want > 0 && !draft.empty() && static_cast<int64_t>(draft.size()) <= want &&
-          s->cache->pages_to_grow(cached + 1 + static_cast<int64_t>(draft.size())) <=
-              std::max(s->cache->pages_to_grow(cached + 1), pool->num_available() - reserved)) {
+    if (auto d = drafts.find(s); d != drafts.end() && cached == len - 1 && n == 1) {
+      std::vector<int32_t>& draft = d->second;
+      const int64_t room = std::min<int64_t>({act.request.max_tokens - 1 - static_cast<int64_t>(act.generated.size()),
+                                              s->max_context - len, budget - 1});
+      if (static_cast<int64_t>(draft.size()) > room) draft.resize(static_cast<size_t>(std::max<int64_t>(room, 0)));
+      // A request that yields its pages' turn drafts only into the page its token takes anyway.
+      const int64_t page_room = yields ? s->cache->pages_to_grow(cached + 1)
+                                       : std::max(s->cache->pages_to_grow(cached + 1), pool->num_available() - reserved);
+      const int32_t n_vocab = model->config().n_vocab;
+      if (!draft.empty() && std::all_of(draft.begin(), draft.end(), [&](int32_t t) { return t >= 0 && t < n_vocab; }) &&
+          s->cache->pages_to_grow(cached + 1 + static_cast<int64_t>(draft.size())) <= page_room) {
         spec_tokens.push_back(s->history.back());
         spec_tokens.insert(spec_tokens.end(), draft.begin(), draft.end());
         n = static_cast<int64_t>(spec_tokens.size());
@@ -1420,31 +1496,35 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     ++counts.steps;
     counts.forward_tokens += counts.batch_tokens;
     int64_t row = 0;  // the first output row of work[i]
-    for (size_t i = 0; i < work.size(); row += work[i].tokens.empty() ? 1 : work[i].n, ++i) {
+    // What the step did to work[i]'s session and request (its rows start at `row`).
+    auto conclude = [&](size_t i, int64_t row) {
       Session& s = *work[i].s;
       Active& a = *s.active;
-      snapshot(s);
       if (!st.ok() && device_sampling) a.sampler->set_generator_state(generator_before[i]);  // the draw goes back
-      if (st.code() == StatusCode::kResourceExhausted) continue;  // pages went to a concurrent fork: next step
+      if (st.code() == StatusCode::kResourceExhausted) return;  // pages went to a concurrent fork: next step
       if (!st.ok()) {
         finish(s, FinishKind::kError, st, events);
-        continue;
+        return;
       }
       s.last_used = Clock::now();
       if (!work[i].tokens.empty()) {  // a verification
         verify(s, work[i].tokens, row, fo.token_ids != nullptr, events);
         cache_filled_pages(s, work[i].from, s.cache->seq_len());
-        continue;
+        return;
       }
       a.usage.prefilled_tokens += work[i].n > 1 || a.generated.empty() ? work[i].n : 0;
       cache_filled_pages(s, work[i].from, work[i].from + work[i].n);
-      if (s.cache->seq_len() < static_cast<int64_t>(s.history.size())) continue;  // more prefill
+      if (s.cache->seq_len() < static_cast<int64_t>(s.history.size())) return;  // more prefill
       if (a.request.max_tokens == 0) {
         finish(s, FinishKind::kLength, ok_status(), events);
-        continue;
+        return;
       }
       std::span<float> l(logits.data() + row * V, V);
       emit(s, fo.token_ids ? token_ids[row] : a.sampler->sample(l, s.history), events);
+    };
+    for (size_t i = 0; i < work.size(); row += work[i].tokens.empty() ? 1 : work[i].n, ++i) {
+      conclude(i, row);
+      snapshot(*work[i].s);  // after a verification has dropped the rejected drafts
     }
   }
   // Nothing ran and requests wait for pages that only they hold among them: none can move, so the

@@ -7,13 +7,28 @@
 namespace combs {
 
 Status validate(const SpeculationParams& p) {
-  if (p.method != SpeculationParams::Method::kOff && p.method != SpeculationParams::Method::kNgram) {
+  if (p.method != SpeculationParams::Method::kOff && p.method != SpeculationParams::Method::kNgram &&
+      p.method != SpeculationParams::Method::kDraft) {
     return invalid_argument_error("speculation: unknown method");
   }
   if (p.max_draft < 1 || p.max_draft > 16) {
     return invalid_argument_error("speculation: max_draft must be in [1, 16], got " + std::to_string(p.max_draft));
   }
   return ok_status();
+}
+
+std::string_view method_name(SpeculationParams::Method m) {
+  switch (m) {
+    case SpeculationParams::Method::kOff: return "off";
+    case SpeculationParams::Method::kNgram: return "ngram";
+    case SpeculationParams::Method::kDraft: return "draft";
+  }
+  return "?";
+}
+
+void Proposer::propose(std::span<const DraftRequest> requests, std::vector<std::vector<int32_t>>* drafts) {
+  drafts->resize(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) propose(requests[i].history, requests[i].max, &(*drafts)[i]);
 }
 
 void NgramProposer::propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) {

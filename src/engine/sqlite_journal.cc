@@ -160,7 +160,13 @@ StatusOr<std::unique_ptr<SqliteJournal>> SqliteJournal::open(const SqliteJournal
     while (q.step() == SQLITE_ROW) meta[q.column_text(0)] = q.column_text(1);
   }
   int version = kSchemaVersion;  // a new file's
-  if (meta.count("schema_version")) {
+  if (!meta.count("schema_version")) {
+    // A file without the row (one that stopped between creating its tables and writing meta) is
+    // as old as its tables: version 1's sessions had no last_used.
+    Stmt cols(db, "SELECT count(*) FROM pragma_table_info('sessions') WHERE name = 'last_used'");
+    if (!cols.ok() || cols.step() != SQLITE_ROW) return fail("cannot read the sessions table's columns");
+    if (sqlite3_column_int64(cols.get(), 0) == 0) version = 1;
+  } else {
     const std::string& v = meta["schema_version"];
     if (v.empty() || v.size() > 4 || v.find_first_not_of("0123456789") != std::string::npos ||
         (version = std::stoi(v)) < 1 || version > kSchemaVersion) {

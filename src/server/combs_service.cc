@@ -83,6 +83,7 @@ StatusOr<std::optional<SpeculationParams>> speculation_of(const v1::Speculation&
   switch (s.method()) {
     case v1::Speculation::METHOD_OFF: p.method = SpeculationParams::Method::kOff; break;
     case v1::Speculation::METHOD_NGRAM: p.method = SpeculationParams::Method::kNgram; break;
+    case v1::Speculation::METHOD_DRAFT: p.method = SpeculationParams::Method::kDraft; break;
     default: return invalid_argument_error("speculation: unknown method " + std::to_string(s.method()));
   }
   if (s.max_draft() != 0) p.max_draft = s.max_draft();

@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
   using namespace combs;
   tools::Flags flags("combs-server",
                      {{"config", ""}, {"model", ""}, {"listen", "127.0.0.1:50051"}, {"metrics-listen", ""}, {"http-listen", ""}, {"http-threads", "64"}, {"http-keepalive-ms", "1000"}, {"max-body-bytes", "8388608"}, {"model-name", ""},
-                      {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"host-kv-memory-mib", "0"}, {"host-kv-restore", "auto"}, {"queue-timeout-s", "0"}, {"speculation", "off"}, {"max-draft", "4"}, {"max-sessions", "1024"}, {"max-context", "0"},
+                      {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"host-kv-memory-mib", "0"}, {"host-kv-restore", "auto"}, {"queue-timeout-s", "0"}, {"speculation", "off"}, {"max-draft", "4"}, {"draft-model", ""}, {"draft-kv-memory-mib", "256"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
                       {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()}, {"chat-template", ""},
                       {"api-keys", ""}, {"prefix-cache", "on"}, {"state-dir", ""}, {"durability", "full"}, {"journal-flush-ms", "200"}, {"prefix-cache-sharing", "key"}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}},
@@ -60,8 +60,10 @@ int main(int argc, char** argv) {
       {"host-kv-memory-mib", "host tier (MiB of pinned host memory): idle sessions' and preempted requests' KV pages move there under pressure and are copied back; 0: none (they are dropped and prefilled again)"},
       {"host-kv-restore", "auto: keep the host tier only where copying a page back is measured (at start) to cost less than computing it; copy: always"},
       {"queue-timeout-s", "a request waiting this long without room to run ends RESOURCE_EXHAUSTED; 0: it waits as long as it takes"},
-      {"speculation", "speculative decoding of sessions that choose none: off, or ngram (prompt lookup drafts, verified in one forward; greedy output unchanged on the CPU, within the kernels' rounding on a GPU)"},
+      {"speculation", "speculative decoding of sessions that choose none: off, ngram (prompt lookup drafts) or draft (--draft-model's); drafts are verified in one forward: greedy output unchanged on the CPU, within the kernels' rounding on a GPU"},
       {"max-draft", "--speculation: tokens drafted per step at most (1 to 16; fewer while drafts are rejected)"},
+      {"draft-model", "a GGUF of the model's vocabulary whose greedy continuation is drafted (speculation method draft; refused at start for another vocabulary)"},
+      {"draft-kv-memory-mib", "--draft-model: memory for its per-session draft caches (least recently used dropped when full)"},
       {"max-sessions", "open sessions at most"},
       {"max-context", "tokens per session at most; 0: the model's context length"},
       {"max-input-tokens", "input tokens per Generate request at most; 0: up to the session's context"},
@@ -190,13 +192,26 @@ int main(int argc, char** argv) {
   }
   eo.host_kv_restore = flags.str("host-kv-restore") == "copy" ? EngineOptions::HostRestore::kCopy : EngineOptions::HostRestore::kAuto;
   eo.queue_timeout = std::chrono::seconds(queue_timeout);
-  if (flags.str("speculation") != "off" && flags.str("speculation") != "ngram") {
-    return std::fprintf(stderr, "combs-server: --speculation %s: expected off or ngram\n", flags.str("speculation").c_str()), 2;
+  const std::string method = flags.str("speculation");
+  if (method != "off" && method != "ngram" && method != "draft") {
+    return std::fprintf(stderr, "combs-server: --speculation %s: expected off, ngram or draft\n", method.c_str()), 2;
   }
   long long max_draft;
   if (!flags.integer("max-draft", &max_draft, 1, 16)) return 2;
-  eo.speculation.method = flags.str("speculation") == "ngram" ? SpeculationParams::Method::kNgram : SpeculationParams::Method::kOff;
+  eo.speculation.method = method == "ngram"   ? SpeculationParams::Method::kNgram
+                          : method == "draft" ? SpeculationParams::Method::kDraft
+                                              : SpeculationParams::Method::kOff;
   eo.speculation.max_draft = static_cast<int>(max_draft);
+  if (!flags.str("draft-model").empty()) {
+    auto draft = Model::load(flags.str("draft-model"));
+    if (!draft.ok()) return std::fprintf(stderr, "combs-server: --draft-model: %s\n", draft.status().to_string().c_str()), 1;
+    eo.draft_model = std::shared_ptr<const Model>(std::move(draft).value());
+    long long draft_kv_mib;
+    if (!flags.integer("draft-kv-memory-mib", &draft_kv_mib, 1, int64_t{1} << 30)) return 2;
+    eo.draft_kv_memory_bytes = static_cast<int64_t>(draft_kv_mib) << 20;
+  } else if (method == "draft") {
+    return std::fprintf(stderr, "combs-server: --speculation draft needs --draft-model FILE\n"), 2;
+  }
   eo.max_sessions = static_cast<int>(max_sessions);
   eo.session_ttl = std::chrono::seconds(ttl);
   eo.max_context = max_context;

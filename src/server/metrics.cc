@@ -126,6 +126,8 @@ std::string Metrics::render() const {
       {"combs_queue_timeouts_total", {"Requests ended for waiting past --queue-timeout-s.", st.queue_timeouts}},
       {"combs_speculation_drafted_tokens_total", {"Tokens drafted by speculative decoding and verified.", st.drafted_tokens}},
       {"combs_speculation_accepted_tokens_total", {"Drafted tokens the model agreed with (each saved a forward).", st.accepted_tokens}},
+      {"combs_draft_forwards_total", {"Forwards of the draft model (--draft-model), each drafting a position for a batch of sessions.", st.draft_forwards}},
+      {"combs_draft_cache_evictions_total", {"Draft caches dropped for room in the draft model's pool (rebuilt when next drafted).", st.draft_cache_evictions}},
       {"combs_kv_host_offloads_total", {"Sessions whose pages moved to the host tier.", st.host_offloads}},
       {"combs_kv_host_restores_total", {"Copies of pages back from the host tier.", st.host_restores}},
       {"combs_kv_host_restored_tokens_total", {"Positions copied back from the host tier instead of prefilled.", st.host_restored_tokens}},

@@ -22,6 +22,7 @@ namespace {
 // id) with probability `error`, decided by the position so that the drafts are reproducible.
 class ReplayProposer final : public Proposer {
  public:
+  using Proposer::propose;
   ReplayProposer(std::vector<int32_t> truth, double error) : truth_(std::move(truth)), error_(error) {}
   void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) override {
     out->clear();
@@ -37,12 +38,7 @@ class ReplayProposer final : public Proposer {
   double error_;
 };
 
-SpeculationParams ngram(int max_draft = 4) {
-  SpeculationParams p;
-  p.method = SpeculationParams::Method::kNgram;
-  p.max_draft = max_draft;
-  return p;
-}
+SpeculationParams ngram(int max_draft = 4) { return speculation(SpeculationParams::Method::kNgram, max_draft); }
 
 GenerateRequest speculative(GenerateRequest r, int max_draft = 4) {
   r.speculation = ngram(max_draft);

@@ -7,7 +7,9 @@
 #include <map>
 #include <thread>
 
+#include "combs/model/random_model.h"
 #include "support/server_process.h"
+#include "support/temp_dir.h"
 
 using namespace combs::v1;
 using combs::testing::generate;
@@ -508,5 +510,46 @@ TEST_CASE("speculation over grpc: the tokens of a plain generate with drafted an
   REQUIRE(d.status.ok());
   CHECK(d.tokens == plain.tokens);
   CHECK(d.last.usage().drafted_tokens() > 0);
+  // No draft model: a request for its drafts is refused.
+  GenerateRequest nd = greedy(create(*stub2), prompt, 4);
+  nd.mutable_speculation()->set_method(Speculation::METHOD_DRAFT);
+  CHECK(generate(*stub2, nd).status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK(with_default.stop() == 0);
+}
+
+TEST_CASE("a draft model over grpc: the tokens of a plain generate, its drafts counted", "[server]") {
+  // The default model's weights (tiny, seed 1, the built-in vocabulary) in Q8_0: a close draft.
+  combs::testing::TempDir dir;
+  combs::RandomModelOptions o;
+  o.shape = std::move(combs::named_shape("tiny")).value();
+  REQUIRE(combs::set_weight_type("q8_0", &o).ok());
+  const std::string draft = dir.file("draft.gguf");
+  REQUIRE(combs::write_random_model(o, draft).ok());
+  ServerProcess server({"--metrics-listen", "127.0.0.1:0", "--vocab", "none", "--draft-model", draft}, false);
+  auto stub = server.stub();
+  const std::vector<int32_t> prompt = {11, 40, 90, 27, 141, 59, 65, 89};
+  const Streamed plain = generate(*stub, greedy(create(*stub), prompt, 60));
+  REQUIRE(plain.status.ok());
+  GenerateRequest g = greedy(create(*stub), prompt, 60);
+  g.mutable_speculation()->set_method(Speculation::METHOD_DRAFT);
+  const Streamed spec = generate(*stub, g);
+  REQUIRE(spec.status.ok());
+  CHECK(spec.tokens == plain.tokens);
+  CHECK(spec.last.usage().accepted_tokens() > 0);
+  CHECK(info(*stub, g.session_id()).accepted_tokens() == spec.last.usage().accepted_tokens());
+  const std::string metrics = http_get(server.metrics_address, "/metrics");
+  CHECK(metric(metrics, "combs_draft_forwards_total") > 0);
+  CHECK(server.stop() == 0);
+  // A draft model of another vocabulary (Llama 3's): the server does not start, and says why; nor
+  // does one asked to draft without a draft model.
+  o.vocab_path = std::string(COMBS_TEST_DATA_DIR) + "/vocab/ggml-vocab-llama-bpe.gguf";
+  const std::string other = dir.file("other-vocab.gguf");
+  REQUIRE(combs::write_random_model(o, other).ok());
+  const std::string bin = std::string(COMBS_SERVER_BIN) + " --listen 127.0.0.1:0 --threads 2 --kv-memory-mib 64 --vocab none --cache-dir " + dir.file("cache");
+  auto [code, out] = run_command(bin + " --draft-model " + other);
+  CHECK(code == 1);
+  CHECK_THAT(out, Catch::Contains("draft model: its vocabulary is not the target's (128256 tokens, the target 259)"));
+  auto [code2, out2] = run_command(bin + " --speculation draft");
+  CHECK(code2 == 2);
+  CHECK_THAT(out2, Catch::Contains("--draft-model"));
 }

@@ -42,6 +42,14 @@ struct Collector {
 };
 
 // A request of exactly max_tokens new tokens (ignore_eos), top-k 40 at `temperature` (0: greedy).
+// Speculation by `method`, up to max_draft tokens a step.
+inline SpeculationParams speculation(SpeculationParams::Method method, int max_draft = 4) {
+  SpeculationParams p;
+  p.method = method;
+  p.max_draft = max_draft;
+  return p;
+}
+
 inline GenerateRequest request(std::vector<int32_t> input, int max_tokens, float temperature = 0.0f,
                                uint64_t seed = 0) {
   GenerateRequest r;

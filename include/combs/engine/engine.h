@@ -117,6 +117,10 @@ struct EngineOptions {
   std::shared_ptr<Proposer> proposer;
   // Speculation for sessions that set none (SessionOptions::speculation): off by default.
   SpeculationParams speculation;
+  // SpeculationParams::Method::kDraft's drafts: a smaller model of the same vocabulary (refused at
+  // create otherwise), run by make_runner's kind of runner with its own KV pages (DraftModel).
+  std::shared_ptr<const Model> draft_model;
+  int64_t draft_kv_memory_bytes = int64_t{256} << 20;
 };
 
 struct SessionOptions {
@@ -224,6 +228,9 @@ struct EngineStats {
   int64_t preemptions = 0;  // waiting requests whose pages were taken so that others could run
   int64_t queue_timeouts = 0;  // requests ended for waiting past EngineOptions::queue_timeout
   int64_t drafted_tokens = 0, accepted_tokens = 0;  // speculation
+  // The draft model (all 0 without one): its forwards, the sessions it keeps a draft cache of, and
+  // its caches dropped for room in its pool (rebuilt from the history when next needed).
+  int64_t draft_forwards = 0, draft_sessions = 0, draft_cache_evictions = 0;
   // The host tier: its pages (0 without one) and those holding session copies; sessions whose
   // pages moved there, those whose pages came back (and the positions that did), copies dropped
   // for room. The start-up measurement, microseconds per token: prefill, and the copy to the host

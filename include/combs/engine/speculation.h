@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "combs/base/status.h"
@@ -16,13 +17,22 @@ namespace combs {
 
 struct SpeculationParams {
   // kNgram: prompt lookup — the tokens that followed the latest earlier occurrence of the history's
-  // last few tokens (or EngineOptions::proposer's drafts).
-  enum class Method : uint8_t { kOff, kNgram } method = Method::kOff;
+  // last few tokens (or EngineOptions::proposer's drafts). kDraft: a draft model's greedy
+  // continuation (EngineOptions::draft_model; DraftModel).
+  enum class Method : uint8_t { kOff, kNgram, kDraft } method = Method::kOff;
   int max_draft = 4;  // tokens drafted per step at most, 1 to 16
 };
 
 // INVALID_ARGUMENT naming the field for a value out of range.
 Status validate(const SpeculationParams& params);
+std::string_view method_name(SpeculationParams::Method m);  // "off", "ngram", "draft"
+
+// One session's request for drafts.
+struct DraftRequest {
+  std::string_view session;           // its id (a proposer may keep state per session)
+  std::span<const int32_t> history;   // what the drafts continue
+  int max = 0;                        // tokens at most
+};
 
 // Drafts tokens to follow a history. Called from the engine's scheduler thread only.
 class Proposer {
@@ -30,6 +40,12 @@ class Proposer {
   virtual ~Proposer() = default;
   // Up to `max` tokens continuing `history` into *out (cleared first; empty: nothing to propose).
   virtual void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) = 0;
+  // The drafts of every request of a step, (*drafts)[i] for requests[i]; by default one propose()
+  // each (a draft model runs them as one batch).
+  virtual void propose(std::span<const DraftRequest> requests, std::vector<std::vector<int32_t>>* drafts);
+  // A session's state (if any) is copied to its fork, or dropped when it is closed.
+  virtual void fork(std::string_view /*parent*/, std::string_view /*child*/) {}
+  virtual void forget(std::string_view /*session*/) {}
 };
 
 // Prompt lookup (vLLM's n-gram proposer, llama.cpp's lookup decoding): the longest suffix of the
@@ -37,6 +53,7 @@ class Proposer {
 // its latest earlier occurrence. Costs one backward scan of the history per call.
 class NgramProposer final : public Proposer {
  public:
+  using Proposer::propose;
   explicit NgramProposer(int min_n = 2, int max_n = 4) : min_n_(min_n), max_n_(max_n) {}
   void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) override;
 

@@ -1,11 +1,14 @@
 // combs-bench spec: one session's decode with speculative decoding against without it. A
 // bench-only proposer replays the known greedy continuation with each drafted token wrong with a
 // set probability, so that the acceptance sweeps from 0 to 1; then the n-gram proposer on the
-// model's own continuation (random-weight models fall into loops: their acceptance is reported).
+// model's own continuation (random-weight models fall into loops: their acceptance is reported);
+// then, with --draft-dtype or --draft-model, a draft model (the target's own weights quantized, or
+// a file), whose caches and forwards are the engine's.
 // Decode tokens/s is from the first generated token to the last (the prefill excluded); the
 // tokens are checked against the greedy continuation without speculation. Medians of --rounds.
 #include <condition_variable>
 #include <cstdio>
+#include <filesystem>
 #include <mutex>
 #include <random>
 #include <string>
@@ -29,6 +32,7 @@ namespace {
 // n-gram prompt lookup.
 class BenchProposer final : public Proposer {
  public:
+  using Proposer::propose;
   void set(std::vector<int32_t> truth, double error, uint64_t round, int vocab) {
     truth_ = std::move(truth), error_ = error, round_ = round, vocab_ = vocab;
   }
@@ -101,10 +105,12 @@ int run_spec(int argc, char** argv) {
   tools::Flags flags("combs-bench spec",
                      {{"shape", "tiny"}, {"dtype", "bf16"}, {"model", ""}, {"vocab", tools::default_vocab()},
                       {"device", "cpu"}, {"prompt", "64"}, {"tokens", "256"}, {"max-draft", "4"},
-                      {"errors", "1,0.7,0.5,0.3,0.1,0"}, {"rounds", "3"}, {"threads", "0"}, {"dir", "/tmp/combs-bench-models"}});
+                      {"errors", "1,0.7,0.5,0.3,0.1,0"}, {"draft-dtype", ""}, {"draft-model", ""}, {"rounds", "3"}, {"threads", "0"}, {"dir", "/tmp/combs-bench-models"}});
   flags.describe({{"vocab", kVocabHelp},
                   {"device", "cpu or cuda (the engine's runner)"},
-                  {"errors", "rates of wrong drafted tokens of the replaying proposer (acceptance about 1 - rate, less at the runs' ends)"}});
+                  {"errors", "rates of wrong drafted tokens of the replaying proposer (acceptance about 1 - rate, less at the runs' ends)"},
+                  {"draft-dtype", "also a draft model: the random target's weights in this type (q4_0, q8_0, ...; not with --model)"},
+                  {"draft-model", "also a draft model: this GGUF (the target's vocabulary)"}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
     flags.print_usage("[flags]   (--model PATH, or a random model of --shape/--dtype written once into --dir)");
@@ -136,6 +142,15 @@ int run_spec(int argc, char** argv) {
     if (!made.ok()) return std::fprintf(stderr, "combs-bench spec: %s\n", made.status().message().c_str()), 2;
     path = *made;
   }
+  std::string draft_path = flags.str("draft-model");
+  if (!flags.str("draft-dtype").empty()) {
+    if (!flags.str("model").empty()) return std::fprintf(stderr, "combs-bench spec: --draft-dtype makes a draft of a random model, not of --model\n"), 2;
+    auto vocab = bench_vocab(flags.str("vocab"));
+    if (!vocab.ok()) return std::fprintf(stderr, "combs-bench spec: %s\n", vocab.status().message().c_str()), 2;
+    auto made = bench_model(flags.str("dir"), flags.str("shape"), flags.str("draft-dtype"), *vocab);
+    if (!made.ok()) return std::fprintf(stderr, "combs-bench spec: %s\n", made.status().message().c_str()), 2;
+    draft_path = *made;
+  }
   auto model = Model::load(path);
   if (!model.ok()) return std::fprintf(stderr, "combs-bench spec: %s\n", model.status().to_string().c_str()), 1;
   const int vocab = (*model)->config().n_vocab;
@@ -150,6 +165,11 @@ int run_spec(int argc, char** argv) {
 #ifdef COMBS_HAVE_CUDA
   if (device == "cuda") eo.make_runner = make_cuda_runner(0);
 #endif
+  if (!draft_path.empty()) {
+    auto draft = Model::load(draft_path);
+    if (!draft.ok()) return std::fprintf(stderr, "combs-bench spec: draft: %s\n", draft.status().to_string().c_str()), 1;
+    eo.draft_model = std::shared_ptr<const Model>(std::move(draft).value());
+  }
   auto engine = Engine::create(std::move(model).value(), eo);
   if (!engine.ok()) return std::fprintf(stderr, "combs-bench spec: %s\n", engine.status().to_string().c_str()), 1;
   Engine& e = **engine;
@@ -176,9 +196,9 @@ int run_spec(int argc, char** argv) {
   std::printf("| drafts | acceptance | decode tok/s | vs no speculation | tokens as without |\n|---|---|---|---|---|\n");
   std::printf("| none | - | %.1f | 1.00x | - |\n", b);
   SpeculationParams spec;
-  spec.method = SpeculationParams::Method::kNgram;
   spec.max_draft = static_cast<int>(max_draft);
-  auto sweep = [&](const char* name, double error) -> int {
+  auto sweep = [&](const std::string& name, double error, SpeculationParams::Method method = SpeculationParams::Method::kNgram) -> int {
+    spec.method = method;
     std::vector<double> tps, acc;
     bool same = true;
     for (long long r = 0; r < rounds; ++r) {
@@ -189,7 +209,7 @@ int run_spec(int argc, char** argv) {
       tps.push_back(run->decode_tok_s);
       acc.push_back(run->usage.drafted_tokens ? static_cast<double>(run->usage.accepted_tokens) / static_cast<double>(run->usage.drafted_tokens) : 0.0);
     }
-    std::printf("| %s | %.2f | %.1f | %.2fx | %s |\n", name, median(acc), median(tps), median(tps) / b, same ? "yes" : "NO");
+    std::printf("| %s | %.2f | %.1f | %.2fx | %s |\n", name.c_str(), median(acc), median(tps), median(tps) / b, same ? "yes" : "NO");
     std::fflush(stdout);
     return 0;
   };
@@ -199,6 +219,10 @@ int run_spec(int argc, char** argv) {
     if (int rc = sweep(name, error)) return rc;
   }
   if (int rc = sweep("n-gram (prompt lookup)", -1.0)) return rc;
+  if (!draft_path.empty()) {
+    const std::string name = "draft model " + std::filesystem::path(draft_path).filename().string();
+    if (int rc = sweep(name, 0.0, SpeculationParams::Method::kDraft)) return rc;
+  }
   return 0;
 }
 
