@@ -16,7 +16,7 @@ set -u
 V=$1; SHAPES=$2; DTYPE=$3; MAX_DRAFT=$4; ROUNDS=$5
 repo=$(pwd)
 . "$(dirname "$0")/unpack.sh" $V
-out=${OUT:-/tmp/draft}; mkdir -p "$out" /tmp/models
+out=${OUT:-/tmp/draft}; models=$repo/build/models; mkdir -p "$out" "$models"
 export PEER_DIR=$repo/build/peer
 peer_bin=$PEER_DIR/build-cuda/bin
 t0=$(date +%s)
@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 for s in $SHAPES; do
   echo "== combs $s bf16, draft $DTYPE ($(( $(date +%s) - t0 )) s)"
   timeout 400 "$combs" spec --device cuda --shape "$s" --dtype bf16 --draft-dtype "$DTYPE" --vocab "$vocab" \
-    --dir /tmp/models --prompt 64 --tokens 256 --max-draft "$MAX_DRAFT" --rounds "$ROUNDS" --errors 0.3 \
+    --dir "$models" --prompt 64 --tokens 256 --max-draft "$MAX_DRAFT" --rounds "$ROUNDS" --errors 0.3 \
     2>&1 | tee "$out/combs-$s.md"
 done
 if [ -n "${build_pid:-}" ]; then wait "$build_pid"; fi
@@ -39,14 +39,14 @@ tail -n 2 "$out/peer-build.log" 2>/dev/null
 [ -x "$peer_bin/llama-speculative" ] || { echo "the peer did not build: $out/peer-build.log"; exit 1; }
 prompt="The history of the printing press begins in the fifteenth century, when movable type made books cheaper"
 for s in $SHAPES; do
-  tgt=/tmp/models/$s-bf16-ggml-vocab-llama-bpe.gguf
-  dft=/tmp/models/$s-$DTYPE-ggml-vocab-llama-bpe.gguf
+  tgt=$models/$s-bf16-ggml-vocab-llama-bpe.gguf
+  dft=$models/$s-$DTYPE-ggml-vocab-llama-bpe.gguf
   echo "== peer $s ($(( $(date +%s) - t0 )) s)"
   for m in "$tgt" "$dft"; do
     "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 256 -d 64 -r "$ROUNDS" -o md 2> /dev/null | grep -E "tg256|model"
   done
   for r in $(seq 1 "$ROUNDS"); do
-    "$peer_bin/llama-speculative" -m "$tgt" -md "$dft" -ngl 99 -ngld 99 -fa on -c 4096 --draft-max "$MAX_DRAFT" \
+    "$peer_bin/llama-speculative" -m "$tgt" -md "$dft" -ngl 99 -ngld 99 -fa on -c 4096 --spec-draft-n-max "$MAX_DRAFT" \
       --temp 0 --ignore-eos -n 256 -p "$prompt" > "$out/peer-spec-$s-$r.txt" 2>&1
     grep -E "decoded|n_drafted|n_accept|accept " "$out/peer-spec-$s-$r.txt" | tr '\n' ' '; echo
   done

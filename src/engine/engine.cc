@@ -1302,6 +1302,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   for (auto& [id, s] : sessions)
     if (s->active) order.push_back(s.get());
   std::sort(order.begin(), order.end(), [](Session* a, Session* b) { return a->last_used < b->last_used; });
+  const Clock::time_point step_start = Clock::now();  // the drafts' time counts in the step's
   std::unordered_map<Session*, std::vector<int32_t>> drafts;
   propose_drafts(order, &drafts);
 
@@ -1311,6 +1312,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     // A speculative step's: the history's last token and the drafted ones after it (n of them),
     // with an output row each.
     std::vector<int32_t> tokens;
+    bool timed = false;  // a decode step of a speculating request: its time goes to its DraftLength
   };
   std::vector<Work> work;
   std::set<Session*> chosen;
@@ -1415,7 +1417,8 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     }
     reserved += need;
     budget -= n;
-    work.push_back({s, cached, n, std::move(spec_tokens)});
+    const bool timed = act.draft_length && cached == len - 1 && (n == 1 || !spec_tokens.empty());
+    work.push_back({s, cached, n, std::move(spec_tokens), timed});
     if (first_page) in_flight.insert(*first_page);
     chosen.insert(s);
   }
@@ -1522,8 +1525,20 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       std::span<float> l(logits.data() + row * V, V);
       emit(s, fo.token_ids ? token_ids[row] : a.sampler->sample(l, s.history), events);
     };
+    const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
     for (size_t i = 0; i < work.size(); row += work[i].tokens.empty() ? 1 : work[i].n, ++i) {
-      conclude(i, row);
+      if (st.ok() && work[i].timed) {  // (before conclude: a finished request's Active goes)
+        // What the step emits for it: every accepted draft and one more, less what a stop cuts.
+        Active& a = *work[i].s->active;
+        const size_t before = a.generated.size();
+        conclude(i, row);
+        if (work[i].s->active.get() == &a) {
+          a.draft_length->observe_time(static_cast<int>(work[i].tokens.empty() ? 0 : work[i].n - 1),
+                                       static_cast<int>(a.generated.size() - before), seconds);
+        }
+      } else {
+        conclude(i, row);
+      }
       snapshot(*work[i].s);  // after a verification has dropped the rejected drafts
     }
   }

@@ -47,17 +47,24 @@ void NgramProposer::propose(std::span<const int32_t> history, int max, std::vect
   }
 }
 
+int DraftLength::by_rate() const {
+  // About as many as are expected to be accepted, and one more: a run of accepted tokens is
+  // geometric with mean rate / (1 - rate).
+  const double expect = rate_ / std::max(1e-3, 1.0 - rate_);
+  return std::clamp(static_cast<int>(std::lround(1.0 + expect)), 1, max_);
+}
+
 int DraftLength::next() {
-  if (rate_ >= 0.15) {
-    // About as many as are expected to be accepted, and one more: a run of accepted tokens is
-    // geometric with mean rate / (1 - rate).
-    const double expect = rate_ / std::max(1e-3, 1.0 - rate_);
-    return std::clamp(static_cast<int>(std::lround(1.0 + expect)), 1, max_);
+  ++steps_;
+  if (timed_ && steps_ >= next_plain_) {  // what a token costs without drafts, measured now and then
+    next_plain_ = steps_ + kPlainEvery;
+    return 0;
   }
+  if (rate_ >= kMinRate && pays()) return by_rate();
   if (++idle_ >= probe_every_) {  // a probe; each that fails waits twice as long for the next
     idle_ = 0;
     probe_every_ = std::min(2 * probe_every_, kMaxProbeEvery);
-    return 1;
+    return rate_ >= kMinRate ? by_rate() : 1;  // (accepted but too dear: the length that was dear)
   }
   return 0;
 }
@@ -65,7 +72,15 @@ int DraftLength::next() {
 void DraftLength::observe(int drafted, int accepted) {
   if (drafted <= 0) return;
   rate_ = 0.7 * rate_ + 0.3 * static_cast<double>(accepted) / static_cast<double>(drafted);
-  if (accepted > 0) probe_every_ = kFirstProbe;  // drafts pay again: probe soon if they stop
+  if (accepted > 0 && pays()) probe_every_ = kFirstProbe;  // drafts pay again: probe soon if they stop
+}
+
+void DraftLength::observe_time(int drafted, int emitted, double seconds) {
+  if (emitted <= 0 || !(seconds > 0.0)) return;
+  timed_ = true;
+  double& average = drafted > 0 ? spec_s_ : plain_s_;
+  const double per_token = seconds / emitted;
+  average = average > 0.0 ? 0.7 * average + 0.3 * per_token : per_token;
 }
 
 }  // namespace combs

@@ -65,10 +65,8 @@ TEST_CASE("greedy output with a draft model equals greedy output without it", "[
     CHECK(g.tokens == plain);
     CHECK(g.usage.accepted_tokens <= g.usage.drafted_tokens);
     CHECK(e->stats().steps - steps + g.usage.accepted_tokens == 60);  // a step per token less the accepted
-    if (kind == "itself") {
-      CHECK(g.usage.accepted_tokens == g.usage.drafted_tokens);
-      CHECK(g.usage.accepted_tokens >= 30);
-    }
+    // (How many it drafts follows the time drafts save: a draft as large as the target may stop.)
+    if (kind == "itself") CHECK(g.usage.accepted_tokens == g.usage.drafted_tokens);
   }
   const EngineStats st = e->stats();
   CHECK(st.draft_forwards > 0);

@@ -93,6 +93,30 @@ TEST_CASE("the draft length follows the acceptance and probes when drafts fail",
   CHECK(validate(ngram(16)).ok());
 }
 
+TEST_CASE("the draft length stops drafting where drafts cost more time per token than none", "[engine]") {
+  // Every draft accepted; a step emits drafted + 1 tokens. `spec_ms` a token with drafts, 1 ms
+  // without: the share of steps that draft.
+  auto drafting_share = [](double spec_ms) {
+    DraftLength d(4);
+    int drafting = 0;
+    const int steps = 2000;
+    for (int i = 0; i < steps; ++i) {
+      const int k = d.next();
+      if (k > 0) {
+        d.observe(k, k);
+        d.observe_time(k, k + 1, (k + 1) * spec_ms * 1e-3);
+        ++drafting;
+      } else {
+        d.observe_time(0, 1, 1e-3);
+      }
+    }
+    return static_cast<double>(drafting) / steps;
+  };
+  CHECK(drafting_share(0.5) > 0.95);  // drafts halve a token's time: nearly every step drafts
+  CHECK(drafting_share(1.2) < 0.02);  // drafts cost 20% more: probes only, further and further apart
+  CHECK(drafting_share(0.95) > 0.9);
+}
+
 TEST_CASE("greedy output with speculation equals greedy output without it", "[engine]") {
   Rng rng(test_seed());
   const std::string weights = GENERATE(as<std::string>{}, "bf16", "q4_k_m");

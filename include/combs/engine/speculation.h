@@ -62,23 +62,36 @@ class NgramProposer final : public Proposer {
 };
 
 // The adaptive draft length: how many tokens the next step drafts, from the acceptance measured so
-// far (a moving average of the share of drafted tokens accepted). Where drafts are mostly rejected
-// it stops drafting and probes with one token now and then — after 8 steps, then 16, 32, ... up to
-// 256 while the probes fail — so that a session whose drafts never hold runs at the speed of no
-// speculation (a verification step is dearer than a decode step: on a GPU it is not a CUDA graph).
+// far (a moving average of the share of drafted tokens accepted) and, where the engine reports
+// the steps' times, from what a token costs with drafts against without. Where drafts are mostly
+// rejected, or cost more time per token than plain decoding (a draft model nearly as slow as the
+// target), it stops drafting and probes now and then — after 8 steps, then 16, 32, ... up to 256
+// while the probes fail — so that a session whose drafts do not pay runs at the speed of no
+// speculation. While drafting, every 32nd step is a plain one, which keeps the cost without drafts
+// measured.
 class DraftLength {
  public:
   explicit DraftLength(int max_draft) : max_(max_draft) {}
   int next();                             // 0: no draft this step
   void observe(int drafted, int accepted);  // after a verification
+  // After each decode step of the session: tokens drafted (0: a plain step), tokens it emitted,
+  // and the step's time (its drafts' included).
+  void observe_time(int drafted, int emitted, double seconds);
   double acceptance() const { return rate_; }
+  // Whether drafting takes less time per token than not, as measured (true until both are).
+  bool pays() const { return spec_s_ == 0.0 || plain_s_ == 0.0 || spec_s_ < plain_s_; }
 
  private:
+  int by_rate() const;  // the draft length the acceptance suggests
   int max_;
-  static constexpr int kFirstProbe = 8, kMaxProbeEvery = 256;
+  static constexpr int kFirstProbe = 8, kMaxProbeEvery = 256, kPlainEvery = 32;
+  static constexpr double kMinRate = 0.15;
   double rate_ = 0.6;  // prior: drafts are worth trying
   int idle_ = 0;       // steps without a draft since the last probe
   int probe_every_ = kFirstProbe;
+  bool timed_ = false;               // observe_time() has been called
+  int64_t steps_ = 0, next_plain_ = 2;  // the second decode step is a plain one
+  double spec_s_ = 0.0, plain_s_ = 0.0;  // moving averages of seconds per emitted token
 };
 
 }  // namespace combs
