@@ -71,16 +71,17 @@ int DraftLength::next() {
 
 void DraftLength::observe(int drafted, int accepted) {
   if (drafted <= 0) return;
-  rate_ = 0.7 * rate_ + 0.3 * static_cast<double>(accepted) / static_cast<double>(drafted);
+  rate_ = 0.85 * rate_ + 0.15 * static_cast<double>(accepted) / static_cast<double>(drafted);
   if (accepted > 0 && pays()) probe_every_ = kFirstProbe;  // drafts pay again: probe soon if they stop
 }
 
 void DraftLength::observe_time(int drafted, int emitted, double seconds) {
   if (emitted <= 0 || !(seconds > 0.0)) return;
   timed_ = true;
-  double& average = drafted > 0 ? spec_s_ : plain_s_;
-  const double per_token = seconds / emitted;
-  average = average > 0.0 ? 0.7 * average + 0.3 * per_token : per_token;
+  Cost& c = drafted > 0 ? spec_ : plain_;
+  c.seconds = 0.97 * c.seconds + seconds;
+  c.tokens = 0.97 * c.tokens + emitted;
+  if (drafted > 0 && rate_ >= kMinRate && pays()) probe_every_ = kFirstProbe;  // a probe that paid
 }
 
 }  // namespace combs

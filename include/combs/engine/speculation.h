@@ -79,7 +79,9 @@ class DraftLength {
   void observe_time(int drafted, int emitted, double seconds);
   double acceptance() const { return rate_; }
   // Whether drafting takes less time per token than not, as measured (true until both are).
-  bool pays() const { return spec_s_ == 0.0 || plain_s_ == 0.0 || spec_s_ < plain_s_; }
+  bool pays() const {
+    return spec_.tokens == 0.0 || plain_.tokens == 0.0 || spec_.seconds * plain_.tokens < plain_.seconds * spec_.tokens;
+  }
 
  private:
   int by_rate() const;  // the draft length the acceptance suggests
@@ -91,7 +93,13 @@ class DraftLength {
   int probe_every_ = kFirstProbe;
   bool timed_ = false;               // observe_time() has been called
   int64_t steps_ = 0, next_plain_ = 2;  // the second decode step is a plain one
-  double spec_s_ = 0.0, plain_s_ = 0.0;  // moving averages of seconds per emitted token
+  // Steps with drafts and without: moving sums of their seconds and of the tokens they emitted,
+  // over about the last 30 of each (a ratio of sums, over a window long enough that runs of
+  // rejected drafts do not stop drafts that pay on average).
+  struct Cost {
+    double seconds = 0.0, tokens = 0.0;
+  };
+  Cost spec_, plain_;
 };
 
 }  // namespace combs
