@@ -49,7 +49,7 @@ struct Active {
   std::optional<Clock::time_point> waiting_since;  // when it last made progress, while it waits
   // Speculation (request's, else the session's): how many tokens the next step drafts.
   SpeculationParams speculation;
-  std::optional<DraftLength> draft_length;  // set when speculation is on
+  DraftLength* draft_length = nullptr;  // the session's, when speculation is on
   size_t history_before = 0;  // a request that fails leaves the session as it found it
   Clock::time_point arrival = Clock::now();  // when it was accepted: its claim on pages
   // A chat turn's: the conversation it rendered and the rendering (the reply joins them at the end).
@@ -132,6 +132,8 @@ struct Session {
   Digest chain_root{};
   std::vector<Digest> chain;
   int64_t drafted = 0, accepted = 0;  // speculation's tokens over its requests
+  std::optional<DraftLength> draft_length;  // of its requests that speculate as draft_for says
+  SpeculationParams draft_for;
   // Positions whose K/V moved to the host tier: beyond the cache (which holds a prefix of them, or
   // none), copied back on the next use; trimmed with the history.
   HostCopy host;
@@ -540,7 +542,15 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::Impl::start(Session* s, Genera
   a->sink = std::move(sink);
   a->sampler = std::make_unique<Sampler>(params);
   a->speculation = spec;
-  if (spec.method != SpeculationParams::Method::kOff) a->draft_length.emplace(spec.max_draft);
+  if (spec.method != SpeculationParams::Method::kOff) {
+    // What a session learned of its drafts' acceptance and cost carries over to its next requests
+    // of the same speculation (a chat's turns, an agent's steps).
+    if (!s->draft_length || s->draft_for.method != spec.method || s->draft_for.max_draft != spec.max_draft) {
+      s->draft_length.emplace(spec.max_draft);
+      s->draft_for = spec;
+    }
+    a->draft_length = &*s->draft_length;
+  }
   a->stop.max_tokens = request.max_tokens;
   a->stop.stop_sequences = request.stop_sequences;
   if (!request.ignore_eos && tokenizer) a->stop.eos_ids = tokenizer->end_of_generation();

@@ -181,6 +181,15 @@ TEST_CASE("drafts right, wrong or half and half give the tokens of no speculatio
     if (error == 0.0) CHECK(g.usage.accepted_tokens >= 40);  // 59 after the prefill's, up to 6 + 1 a step
     if (error == 1.0) CHECK(g.usage.accepted_tokens == 0);
     if (error == 1.0) CHECK(g.usage.drafted_tokens < 20);  // it stops drafting, probing now and then
+    if (error == 1.0) {
+      // The session's next request of the same speculation starts from what it learned: it
+      // probes, no more.
+      const SessionId id = e->create_session().value();
+      const Generated first = generate(*e, id, speculative(request(prompt, 30), 6));
+      const Generated next = generate(*e, id, speculative(request({}, 30), 6));
+      CHECK(first.usage.drafted_tokens >= 6);
+      CHECK(next.usage.drafted_tokens <= 2);
+    }
     REQUIRE(e->check_invariants().ok());
   }
 }
