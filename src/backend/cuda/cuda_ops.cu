@@ -404,10 +404,12 @@ void gemv(const Tensor& w, const void* x, const GemvOut& outs, int n, cudaStream
   else launch_gemv<__half, XT, PAIRS>(w.data_as<__half>(), x, outs, n, w.dim(1), st);
 }
 
+thread_local int t_decode_kernel_max_rows = 8;  // set_decode_kernel_max_rows()
+
 bool gemv_fits(const Tensor& w, int64_t n) {
   // Block types: x is read from global memory as 8-bit values (quant_matmul.h), no staging limit.
   if (is_block_quant(w.dtype())) return n <= kQuantGemvMaxRows && w.dim(1) % dtype_block_elems(w.dtype()) == 0;
-  return n <= 8 && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16) &&
+  return n <= t_decode_kernel_max_rows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16) &&
          static_cast<size_t>(n * w.dim(1)) * 2 <= kGemvMaxShared;
 }
 
@@ -623,6 +625,9 @@ Status quant_matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
 }
 
 }  // namespace
+
+void set_decode_kernel_max_rows(int rows) { t_decode_kernel_max_rows = std::clamp(rows, 1, 8); }
+int decode_kernel_max_rows() { return t_decode_kernel_max_rows; }
 
 DType input_dtype(const Tensor& w) {
   return w.dtype() == DType::kF16 || w.dtype() == DType::kBF16 ? w.dtype() : DType::kF32;

@@ -29,6 +29,23 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
 // (matmul_split's norm_weight).
 bool decode_fused(const Tensor& w, int64_t n);
 
+// Rows of x the F16/BF16 decode kernel takes at most on this thread (1 to 8, default 8); more go
+// to cuBLAS. The decode kernel's cost grows with the rows (each row's products are its own
+// arithmetic: 5 rows take 2.7-3x one row's time on the H200), cuBLAS's tensor cores barely: a
+// runner lowers it for a step that verifies drafts (RowsForDecodeKernel scopes it).
+void set_decode_kernel_max_rows(int rows);
+int decode_kernel_max_rows();
+class RowsForDecodeKernel {
+ public:
+  explicit RowsForDecodeKernel(int rows) : before_(decode_kernel_max_rows()) { set_decode_kernel_max_rows(rows); }
+  ~RowsForDecodeKernel() { set_decode_kernel_max_rows(before_); }
+  RowsForDecodeKernel(const RowsForDecodeKernel&) = delete;
+  RowsForDecodeKernel& operator=(const RowsForDecodeKernel&) = delete;
+
+ private:
+  int before_;
+};
+
 // One output of matmul_split: the next `rows` rows of the weight go to y [n, rows] (+ bias).
 struct MatmulOut {
   float* y;
