@@ -46,6 +46,17 @@ StatusOr<std::unique_ptr<DraftModel>> DraftModel::create(std::shared_ptr<const M
                                   " bytes of KV memory hold no page of " + std::to_string(page_bytes(geometry, options.page_size)));
   }
   COMBS_ASSIGN_OR_RETURN(m->pool_, PagePool::create(m->runner_->backend(), {geometry, options.page_size, pages}));
+  {  // The largest first forward, once: the runner's scratch is taken now, not after the target's pool
+    const int64_t n = std::min(options.catch_up_chunk, pages * options.page_size);
+    COMBS_ASSIGN_OR_RETURN(std::unique_ptr<PagedKVCache> cache, PagedKVCache::create(*m->pool_, n));
+    const std::vector<int32_t> tokens(static_cast<size_t>(n), 0);
+    m->ids_.resize(1);
+    m->logits_.resize(static_cast<size_t>(m->model_->config().n_vocab));
+    ForwardOptions fo;
+    fo.token_ids = m->ids_.data();
+    const SequenceInput in{cache.get(), tokens};
+    COMBS_RETURN_IF_ERROR(m->runner_->forward(std::span<const SequenceInput>(&in, 1), m->logits_.data(), fo));
+  }
   return m;
 }
 
@@ -63,6 +74,13 @@ void DraftModel::drop(State& s) {
 }
 
 bool DraftModel::make_room(int64_t need, int64_t* reserved, const std::vector<State*>& keep) {
+  if (need > pool_->num_available() - *reserved) {  // drop nothing unless dropping can make the room
+    int64_t held = 0;
+    for (auto& [id, s] : states_) {
+      if (!s.tokens.empty() && std::find(keep.begin(), keep.end(), &s) == keep.end()) held += *s.cache->pages_used();
+    }
+    if (need > pool_->num_available() - *reserved + held) return false;
+  }
   while (need > pool_->num_available() - *reserved) {
     State* victim = nullptr;
     for (auto& [id, s] : states_) {
@@ -89,10 +107,16 @@ void DraftModel::propose(std::span<const DraftRequest> requests, std::vector<std
   std::vector<State*> keep;
   int64_t reserved = 0;
   ++clock_;
-  for (size_t i = 0; i < requests.size(); ++i) {
+  if (clock_ < resume_at_) return;  // after failed forwards: wait, longer each time
+  int64_t budget = options_.catch_up_chunk;  // positions the first forward computes, all sessions
+  for (size_t i = 0; i < requests.size() && budget > 0; ++i) {
     const DraftRequest& r = requests[i];
     const auto len = static_cast<int64_t>(r.history.size());
     if (r.max < 1 || len < 1 || len + r.max > options_.max_context) continue;
+    if (pages_for_tokens(len + r.max - 1, pool_->page_size()) > pool_->num_pages()) {
+      forget(r.session);  // longer than the whole pool: it never drafts, and holds nothing
+      continue;
+    }
     auto [it, inserted] = states_.try_emplace(std::string(r.session));
     State& s = it->second;
     if (!s.cache) {
@@ -113,8 +137,10 @@ void DraftModel::propose(std::span<const DraftRequest> requests, std::vector<std
       s.cache->popn(held - common);
       s.tokens.resize(static_cast<size_t>(common));
     }
-    const int64_t feed = std::min(len - common, options_.catch_up_chunk);
-    const bool caught_up = common + feed == len;
+    const int64_t feed = std::min(len - common, budget);
+    // Drafts once the cache has caught up. A long catch-up (a new prompt, the tokens of steps that
+    // did not draft) runs in a step of its own, so that a step's drafts cost what drafting costs.
+    const bool caught_up = common + feed == len && feed <= kShortSync;
     const int64_t end = common + feed + (caught_up ? r.max - 1 : 0);
     keep.push_back(&s);
     if (!make_room(s.cache->pages_to_grow(end), &reserved, keep)) {
@@ -122,6 +148,7 @@ void DraftModel::propose(std::span<const DraftRequest> requests, std::vector<std
       continue;
     }
     items.push_back({i, &s, feed, caught_up});
+    budget -= feed;
   }
   if (items.empty()) return;
   // The first forward: every item's catch-up (its last row the first draft where it caught up).
@@ -137,10 +164,13 @@ void DraftModel::propose(std::span<const DraftRequest> requests, std::vector<std
   fo.token_ids = ids_.data();
   Status st = runner_->forward(seqs, logits_.data(), fo);
   ++stats_.forwards;
-  if (!st.ok()) {  // the caches did not change; drop them all (rebuilt next time)
+  if (!st.ok()) {  // the caches did not change; drop them all (rebuilt) and wait a while
     for (const Item& it : items) drop(*it.state);
+    failures_ = std::min(failures_ + 1, 10);
+    resume_at_ = clock_ + (uint64_t{1} << failures_);
     return;
   }
+  failures_ = 0;
   std::vector<Item> drafting;
   for (size_t k = 0; k < items.size(); ++k) {
     const Item& it = items[k];
@@ -148,7 +178,7 @@ void DraftModel::propose(std::span<const DraftRequest> requests, std::vector<std
     const size_t from = it.state->tokens.size();
     it.state->tokens.insert(it.state->tokens.end(), r.history.begin() + static_cast<ptrdiff_t>(from),
                             r.history.begin() + static_cast<ptrdiff_t>(from + static_cast<size_t>(it.feed)));
-    stats_.caught_up_tokens += it.feed - 1;
+    stats_.caught_up_tokens += it.drafts ? it.feed - 1 : it.feed;
     if (!it.drafts) continue;
     (*drafts)[it.request].push_back(ids_[k]);
     if (r.max > 1) drafting.push_back(it);

@@ -268,7 +268,14 @@ struct Engine::Impl {
   bool evict_one_idle(const std::set<Session*>& keep);
   // The drafts of the step's decoding sessions that speculate, each proposer's in one call (a
   // draft model's as one batch per drafted position).
-  void propose_drafts(const std::vector<Session*>& order, std::unordered_map<Session*, std::vector<int32_t>>* drafts);
+  struct StepDrafts {
+    std::unordered_map<Session*, std::vector<int32_t>> tokens;  // each session's drafts
+    std::set<Session*> asked;  // sessions that asked for drafts (some got none: a draft cache catching up)
+    // Each speculating session's draft length before this step's next(): put back where the step
+    // does not run as decided (not chosen, or no drafts), so that only steps that ran count.
+    std::unordered_map<Session*, DraftLength> before;
+  };
+  void propose_drafts(const std::vector<Session*>& order, StepDrafts* drafts);
   // INVALID_ARGUMENT for a method this engine has no proposer for.
   Status check_speculation(const SpeculationParams& p) const;
   void forget_drafts(const SessionId& id) {  // a session is gone: so is the proposers' state of it
@@ -1141,20 +1148,21 @@ void Engine::Impl::cache_filled_pages(Session& s, int64_t from, int64_t to) {
   }
 }
 
-void Engine::Impl::propose_drafts(const std::vector<Session*>& order,
-                                  std::unordered_map<Session*, std::vector<int32_t>>* drafts) {
+void Engine::Impl::propose_drafts(const std::vector<Session*>& order, StepDrafts* drafts) {
   std::vector<DraftRequest> requests[2];  // [0]: proposer's, [1]: the draft model's
   std::vector<Session*> whose[2];
   for (Session* s : order) {
     Active& a = *s->active;
     const auto len = static_cast<int64_t>(s->history.size());
     if (!a.draft_length || s->cache->seq_len() != len - 1) continue;  // not decoding, or not speculating
+    drafts->before.emplace(s, *a.draft_length);
     const int64_t want = std::min<int64_t>({a.draft_length->next(), a.request.max_tokens - 1 - static_cast<int64_t>(a.generated.size()),
                                             s->max_context - len, options.step_token_budget - 1});
     if (want <= 0) continue;
     const int k = a.speculation.method == SpeculationParams::Method::kDraft ? 1 : 0;
     requests[k].push_back({s->id, s->history, static_cast<int>(want)});
     whose[k].push_back(s);
+    drafts->asked.insert(s);
   }
   std::vector<std::vector<int32_t>> out;
   for (int k = 0; k < 2; ++k) {
@@ -1163,7 +1171,7 @@ void Engine::Impl::propose_drafts(const std::vector<Session*>& order,
     p.propose(requests[k], &out);
     for (size_t i = 0; i < whose[k].size() && i < out.size(); ++i) {
       if (static_cast<int>(out[i].size()) > requests[k][i].max) out[i].resize(static_cast<size_t>(requests[k][i].max));
-      if (!out[i].empty()) (*drafts)[whose[k][i]] = std::move(out[i]);
+      if (!out[i].empty()) drafts->tokens[whose[k][i]] = std::move(out[i]);
     }
   }
 }
@@ -1312,9 +1320,12 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   for (auto& [id, s] : sessions)
     if (s->active) order.push_back(s.get());
   std::sort(order.begin(), order.end(), [](Session* a, Session* b) { return a->last_used < b->last_used; });
-  const Clock::time_point step_start = Clock::now();  // the drafts' time counts in the step's
-  std::unordered_map<Session*, std::vector<int32_t>> drafts;
+  // A step's time, for the draft lengths: a step with drafts costs from before they were proposed
+  // to the end of its forward, one without from after.
+  const Clock::time_point step_start = Clock::now();
+  StepDrafts drafts;
   propose_drafts(order, &drafts);
+  const Clock::time_point drafted_at = Clock::now();
 
   struct Work {
     Session* s;
@@ -1381,7 +1392,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     // (less the token the verification itself yields), the budget and the context allow, and only
     // into pages that are free without pushing anyone out.
     std::vector<int32_t> spec_tokens;
-    if (auto d = drafts.find(s); d != drafts.end() && cached == len - 1 && n == 1) {
+    if (auto d = drafts.tokens.find(s); d != drafts.tokens.end() && cached == len - 1 && n == 1) {
       std::vector<int32_t>& draft = d->second;
       const int64_t room = std::min<int64_t>({act.request.max_tokens - 1 - static_cast<int64_t>(act.generated.size()),
                                               s->max_context - len, budget - 1});
@@ -1427,10 +1438,20 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     }
     reserved += need;
     budget -= n;
-    const bool timed = act.draft_length && cached == len - 1 && (n == 1 || !spec_tokens.empty());
+    // Timed: a step with drafts, or a plain one its draft length chose (not one whose drafts did
+    // not come or did not fit).
+    const bool timed = act.draft_length && cached == len - 1 && (!spec_tokens.empty() || (n == 1 && !drafts.asked.count(s)));
     work.push_back({s, cached, n, std::move(spec_tokens), timed});
     if (first_page) in_flight.insert(*first_page);
     chosen.insert(s);
+  }
+  {  // Draft lengths whose decision this step does not carry out go back to before it.
+    std::set<Session*> verifying;
+    for (const Work& w : work)
+      if (!w.tokens.empty()) verifying.insert(w.s);
+    for (auto& [s, saved] : drafts.before) {
+      if (s->active && (!chosen.count(s) || (drafts.asked.count(s) && !verifying.count(s)))) *s->active->draft_length = saved;
+    }
   }
   counts.waiting = static_cast<int64_t>(order.size() - work.size());
   // Requests that made no progress this step: past the queue timeout they end, undone.
@@ -1535,7 +1556,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       std::span<float> l(logits.data() + row * V, V);
       emit(s, fo.token_ids ? token_ids[row] : a.sampler->sample(l, s.history), events);
     };
-    const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
+    const Clock::time_point step_end = Clock::now();
     for (size_t i = 0; i < work.size(); row += work[i].tokens.empty() ? 1 : work[i].n, ++i) {
       if (st.ok() && work[i].timed) {  // (before conclude: a finished request's Active goes)
         // What the step emits for it: every accepted draft and one more, less what a stop cuts.
@@ -1543,8 +1564,9 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
         const size_t before = a.generated.size();
         conclude(i, row);
         if (work[i].s->active.get() == &a) {
-          a.draft_length->observe_time(static_cast<int>(work[i].tokens.empty() ? 0 : work[i].n - 1),
-                                       static_cast<int>(a.generated.size() - before), seconds);
+          const bool drafted = !work[i].tokens.empty();
+          a.draft_length->observe_time(drafted ? static_cast<int>(work[i].n - 1) : 0, static_cast<int>(a.generated.size() - before),
+                                       std::chrono::duration<double>(step_end - (drafted ? step_start : drafted_at)).count());
         }
       } else {
         conclude(i, row);

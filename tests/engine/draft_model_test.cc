@@ -170,6 +170,30 @@ TEST_CASE("a small draft pool drops draft caches, not tokens", "[engine]") {
   REQUIRE(e->check_invariants().ok());
 }
 
+TEST_CASE("a session longer than the draft pool does not draft and evicts no one", "[engine]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf;
+  TempDir dir;
+  EngineOptions o;
+  o.draft_model = load(write_model(dir, "draft.gguf", "q8_0", 3));
+  const int64_t page = page_bytes(o.draft_model->config().kv_geometry(o.kv_dtype), o.page_size);
+  o.draft_kv_memory_bytes = 8 * page;  // 128 positions
+  auto e = mf.engine(o);
+  auto plain = mf.engine();
+  const std::vector<int32_t> short_prompt = random_tokens(rng, 20, 3, 258), long_prompt = random_tokens(rng, 150, 3, 258);
+  const SessionId a = e->create_session().value();
+  const Generated first = generate(*e, a, drafted(request(short_prompt, 30)));
+  CHECK(first.tokens == run(*plain, plain->create_session().value(), request(short_prompt, 30)));
+  CHECK(first.usage.drafted_tokens > 0);
+  const Generated g = generate(*e, e->create_session().value(), drafted(request(long_prompt, 20)));
+  CHECK(g.tokens == run(*plain, plain->create_session().value(), request(long_prompt, 20)));
+  CHECK(g.usage.drafted_tokens == 0);
+  CHECK(e->stats().draft_cache_evictions == 0);  // a's cache stayed
+  CHECK(e->stats().draft_sessions == 1);
+  REQUIRE(e->check_invariants().ok());
+}
+
 TEST_CASE("a draft model is refused for another vocabulary, and drafts need one", "[engine]") {
   ModelFile mf;
   TempDir dir;

@@ -8,8 +8,10 @@
 // session applies to the draft cache without the engine telling it — but fork (the child starts
 // from a fork of the parent's draft cache) and close (its pages go). Under pressure on its own pool
 // the least recently used draft caches are dropped; a dropped one is rebuilt from the history the
-// next time its session drafts. A long catch-up (a new prompt) goes at most `catch_up_chunk`
-// tokens a step; the session drafts once its draft cache has caught up.
+// next time its session drafts; a session longer than the whole pool never drafts. A catch-up (a
+// new prompt) takes at most `catch_up_chunk` positions a step, shared by the step's sessions, in
+// steps of its own; the session drafts once its draft cache is up to date. create() runs one
+// forward of that size, so the runner's scratch is taken before the target's KV pool is sized.
 //
 // Drafting for a step's sessions is batched: one forward for every session's catch-up and first
 // draft, then one forward per further drafted position over the sessions still drafting.
@@ -32,7 +34,7 @@ struct DraftModelOptions {
   int64_t kv_memory_bytes = int64_t{256} << 20;  // the draft caches' pages
   int page_size = 16;
   DType kv_dtype = DType::kF16;
-  int64_t catch_up_chunk = 512;  // draft-cache positions a session computes per step at most
+  int64_t catch_up_chunk = 512;  // draft-cache positions one step computes at most (all sessions)
   int64_t max_context = 0;       // of each draft cache; 0: the draft model's context length
 };
 
@@ -78,7 +80,12 @@ class DraftModel final : public Proposer {
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<PagePool> pool_;  // after runner_: its pages live on the runner's backend
   std::unordered_map<std::string, State> states_;
-  uint64_t clock_ = 0;
+  uint64_t clock_ = 0;  // propose() calls
+  // A session drafts in the step that brings its cache up to date only when that takes at most
+  // this many positions (a verification's sync: the bonus token and the last draft).
+  static constexpr int64_t kShortSync = 4;
+  int failures_ = 0;         // failed forwards in a row
+  uint64_t resume_at_ = 0;   // no drafting before this propose() call
   DraftModelStats stats_;
   std::vector<int32_t> ids_;  // scratch: a forward's argmax ids
   std::vector<float> logits_;
