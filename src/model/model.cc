@@ -41,12 +41,23 @@ struct ArchSpec {
   float base_swa = 0.0f;  // the windowed layers' RoPE base when the file has none (0: the global one)
   float attn_softcap = 0.0f, final_softcap = 0.0f;  // defaults; the file's keys override
   int layers_27b = 0;  // gemma's 27B shape (this many layers) scales queries by 1/sqrt(n_embd / n_heads)
+  // Mixture of experts: kOptional where expert_count > 0 makes it one (llama: Mixtral), kRequired
+  // where the architecture is one. Experts' width default (no expert_feed_forward_length):
+  // feed_forward_length itself (llama) or divided by expert_used_count (qwen*moe, as llama.cpp).
+  enum Moe : uint8_t { kDense, kOptional, kRequired } moe = kDense;
+  bool ff_exp_divided = false;
+  bool expert_weights_norm = false;
+  bool shared_expert = false;  // qwen2moe: a gated dense FFN beside the experts
 };
 
 constexpr ArchSpec kArchs[] = {
-    {.name = "llama", .rope_style = RopeStyle::kAdjacent},
+    {.name = "llama", .rope_style = RopeStyle::kAdjacent, .moe = ArchSpec::kOptional, .expert_weights_norm = true},
     {.name = "qwen2", .rope_style = RopeStyle::kHalves, .qkv_bias = true},
     {.name = "qwen3", .rope_style = RopeStyle::kHalves, .qk_norm = true},
+    {.name = "qwen2moe", .rope_style = RopeStyle::kHalves, .qkv_bias = true, .moe = ArchSpec::kRequired,
+     .ff_exp_divided = true, .shared_expert = true},
+    {.name = "qwen3moe", .rope_style = RopeStyle::kHalves, .qk_norm = true, .moe = ArchSpec::kRequired,
+     .ff_exp_divided = true, .expert_weights_norm = true},
     {.name = "gemma2", .rope_style = RopeStyle::kHalves, .post_norms = true, .embed_scale = true,
      .activation = Activation::kGeluTanh, .swa_pattern = 2, .default_window = 4096, .attn_softcap = 50.0f,
      .final_softcap = 30.0f, .layers_27b = 46},
@@ -78,6 +89,38 @@ std::string arch_names() {
   return known;
 }
 
+// The mixture of experts' keys (ModelConfig::n_expert and after), as llama.cpp reads them.
+Status read_experts(const gguf::GgufFile& f, const ArchSpec& spec, ModelConfig* c) {
+  const std::string a = c->arch_name + ".";
+  if (spec.moe != ArchSpec::kDense && f.find(a + "expert_count")) {
+    COMBS_ASSIGN_OR_RETURN(c->n_expert, get_int(f, a + "expert_count", 0, 512));
+  }
+  if (c->n_expert == 0) {
+    if (spec.moe == ArchSpec::kRequired) {
+      return invalid_argument_error(f.path() + ": metadata '" + a + "expert_count' is missing or 0: " + c->arch_name +
+                                    " is a mixture of experts");
+    }
+    return ok_status();
+  }
+  if (!f.find(a + "expert_used_count")) {
+    return invalid_argument_error(f.path() + ": metadata '" + a + "expert_used_count' is missing");
+  }
+  COMBS_ASSIGN_OR_RETURN(c->n_expert_used, get_int(f, a + "expert_used_count", 1, c->n_expert));
+  c->n_ff_exp = spec.ff_exp_divided ? c->n_ff / c->n_expert_used : c->n_ff;
+  if (f.find(a + "expert_feed_forward_length")) {
+    COMBS_ASSIGN_OR_RETURN(c->n_ff_exp, get_int(f, a + "expert_feed_forward_length", 1, 1 << 20));
+  }
+  if (c->n_ff_exp < 1) {
+    return invalid_argument_error(f.path() + ": the experts' width (" + a + "feed_forward_length / expert_used_count) is 0");
+  }
+  c->expert_weights_norm = spec.expert_weights_norm;
+  c->shared_expert = spec.shared_expert;
+  if (c->shared_expert && f.find(a + "expert_shared_feed_forward_length")) {  // the shared expert's width
+    COMBS_ASSIGN_OR_RETURN(c->n_ff, get_int(f, a + "expert_shared_feed_forward_length", 1, 1 << 20));
+  }
+  return ok_status();
+}
+
 }  // namespace
 
 Status apply_architecture(std::string_view name, ModelConfig* c) {
@@ -93,6 +136,8 @@ Status apply_architecture(std::string_view name, ModelConfig* c) {
   c->activation = spec->activation;
   c->gate_up_fused = spec->gate_up_fused;
   c->embed_scale = spec->embed_scale ? std::sqrt(static_cast<float>(c->n_embd)) : 1.0f;
+  c->expert_weights_norm = spec->expert_weights_norm;
+  c->shared_expert = spec->shared_expert && c->n_expert > 0;
   return ok_status();
 }
 
@@ -137,6 +182,7 @@ StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
     }
   }
   COMBS_ASSIGN_OR_RETURN(c.n_ff, get_int(f, a + "feed_forward_length", 1, 1 << 20));
+  COMBS_RETURN_IF_ERROR(read_experts(f, *spec, &c));
   c.context_length = 4096;
   if (f.find(a + "context_length")) {
     COMBS_ASSIGN_OR_RETURN(c.context_length, get_int(f, a + "context_length", 1, 1 << 30));
@@ -293,13 +339,28 @@ std::vector<WeightSpec> weight_specs(const ModelConfig& c) {
     s.push_back({blk(i, "attn_output.weight"), {q, e}});
     if (c.post_norms) s.push_back({blk(i, "post_attention_norm.weight"), {e}, true, true});
     s.push_back({blk(i, "ffn_norm.weight"), {e}, true, true});
-    if (c.gate_up_fused) {
+    if (c.n_expert > 0) {
+      const int64_t n = c.n_expert, fe = c.n_ff_exp;
+      s.push_back({blk(i, "ffn_gate_inp.weight"), {e, n}});
+      s.push_back({blk(i, "ffn_gate_exps.weight"), {e, fe, n}});
+      s.push_back({blk(i, "ffn_up_exps.weight"), {e, fe, n}});
+      s.push_back({blk(i, "ffn_down_exps.weight"), {fe, e, n}});
+    }
+    if (c.shared_expert) {
+      s.push_back({blk(i, "ffn_gate_inp_shexp.weight"), {e}, true, true});
+      s.push_back({blk(i, "ffn_gate_shexp.weight"), {e, ff}});
+      s.push_back({blk(i, "ffn_up_shexp.weight"), {e, ff}});
+      s.push_back({blk(i, "ffn_down_shexp.weight"), {ff, e}});
+    } else if (c.n_expert > 0) {
+      // no dense FFN
+    } else if (c.gate_up_fused) {
       s.push_back({blk(i, "ffn_up.weight"), {e, 2 * ff}});
+      s.push_back({blk(i, "ffn_down.weight"), {ff, e}});
     } else {
       s.push_back({blk(i, "ffn_gate.weight"), {e, ff}});
       s.push_back({blk(i, "ffn_up.weight"), {e, ff}});
+      s.push_back({blk(i, "ffn_down.weight"), {ff, e}});
     }
-    s.push_back({blk(i, "ffn_down.weight"), {ff, e}});
     if (c.post_norms) s.push_back({blk(i, "post_ffw_norm.weight"), {e}, true, true});
   }
   return s;
@@ -337,9 +398,15 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     if (w == "post_ffw_norm.weight") return &l.post_ffn_norm;
     if (w == "attn_output.weight") return &l.wo;
     if (w == "ffn_norm.weight") return &l.ffn_norm;
-    if (w == "ffn_gate.weight") return &l.w_gate;
-    if (w == "ffn_up.weight") return &l.w_up;
-    return &l.w_down;
+    if (w == "ffn_gate.weight" || w == "ffn_gate_shexp.weight") return &l.w_gate;
+    if (w == "ffn_up.weight" || w == "ffn_up_shexp.weight") return &l.w_up;
+    if (w == "ffn_down.weight" || w == "ffn_down_shexp.weight") return &l.w_down;
+    if (w == "ffn_gate_inp.weight") return &l.router;
+    if (w == "ffn_gate_exps.weight") return &l.gate_exps;
+    if (w == "ffn_up_exps.weight") return &l.up_exps;
+    if (w == "ffn_down_exps.weight") return &l.down_exps;
+    if (w == "ffn_gate_inp_shexp.weight") return &l.shared_gate;
+    return nullptr;
   };
   // Weights are copied into one anonymous buffer backed by transparent huge pages: decoding
   // streams every weight once per token, and 4 KB file pages cost a TLB miss every 4 KB.
@@ -374,12 +441,16 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
       return invalid_argument_error(path + ": tensor '" + spec.name + "' must be F32, is " +
                                     std::string(dtype_name(t->dtype)));
     }
-    Shape shape = t->dims.size() == 1 ? Shape{t->dims[0]} : Shape{t->dims[1], t->dims[0]};
+    const Shape shape = t->dims.size() == 1   ? Shape{t->dims[0]}
+                        : t->dims.size() == 2 ? Shape{t->dims[1], t->dims[0]}
+                                              : Shape{t->dims[2], t->dims[1], t->dims[0]};
     char* dst = m->memory_.get() + used;
     std::memcpy(dst, t->data, t->nbytes);
     m->file_->drop_pages(*t);  // the copy is the weight now: resident once, not twice
     used += (t->nbytes + 63) / 64 * 64;
-    *slot(spec.name) = Tensor::wrap(dst, shape, t->dtype);
+    Tensor* to = slot(spec.name);
+    if (to == nullptr) return internal_error(path + ": tensor '" + spec.name + "' has no place in the model");
+    *to = Tensor::wrap(dst, shape, t->dtype);
   }
   if (c.tied_output) m->output = m->tok_embd;
   // Fused projections as row views of their tensor: Q, K, V (attn_qkv) and gate, up (ffn_up).
@@ -454,8 +525,12 @@ int64_t Model::weight_bytes_per_token() const {
   int64_t bytes = static_cast<int64_t>(nbytes_for(tok_embd.dtype(), config_.n_embd));
   bytes += static_cast<int64_t>(output.nbytes());
   for (const LayerWeights& l : layers) {
-    for (const Tensor* t : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down})
-      bytes += static_cast<int64_t>(t->nbytes());
+    for (const Tensor* t : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down, &l.router})
+      if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+    if (config_.n_expert > 0) {  // the chosen experts' rows
+      for (const Tensor* t : {&l.gate_exps, &l.up_exps, &l.down_exps})
+        bytes += static_cast<int64_t>(t->nbytes()) / config_.n_expert * config_.n_expert_used;
+    }
   }
   return bytes;
 }

@@ -59,7 +59,7 @@ std::string quant_mix_names() {
 }
 
 DType quant_mix_type(const QuantMix& mix, std::string_view tensor, int64_t row_elems, bool output, int n_layers,
-                     int n_gqa) {
+                     int n_gqa, int n_expert) {
   const std::string_view n = mix.name;
   const bool whole = row_elems % 256 == 0;
   if (output) return !whole || mix.base == DType::kQ8_0 ? DType::kQ8_0 : DType::kQ6_K;
@@ -71,13 +71,18 @@ DType quant_mix_type(const QuantMix& mix, std::string_view tensor, int64_t row_e
     else if (n == "q3_k_m") t = i < 2 ? DType::kQ5_K : DType::kQ4_K;
     else if (iq4 && n_gqa >= 4) t = DType::kQ5_K;
     else if ((n == "q4_k_m" || n == "q5_k_m") && more_bits(i, n_layers)) t = DType::kQ6_K;
-  } else if (ends_with(tensor, "ffn_down.weight")) {
+    if (n_expert == 8) t = DType::kQ8_0;  // "bumping this to Q8_0 trades just ~128MB"
+  } else if (ends_with(tensor, "attn_k.weight") && n_expert == 8) {
+    t = DType::kQ8_0;
+  } else if (tensor.find("ffn_down") != std::string_view::npos) {  // experts' and shared ones' too
     if (n == "q2_k") t = DType::kQ3_K;
     else if (n == "q3_k_m") t = i < n_layers / 16 ? DType::kQ5_K : DType::kQ4_K;
     else if ((n == "q4_k_m" || n == "q5_k_m") && more_bits(i, n_layers)) t = DType::kQ6_K;
     else if (iq4 && i < n_layers / 8) t = DType::kQ5_K;
   } else if (ends_with(tensor, "attn_output.weight")) {
-    if (n == "q2_k") t = DType::kQ3_K;
+    if (n_expert == 8) {
+      if (n == "q2_k" || n == "q3_k_m" || n == "iq4_nl" || n == "q4_k_m" || n == "iq4_xs") t = DType::kQ5_K;
+    } else if (n == "q2_k") t = DType::kQ3_K;
     else if (n == "q3_k_m") t = DType::kQ4_K;
   }
   return whole ? t : fallback(t);

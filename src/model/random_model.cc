@@ -72,8 +72,9 @@ int builtin_vocab(gguf::GgufWriter& w, const std::vector<std::string>& extra) {
 }  // namespace
 
 std::vector<std::string> shape_names() {
-  return {"tiny", "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
-          "llama-1b", "llama-8b", "qwen3-8b", "gemma3-4b"};
+  return {"tiny",     "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
+          "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny", "llama-1b", "llama-8b", "qwen3-8b", "gemma3-4b",
+          "qwen3-30b-a3b"};
 }
 
 StatusOr<ModelShape> named_shape(std::string_view name) {
@@ -125,6 +126,32 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
     tiny("phi3");
     s.rope_dim = 48, s.fused_qkv = true, s.longrope = true;
     s.rope_orig_context = 2048, s.rope_attn_factor = 1.19f;  // short factors up to 2,048 positions
+    return s;
+  }
+  // With experts: 8 of width 128 (4 of 256 in the llama one), 2 chosen per token.
+  if (name == "qwen3moe-tiny") {
+    tiny("qwen3moe");
+    s.n_heads = 8, s.n_kv_heads = 4, s.head_dim = 64;
+    s.rope_freq_base = 1000000.0f, s.rms_eps = 1e-6f;
+    s.n_expert = 8, s.n_expert_used = 2, s.n_ff_exp = 128;
+    return s;
+  }
+  if (name == "qwen2moe-tiny") {  // and a shared expert of width 256
+    tiny("qwen2moe");
+    s.rope_freq_base = 1000000.0f, s.rms_eps = 1e-6f;
+    s.n_expert = 8, s.n_expert_used = 2, s.n_ff_exp = 128, s.n_ff_shexp = 256;
+    return s;
+  }
+  if (name == "mixtral-tiny") {  // llama with experts of width feed_forward_length
+    tiny("llama");
+    s.n_ff = 256, s.n_expert = 4, s.n_expert_used = 2;
+    return s;
+  }
+  if (name == "qwen3-30b-a3b") {  // Qwen3-30B-A3B
+    s.arch = "qwen3moe";
+    s.n_embd = 2048, s.n_layers = 48, s.n_heads = 32, s.n_kv_heads = 4, s.n_ff = 6144, s.head_dim = 128;
+    s.context_length = 40960, s.rope_freq_base = 1000000.0f, s.rms_eps = 1e-6f;
+    s.n_expert = 128, s.n_expert_used = 8, s.n_ff_exp = 768;
     return s;
   }
   if (name == "llama-1b") {  // Llama-3.2-1B
@@ -199,6 +226,12 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
     w.set(a + "rope.scaling.original_context_length", Value::u32(static_cast<uint32_t>(s.rope_orig_context)));
   }
   if (s.rope_attn_factor > 0) w.set(a + "rope.scaling.attn_factor", Value::f32(s.rope_attn_factor));
+  if (s.n_expert > 0) {
+    w.set(a + "expert_count", Value::u32(s.n_expert));
+    w.set(a + "expert_used_count", Value::u32(s.n_expert_used));
+    if (s.n_ff_exp > 0) w.set(a + "expert_feed_forward_length", Value::u32(s.n_ff_exp));
+    if (s.n_ff_shexp > 0) w.set(a + "expert_shared_feed_forward_length", Value::u32(s.n_ff_shexp));
+  }
   int n_vocab = 259;
   std::unique_ptr<gguf::GgufFile> vocab;
   if (o.vocab_path.empty()) {
@@ -215,22 +248,32 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
   if (!o.chat_template.empty()) w.set("tokenizer.chat_template", Value::str(o.chat_template));
   w.set(a + "vocab_size", Value::u32(n_vocab));
 
+  // The file as Model reads it back: its layout from the metadata written above.
   ModelConfig c;
-  c.n_embd = s.n_embd;
-  COMBS_RETURN_IF_ERROR(apply_architecture(s.arch, &c));
-  c.n_vocab = n_vocab, c.n_layers = s.n_layers, c.n_heads = s.n_heads;
-  c.n_kv_heads = s.n_kv_heads, c.head_dim = head_dim, c.n_ff = s.n_ff, c.rope_dim = rope_dim;
-  c.qkv_fused = s.fused_qkv;
+  {
+    c.n_embd = s.n_embd, c.n_expert = s.n_expert;
+    COMBS_RETURN_IF_ERROR(apply_architecture(s.arch, &c));
+    c.n_vocab = n_vocab, c.n_layers = s.n_layers, c.n_heads = s.n_heads;
+    c.n_kv_heads = s.n_kv_heads, c.head_dim = head_dim, c.n_ff = s.n_ff, c.rope_dim = rope_dim;
+    c.qkv_fused = s.fused_qkv;
+    if (s.n_expert > 0) {
+      c.n_expert_used = s.n_expert_used;
+      c.n_ff_exp = s.n_ff_exp > 0 ? s.n_ff_exp : s.n_ff;
+      if (c.shared_expert && s.n_ff_shexp > 0) c.n_ff = s.n_ff_shexp;
+    }
+  }
   for (const WeightSpec& spec : weight_specs(c)) {
     // Of the optional tensors: the output unless tied, LongRoPE's factors where asked for.
     const bool factors = spec.name.rfind("rope_factors_", 0) == 0;
     if (!spec.required && !(spec.name == "output.weight" && !s.tied_output) && !(factors && s.longrope)) continue;
     int64_t numel = 1;
     for (int64_t d : spec.dims) numel *= d;
-    const bool matrix = spec.dims.size() == 2;
+    const bool matrix = spec.dims.size() >= 2;
+    const bool router = spec.name.find("ffn_gate_inp") != std::string::npos;  // F32, as converters keep it
     const bool output = spec.name == "output.weight" || (spec.name == "token_embd.weight" && s.tied_output);
-    DType dt = spec.f32_only || !matrix ? DType::kF32
-               : o.mix ? quant_mix_type(*o.mix, spec.name, spec.dims[0], output, s.n_layers, s.n_heads / s.n_kv_heads)
+    DType dt = spec.f32_only || !matrix || router ? DType::kF32
+               : o.mix ? quant_mix_type(*o.mix, spec.name, spec.dims[0], output, s.n_layers, s.n_heads / s.n_kv_heads,
+                                        s.n_expert)
                        : o.dtype;
     if (is_block_quant(dt) && spec.dims[0] % dtype_block_elems(dt) != 0) dt = DType::kBF16;  // no whole blocks
     const bool is_norm = spec.name.find("norm") != std::string::npos;

@@ -22,8 +22,18 @@ void Runner::reserve(int64_t n) {
   k_.resize(n * kv);
   v_.resize(n * kv);
   att_.resize(n * q);
-  gate_.resize(n * c.n_ff);
-  up_.resize(n * c.n_ff);
+  gate_.resize(n * std::max(c.n_ff, c.n_ff_exp));
+  up_.resize(n * std::max(c.n_ff, c.n_ff_exp));
+  if (c.n_expert > 0) {
+    const int64_t k = c.n_expert_used;
+    router_.resize(n * c.n_expert);
+    expert_ids_.resize(n * k);
+    expert_weights_.resize(n * k);
+    expert_order_.resize(n * k);
+    expert_in_.resize(n * c.n_embd);
+    expert_out_.resize(n * k * c.n_embd);
+    moe_.resize(n * c.n_embd);
+  }
   tokens_.resize(n);
   pos_.resize(n);
   capacity_ = n;
@@ -126,14 +136,32 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
     if (c.post_norms) cpu::rms_norm(h, w.post_attn_norm.data_as<float>(), h, total, e, c.rms_eps);
     for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
     cpu::rms_norm(x, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps);
-    matmul(w.w_gate, h, gate_.data());
-    matmul(w.w_up, h, up_.data());
-    if (c.activation == Activation::kGeluTanh) {
-      cpu::gelu_tanh_mul(gate_.data(), up_.data(), total * c.n_ff);
+    if (c.n_expert > 0) experts(w, h, total, policy, moe_.data());
+    if (c.dense_ffn()) {
+      if (c.shared_expert) {  // the shared expert's gate, of its input
+        for (int64_t t = 0; t < total; ++t) {
+          const float* in = h + t * e;
+          const float* g = w.shared_gate.data_as<float>();
+          float d = 0.0f;
+          for (int64_t i = 0; i < e; ++i) d += g[i] * in[i];
+          router_[t] = 1.0f / (1.0f + std::exp(-d));
+        }
+      }
+      matmul(w.w_gate, h, gate_.data());
+      matmul(w.w_up, h, up_.data());
+      if (c.activation == Activation::kGeluTanh) {
+        cpu::gelu_tanh_mul(gate_.data(), up_.data(), total * c.n_ff);
+      } else {
+        cpu::silu_mul(gate_.data(), up_.data(), total * c.n_ff);
+      }
+      matmul(w.w_down, gate_.data(), h);
+      if (c.shared_expert) {  // experts, then the gated shared expert
+        for (int64_t t = 0; t < total; ++t)
+          for (int64_t i = 0; i < e; ++i) h[t * e + i] = moe_[t * e + i] + h[t * e + i] * router_[t];
+      }
     } else {
-      cpu::silu_mul(gate_.data(), up_.data(), total * c.n_ff);
+      std::copy(moe_.begin(), moe_.begin() + total * e, h);
     }
-    matmul(w.w_down, gate_.data(), h);
     if (c.post_norms) cpu::rms_norm(h, w.post_ffn_norm.data_as<float>(), h, total, e, c.rms_eps);
     for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
   }
@@ -160,6 +188,52 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
     }
   }
   return ok_status();
+}
+
+void Runner::experts(const LayerWeights& w, const float* in, int64_t n, cpu::MatmulPolicy policy, float* out) {
+  const ModelConfig& c = model_->config();
+  const int64_t e = c.n_embd, k = c.n_expert_used, ff = c.n_ff_exp;
+  cpu::matmul(*backend_, w.router, in, n, router_.data(), nullptr, policy);
+  cpu::route_experts(router_.data(), n, c.n_expert, static_cast<int>(k), c.expert_weights_norm, expert_ids_.data(),
+                     expert_weights_.data());
+  // The (token, slot) pairs grouped by expert, tokens ascending within each: every chosen
+  // expert's weights are read once for the step.
+  std::vector<int64_t>& start = expert_start_;
+  start.assign(static_cast<size_t>(c.n_expert) + 1, 0);
+  for (int64_t i = 0; i < n * k; ++i) ++start[static_cast<size_t>(expert_ids_[i]) + 1];
+  for (size_t x = 1; x < start.size(); ++x) start[x] += start[x - 1];
+  {
+    std::vector<int64_t> at(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n * k; ++i) expert_order_[at[static_cast<size_t>(expert_ids_[i])]++] = i;
+  }
+  for (int x = 0; x < c.n_expert; ++x) {
+    const int64_t first = start[static_cast<size_t>(x)], rows = start[static_cast<size_t>(x) + 1] - first;
+    if (rows == 0) continue;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = expert_order_[first + r] / k;
+      std::copy(in + t * e, in + (t + 1) * e, expert_in_.data() + r * e);
+    }
+    cpu::matmul(*backend_, expert(w.gate_exps, x), expert_in_.data(), rows, gate_.data(), nullptr, policy);
+    cpu::matmul(*backend_, expert(w.up_exps, x), expert_in_.data(), rows, up_.data(), nullptr, policy);
+    cpu::silu_mul(gate_.data(), up_.data(), rows * ff);
+    cpu::matmul(*backend_, expert(w.down_exps, x), gate_.data(), rows, expert_in_.data(), nullptr, policy);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy(expert_in_.data() + r * e, expert_in_.data() + (r + 1) * e, expert_out_.data() + expert_order_[first + r] * e);
+    }
+  }
+  // Each token's experts summed in its own slot order (the same sums whatever shares the step).
+  for (int64_t t = 0; t < n; ++t) {
+    float* y = out + t * e;
+    for (int64_t j = 0; j < k; ++j) {
+      const float g = expert_weights_[t * k + j];
+      const float* v = expert_out_.data() + (t * k + j) * e;
+      if (j == 0) {
+        for (int64_t i = 0; i < e; ++i) y[i] = g * v[i];
+      } else {
+        for (int64_t i = 0; i < e; ++i) y[i] += g * v[i];
+      }
+    }
+  }
 }
 
 }  // namespace combs

@@ -216,6 +216,35 @@ TEST_CASE("every architecture's missing or inconsistent keys and tensors are ref
   const Status arch = load_patched("phi3-tiny", std::string("\x04\x00\x00\x00\x00\x00\x00\x00phi3", 12),
                                    std::string("\x04\x00\x00\x00\x00\x00\x00\x00phi4", 12));
   CHECK_THAT(arch.message(), Catch::Contains("'phi4' is not supported") && Catch::Contains("gemma3"));
+
+  // Mixtures of experts: a u32 key's value changed.
+  auto load_u32 = [&](const char* shape, const std::string& key, uint32_t from, uint32_t to) {
+    return load_changed(shape, [&](std::vector<char>& bytes) {
+      const size_t at = find(bytes, key) + key.size() + 4;
+      uint32_t v;
+      std::memcpy(&v, bytes.data() + at, 4);
+      REQUIRE(v == from);
+      std::memcpy(bytes.data() + at, &to, 4);
+    });
+  };
+  const Status no_experts = load_patched("qwen3moe-tiny", "qwen3moe.expert_count", "qwen3moe.expert_counX");
+  CHECK_THAT(no_experts.message(), Catch::Contains("qwen3moe.expert_count") && Catch::Contains("mixture of experts"));
+  const Status zero = load_u32("qwen3moe-tiny", "qwen3moe.expert_count", 8, 0);
+  CHECK_THAT(zero.message(), Catch::Contains("qwen3moe.expert_count") && Catch::Contains("missing or 0"));
+  const Status used = load_u32("qwen3moe-tiny", "qwen3moe.expert_used_count", 2, 9);
+  CHECK_THAT(used.message(), Catch::Contains("expert_used_count") && Catch::Contains("out of range"));
+  const Status no_used = load_patched("mixtral-tiny", "llama.expert_used_count", "llama.expert_used_counX");
+  CHECK_THAT(no_used.message(), Catch::Contains("llama.expert_used_count") && Catch::Contains("missing"));
+  const Status width = load_u32("qwen3moe-tiny", "qwen3moe.expert_feed_forward_length", 128, 64);
+  CHECK_THAT(width.message(), Catch::Contains("blk.0.ffn_gate_exps.weight") && Catch::Contains("expected"));
+  const Status down = load_patched("qwen2moe-tiny", "blk.1.ffn_down_exps.weight", "blk.1.ffn_down_expX.weight");
+  CHECK_THAT(down.message(), Catch::Contains("blk.1.ffn_down_exps.weight") && Catch::Contains("missing"));
+  const Status shared = load_patched("qwen2moe-tiny", "blk.0.ffn_gate_inp_shexp.weight", "blk.0.ffn_gate_inp_shexX.weight");
+  CHECK_THAT(shared.message(), Catch::Contains("blk.0.ffn_gate_inp_shexp.weight") && Catch::Contains("missing"));
+  // Experts in a file of an architecture without them: dense tensors missing, named.
+  const Status dense = load_patched("qwen3moe-tiny", std::string("\x08\x00\x00\x00\x00\x00\x00\x00qwen3moe", 16),
+                                    std::string("\x08\x00\x00\x00\x00\x00\x00\x00qwen3mox", 16));
+  CHECK_THAT(dense.message(), Catch::Contains("'qwen3mox' is not supported") && Catch::Contains("qwen3moe"));
 }
 
 namespace {

@@ -211,8 +211,9 @@ TEST_CASE("on every architecture the runner predicts llama.cpp's greedy tokens u
     shapes.insert(f[0]);
     ++cases;
   }
-  CHECK(shapes == std::set<std::string>{"qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny"});
-  CHECK(cases == 30);
+  CHECK(shapes == std::set<std::string>{"qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
+                                        "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny"});
+  CHECK(cases == 57);
 }
 
 TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[model][quant]") {
@@ -242,9 +243,10 @@ TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[m
   }
 }
 
-// Every architecture's tiny shape (random_model.h): 24 tokens cross the windows of 8 keys.
-const char* const kArchShapes[] = {"tiny",        "qwen2-tiny",      "qwen3-tiny", "gemma2-tiny",
-                                   "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny"};
+// Every architecture's tiny shape (random_model.h): 24 tokens cross the windows of 8 keys; the
+// mixtures of experts route each token to 2 of 4 or 8 experts.
+const char* const kArchShapes[] = {"tiny",      "qwen2-tiny",    "qwen3-tiny",    "gemma2-tiny",  "gemma3-tiny",
+                                   "llama-yarn-tiny", "phi3-tiny", "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny"};
 
 TEST_CASE("runner logits agree with the float64 reference in every weight dtype", "[model]") {
   Rng rng(test_seed());
@@ -323,7 +325,8 @@ TEST_CASE("paged and contiguous caches give the same logits", "[model]") {
 TEST_CASE("a batch equals its sequences one at a time", "[model]") {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());
-  for (const char* shape : {"tiny", "gemma2-tiny", "gemma3-tiny"}) {
+  // (The mixtures of experts: a step's tokens meet in the experts they share, in other groupings.)
+  for (const char* shape : {"tiny", "gemma2-tiny", "gemma3-tiny", "qwen3moe-tiny", "qwen2moe-tiny"}) {
   INFO(shape);
   TinyModel m(shape, DType::kBF16, 7, RunnerOptions{.batch_invariant = true});
   const int n_seqs = 3, V = m.n_vocab();

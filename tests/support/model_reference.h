@@ -3,7 +3,8 @@
 // from scratch, logits for every position. It follows the config's architecture traits with the
 // formulas of the papers and llama.cpp's graphs (not the runner's code): embedding scale, q/k
 // RMSNorm, RoPE with its own base on windowed layers and linear / YaRN scaling (ggml's rope_yarn),
-// sliding windows, score and logit softcapping, post-sublayer norms, SwiGLU or tanh-GELU.
+// sliding windows, score and logit softcapping, post-sublayer norms, SwiGLU or tanh-GELU, and
+// mixtures of experts (softmax routing, top-k, shared experts).
 #pragma once
 
 #include <algorithm>
@@ -95,25 +96,25 @@ class ReferenceModel {
         if (c_.post_norms) o = rms_norm(o, vec(b + "post_attention_norm.weight"));
         add(x[t], o);
       }
-      std::vector<std::vector<double>> gate, up = matrix(b + "ffn_up.weight");
-      const auto down = matrix(b + "ffn_down.weight");
-      if (f_.find_tensor(b + "ffn_gate.weight")) {
-        gate = matrix(b + "ffn_gate.weight");
-      } else {  // ffn_up holds the gate's rows, then the up's
-        gate.assign(up.begin(), up.begin() + c_.n_ff);
-        up.erase(up.begin(), up.begin() + c_.n_ff);
-      }
       for (int t = 0; t < n; ++t) {
         const auto h = rms_norm(x[t], ffn_norm);
-        auto g = matvec(gate, h);
-        const auto u = matvec(up, h);
-        for (size_t i = 0; i < g.size(); ++i) {
-          const double z = g[i];
-          g[i] = c_.activation == Activation::kGeluTanh
-                     ? 0.5 * z * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (z + 0.044715 * z * z * z))) * u[i]
-                     : z / (1.0 + std::exp(-z)) * u[i];
+        std::vector<double> d(e, 0.0);
+        if (c_.n_expert > 0) d = experts(b, h);
+        if (c_.dense_ffn()) {
+          const std::string suffix = c_.shared_expert ? "_shexp.weight" : ".weight";
+          auto y = ffn(matrix(b + "ffn_up" + suffix), matrix(b + "ffn_down" + suffix),
+                       f_.find_tensor(b + "ffn_gate" + suffix) ? matrix(b + "ffn_gate" + suffix)
+                                                               : std::vector<std::vector<double>>{},
+                       h);
+          double scale = 1.0;
+          if (c_.shared_expert) {  // gated by sigmoid(ffn_gate_inp_shexp . h)
+            const auto g = vec(b + "ffn_gate_inp_shexp.weight");
+            double dot = 0;
+            for (int i = 0; i < e; ++i) dot += g[i] * h[i];
+            scale = 1.0 / (1.0 + std::exp(-dot));
+          }
+          for (int i = 0; i < e; ++i) d[i] += scale * y[i];
         }
-        auto d = matvec(down, g);
         if (c_.post_norms) d = rms_norm(d, vec(b + "post_ffw_norm.weight"));
         add(x[t], d);
       }
@@ -132,15 +133,65 @@ class ReferenceModel {
   }
 
  private:
-  // Rows of a stored [out, in] matrix (ggml dims [in, out]) as doubles.
-  std::vector<std::vector<double>> matrix(const std::string& name) const {
+  // The gated FFN down(act(gate h) * up h); without a gate matrix, up holds the gate's rows then
+  // the up's (phi3).
+  std::vector<double> ffn(std::vector<std::vector<double>> up, const std::vector<std::vector<double>>& down,
+                          std::vector<std::vector<double>> gate, const std::vector<double>& h) const {
+    if (gate.empty()) {
+      const size_t half = up.size() / 2;
+      gate.assign(up.begin(), up.begin() + half);
+      up.erase(up.begin(), up.begin() + half);
+    }
+    auto g = matvec(gate, h);
+    const auto u = matvec(up, h);
+    for (size_t i = 0; i < g.size(); ++i) {
+      const double z = g[i];
+      g[i] = c_.activation == Activation::kGeluTanh
+                 ? 0.5 * z * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (z + 0.044715 * z * z * z))) * u[i]
+                 : z / (1.0 + std::exp(-z)) * u[i];
+    }
+    return matvec(down, g);
+  }
+
+  // The mixture of experts of layer prefix b on h: softmax of the router's scores, the
+  // n_expert_used most probable (ties: the lower id), their FFNs weighted by their probabilities
+  // (renormalized where the config says).
+  std::vector<double> experts(const std::string& b, const std::vector<double>& h) const {
+    auto p = matvec(matrix(b + "ffn_gate_inp.weight"), h);
+    const double mx = *std::max_element(p.begin(), p.end());
+    double sum = 0;
+    for (double& z : p) sum += (z = std::exp(z - mx));
+    for (double& z : p) z /= sum;
+    std::vector<int> ids(p.size());
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int>(i);
+    std::stable_sort(ids.begin(), ids.end(), [&](int a, int z) { return p[a] > p[z]; });
+    ids.resize(c_.n_expert_used);
+    double chosen = 0;
+    for (int i : ids) chosen += p[i];
+    std::vector<double> y(h.size(), 0.0);
+    for (int i : ids) {
+      const int64_t ff = c_.n_ff_exp;
+      const auto out = ffn(matrix(b + "ffn_up_exps.weight", i * ff, ff), matrix(b + "ffn_down_exps.weight", i * h.size(), h.size()),
+                           matrix(b + "ffn_gate_exps.weight", i * ff, ff), h);
+      const double w = c_.expert_weights_norm ? p[i] / chosen : p[i];
+      for (size_t j = 0; j < y.size(); ++j) y[j] += w * out[j];
+    }
+    return y;
+  }
+
+  // Rows [first, first + count) of a stored [out, in] matrix (ggml dims [in, out], or [in, out,
+  // n] with the n matrices' rows after one another), all of them by default, as doubles.
+  std::vector<std::vector<double>> matrix(const std::string& name, int64_t first = 0, int64_t count = -1) const {
     const gguf::TensorInfo* t = f_.find_tensor(name);
-    const int64_t in = t->dims[0], out = t->dims.size() > 1 ? t->dims[1] : 1;
-    std::vector<std::vector<double>> m(out, std::vector<double>(in));
+    const int64_t in = t->dims[0];
+    int64_t out = 1;
+    for (size_t d = 1; d < t->dims.size(); ++d) out *= t->dims[d];
+    if (count < 0) count = out - first;
+    std::vector<std::vector<double>> m(count, std::vector<double>(in));
     const auto* bytes = static_cast<const uint8_t*>(t->data);
-    for (int64_t o = 0; o < out; ++o) {
+    for (int64_t o = 0; o < count; ++o) {
       for (int64_t i = 0; i < in; ++i) {
-        const int64_t idx = o * in + i;
+        const int64_t idx = (first + o) * in + i;
         double w = 0;
         switch (t->dtype) {
           case DType::kF32: {

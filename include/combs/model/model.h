@@ -10,9 +10,10 @@
 // GELU, attention and final logit softcapping, every other layer sliding-window) and `gemma3` (as
 // gemma2 with q/k norms instead of the attention softcap, five of six layers sliding-window with
 // their own RoPE base) and `phi3` (Q/K/V fused in attn_qkv, gate and up in ffn_up, partial rotary,
-// LongRoPE factors). Standard llama.cpp tensor names and metadata keys, read as llama.cpp reads
+// LongRoPE factors); with a mixture of experts as the FFN: `qwen3moe` (qwen3's attention),
+// `qwen2moe` (qwen2's, and a shared expert) and `llama` files with expert_count (Mixtral). Standard llama.cpp tensor names and metadata keys, read as llama.cpp reads
 // them (its gemma converters store norm weights already offset by one, so they load unchanged). Weights keep their own dtype (F32, F16, BF16
-// or Q8_0) and are copied from the file into huge-page memory at load; norms and biases are F32.
+// or any block type) and are copied from the file into huge-page memory at load; norms and biases are F32.
 //
 // Matrices are row-major [out, in] here (ggml's dims [in, out]): y = W x reads row o of W for
 // output o. Immutable after load; safe to share between threads.
@@ -81,6 +82,21 @@ struct ModelConfig {
   int64_t rope_orig_context = 0;       // {arch}.rope.scaling.original_context_length (YaRN)
   float rope_attn_factor = 1.0f;       // {arch}.rope.scaling.attn_factor
   float yarn_beta_fast = 32.0f, yarn_beta_slow = 1.0f;
+  // Mixture of experts (n_expert > 0; llama.cpp's build_moe_ffn): the FFN is n_expert experts of
+  // width n_ff_exp. A router (ffn_gate_inp) scores them per token, softmax over all; the
+  // n_expert_used most probable (ties: the lower id) run, and their outputs are summed weighted by
+  // their probabilities, renormalized to sum 1 where expert_weights_norm. shared_expert
+  // (qwen2moe): a dense FFN of width n_ff runs beside them (the *_shexp tensors), its output
+  // scaled by sigmoid(ffn_gate_inp_shexp . x).
+  int n_expert = 0;        // {arch}.expert_count
+  int n_expert_used = 0;   // {arch}.expert_used_count
+  int n_ff_exp = 0;        // {arch}.expert_feed_forward_length (the architecture's default otherwise)
+  bool expert_weights_norm = false;
+  bool shared_expert = false;
+
+  // Whether layers have a dense FFN (w_gate, w_up, w_down of width n_ff): every model without
+  // experts, and the shared expert of one with.
+  bool dense_ffn() const { return n_expert == 0 || shared_expert; }
 
   // Keys layer `l` attends to back from each query (0: all).
   int window(int layer) const { return layer_windowed.empty() || !layer_windowed[layer] ? 0 : sliding_window; }
@@ -104,7 +120,18 @@ struct LayerWeights {
   Tensor ffn_norm;            // [n_embd] f32
   Tensor w_gate, w_up, w_down;  // [n_ff, n_embd] x2, [n_embd, n_ff]
   Tensor post_ffn_norm;       // post_norms: [n_embd] f32
+  // Mixture of experts: the router [n_expert, n_embd] (ffn_gate_inp) and the experts stacked,
+  // [n_expert, n_ff_exp, n_embd] (gate, up) and [n_expert, n_embd, n_ff_exp] (down): expert() views
+  // one. shared_gate: shared_expert's gate [n_embd] f32. (w_gate, w_up, w_down: the dense FFN, or
+  // the shared expert.)
+  Tensor router, gate_exps, up_exps, down_exps;
+  Tensor shared_gate;
 };
+
+// Expert `i` of a stacked [n_expert, out, in] tensor as an [out, in] matrix (a view).
+inline Tensor expert(const Tensor& stacked, int64_t i) {
+  return stacked.rows(i, i + 1).reshape({stacked.dim(1), stacked.dim(2)});
+}
 
 // How one layer attends, resolved at load: the scores' scale, the window (windowed layers rotate
 // by the local RoPE table: Model::rope_inv_freq(true)), the softcap, its RoPE frequencies (rope_dim / 2 of them, host memory) and the magnitude its rotated dims take (RoPE
@@ -134,7 +161,8 @@ class Model {
   // (LongRoPE's rope_factors_long / _short are read into the RoPE tables at load.)
   std::vector<LayerWeights> layers;
 
-  // Bytes of weights one decode step reads (every matrix once, one embedding row).
+  // Bytes of weights one decode step reads (every matrix once, one embedding row; of the experts,
+  // the router and n_expert_used experts).
   int64_t weight_bytes_per_token() const;
 
   const LayerAttention& attention(int layer) const { return attention_[layer]; }

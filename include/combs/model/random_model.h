@@ -37,12 +37,16 @@ struct ModelShape {
   int rope_dim = 0;                // rope.dimension_count; 0: head_dim (partial rotary below it)
   bool fused_qkv = false;          // attn_qkv instead of attn_q, attn_k, attn_v
   bool longrope = false;           // rope_factors_long / rope_factors_short (LongRoPE)
+  // Mixture of experts (n_expert > 0): expert_count, expert_used_count, and when set
+  // expert_feed_forward_length / expert_shared_feed_forward_length.
+  int n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff_shexp = 0;
 };
 
 // Tiny shapes for tests (head_dim 64, small windows so that short contexts cross them): "tiny"
-// (llama), "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny"; real
-// shapes for benchmarks: "llama-1b" (Llama-3.2-1B), "llama-8b" (Llama-3.1-8B), "qwen3-8b"
-// (Qwen3-8B), "gemma3-4b" (Gemma-3-4B).
+// (llama), "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
+// and with experts "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny" (llama); real shapes for
+// benchmarks: "llama-1b" (Llama-3.2-1B), "llama-8b" (Llama-3.1-8B), "qwen3-8b" (Qwen3-8B),
+// "gemma3-4b" (Gemma-3-4B), "qwen3-30b-a3b" (Qwen3-30B-A3B).
 StatusOr<ModelShape> named_shape(std::string_view name);
 std::vector<std::string> shape_names();
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "combs/backend/cpu/cpu_backend.h"
+#include "combs/backend/cpu/cpu_ops.h"
 #include "combs/kv/kv_cache.h"
 #include "combs/model/model.h"
 #include "combs/model/sampler.h"
@@ -93,12 +94,20 @@ class Runner final : public ModelRunner {
   Runner(const Model& model, CpuBackend& backend, RunnerOptions options)
       : model_(&model), backend_(&backend), options_(options) {}
   void reserve(int64_t n_tokens);
+  // The mixture of experts of layer w on n normalized rows `in`: route, run each chosen expert on
+  // its tokens, and write every token's weighted sum of its experts to out [n, n_embd].
+  void experts(const LayerWeights& w, const float* in, int64_t n, cpu::MatmulPolicy policy, float* out);
 
   const Model* model_;
   CpuBackend* backend_;
   RunnerOptions options_;
   int64_t capacity_ = 0;
   std::vector<float> x_, h_, q_, k_, v_, att_, gate_, up_;
+  // Experts: the router's logits (and the shared expert's gates), each token's chosen experts and
+  // weights, the (token, slot) pairs by expert, one expert's input rows, every slot's output, the sum.
+  std::vector<float> router_, expert_weights_, expert_in_, expert_out_, moe_;
+  std::vector<int32_t> expert_ids_;
+  std::vector<int64_t> expert_order_, expert_start_;
   std::vector<int32_t> tokens_, pos_;
   std::vector<SeqAttention> batch_;
 };

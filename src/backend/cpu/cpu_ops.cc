@@ -263,6 +263,32 @@ void silu_mul(float* gate, const float* up, int64_t n) {
   for (int64_t i = 0; i < n; ++i) gate[i] = silu(gate[i]) * up[i];
 }
 
+void route_experts(const float* logits, int64_t n, int n_expert, int k, bool normalize, int32_t* ids,
+                   float* weights) {
+  std::vector<float> p(static_cast<size_t>(n_expert));
+  std::vector<int32_t> order(static_cast<size_t>(n_expert));
+  for (int64_t t = 0; t < n; ++t) {
+    const float* z = logits + t * n_expert;
+    const float mx = *std::max_element(z, z + n_expert);
+    float sum = 0.0f;
+    for (int i = 0; i < n_expert; ++i) sum += (p[static_cast<size_t>(i)] = std::exp(z[i] - mx));
+    for (float& v : p) v /= sum;
+    for (int i = 0; i < n_expert; ++i) order[static_cast<size_t>(i)] = i;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+      return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)] || (p[static_cast<size_t>(a)] == p[static_cast<size_t>(b)] && a < b);
+    });
+    float chosen = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      ids[t * k + j] = order[static_cast<size_t>(j)];
+      chosen += (weights[t * k + j] = p[static_cast<size_t>(order[static_cast<size_t>(j)])]);
+    }
+    if (normalize) {
+      chosen = std::max(chosen, 6.103515625e-5f);
+      for (int j = 0; j < k; ++j) weights[t * k + j] /= chosen;
+    }
+  }
+}
+
 void gelu_tanh_mul(float* gate, const float* up, int64_t n) {
   constexpr float kSqrt2OverPi = 0.7978845608028654f;
   for (int64_t i = 0; i < n; ++i) {
