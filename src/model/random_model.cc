@@ -36,6 +36,22 @@ void fill_uniform(float* dst, int64_t n, uint64_t seed, float center, float half
   }
 }
 
+// Values [first, first + n) of a tensor whose values come in chunks of 2^20, chunk c from
+// fill_uniform(seed + c 2^20): element j of a chunk is splitmix's (j + 1)-th draw from that
+// seed, so any range can start anywhere (the generator's state after j draws is seed + j gamma).
+void fill_range(float* dst, int64_t first, int64_t n, uint64_t seed, float center,
+                float half_width) {
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ull;
+  for (int64_t g = first; g < first + n;) {
+    const int64_t chunk = g / kChunk * kChunk, len = std::min(chunk + kChunk, first + n) - g;
+    fill_uniform(dst + (g - first), len,
+                 seed + static_cast<uint64_t>(chunk) + static_cast<uint64_t>(g - chunk) * kGamma,
+                 center, half_width);
+    g += len;
+  }
+}
+
 // extra: control tokens after the bytes (phi3's <|endoftext|>: llama.cpp's vocabulary loader
 // looks it up in any model whose name says phi3).
 int builtin_vocab(gguf::GgufWriter& w, const std::vector<std::string>& extra) {
@@ -288,24 +304,25 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
     const float center = factors ? 1.0f + half : is_norm ? 1.0f : 0.0f;
     const uint64_t seed = name_seed(o.seed, spec.name);
     w.add_tensor(spec.name, spec.dims, dt, [=](void* dst) {
-      constexpr int64_t kChunk = 1 << 20;  // convert through a bounded f32 buffer
-      std::vector<float> buf(std::min(numel, kChunk));
-      for (int64_t i = 0; i < numel; i += kChunk) {
-        const int64_t n = std::min(kChunk, numel - i);
-        fill_uniform(buf.data(), n, seed + static_cast<uint64_t>(i), center, half);
+      // Pieces of up to 2^26 values through a bounded f32 buffer, each piece's generation and
+      // conversion (the block types' scale searches above all) split over every core in whole
+      // 256-value blocks; values as fill_range defines them, whatever the split.
+      constexpr int64_t kPiece = int64_t{1} << 26;
+      std::vector<float> buf(static_cast<size_t>(std::min(numel, kPiece)));
+      const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+      for (int64_t i = 0; i < numel; i += kPiece) {
+        const int64_t n = std::min(kPiece, numel - i);
         char* out = static_cast<char*>(dst) + nbytes_for(dt, i);
-        if (!is_block_quant(dt) || n < (1 << 16)) {
-          cpu::quantize_row(buf.data(), dt, out, n);
-          continue;
-        }
-        // The block types' scale searches on every core: parts of whole 256-element blocks.
-        const int64_t parts = std::max(1u, std::thread::hardware_concurrency());
+        auto convert = [&](int64_t p0, int64_t len) {
+          fill_range(buf.data() + p0, i + p0, len, seed, center, half);
+          cpu::quantize_row(buf.data() + p0, dt, out + nbytes_for(dt, p0), len);
+        };
+        const int64_t parts = n < (1 << 16) ? 1 : cores;
         const int64_t step = (n / parts + 255) / 256 * 256;
         std::vector<std::thread> workers;
-        for (int64_t p0 = 0; p0 < n; p0 += step) {
-          const int64_t len = std::min(step, n - p0);
-          workers.emplace_back([&, p0, len] { cpu::quantize_row(buf.data() + p0, dt, out + nbytes_for(dt, p0), len); });
-        }
+        for (int64_t p0 = step; p0 < n; p0 += step)
+          workers.emplace_back(convert, p0, std::min(step, n - p0));
+        convert(0, std::min(step, n));
         for (std::thread& t : workers) t.join();
       }
     });

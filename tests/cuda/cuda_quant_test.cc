@@ -367,3 +367,136 @@ TEST_CASE("cuda block-quantized projections at a real model's shapes follow floa
     }
   }
 }
+
+TEST_CASE("cuda experts route as the cpu does and follow float64 through each chosen expert",
+          "[cuda][quant]") {
+  // experts_ffn on its own, so that no rounding upstream can move a token to another expert: the
+  // router's logits are given (with ties among them), the routing (ids and weights) is the CPU's
+  // cpu::route_experts, and y is the float64 sum over each token's experts of
+  // w_j down(round8(silu(gate x^) up x^)) with x^ rounded as the kernels round it. The kernel's
+  // hidden values equal the float64 ones to float32 arithmetic, so their 8-bit rounding can differ
+  // only where a value sits on a rounding boundary: a step d of that group, at most a couple of
+  // times a row. Tolerance: 1e-4 of the absolute sum, plus two steps of the largest |w_down|, per
+  // expert, weighted. A wrong expert, weight, row or slot is off by about the value itself.
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(17);
+  struct Case {
+    DType type;
+    int64_t in, ff;
+    int n_expert, k;
+    bool normalize, shared, accumulate;
+  };
+  for (const Case c : {Case{DType::kQ8_0, 256, 96, 16, 4, true, false, false},
+                       Case{DType::kQ4_K, 256, 256, 8, 2, false, true, true},
+                       Case{DType::kQ8_0, 64, 64, 4, 4, true, true, false},
+                       Case{DType::kQ6_K, 256, 256, 32, 8, true, false, true}}) {
+    for (const int64_t n : {int64_t{1}, int64_t{5}, int64_t{40}}) {
+      const int E = c.n_expert, k = c.k;
+      const int64_t in = c.in, ff = c.ff;
+      INFO(dtype_name(c.type) << " experts " << E << " k " << k << " in " << in << " ff " << ff
+                              << " n " << n);
+      // Weights: random values in the block type; their exact values back on the host.
+      auto quantized = [&](int64_t rows, int64_t cols, std::vector<float>* exact) {
+        const auto v = random_floats(rng, static_cast<size_t>(E * rows * cols), 0.1f);
+        std::vector<uint8_t> bytes(nbytes_for(c.type, static_cast<int64_t>(v.size())));
+        cpu::quantize_row(v.data(), c.type, bytes.data(), static_cast<int64_t>(v.size()));
+        exact->resize(v.size());
+        cpu::dequantize_row(bytes.data(), c.type, exact->data(), static_cast<int64_t>(v.size()));
+        return upload_bytes(*gpu, bytes, Shape{E, rows, cols}, c.type);
+      };
+      std::vector<float> gu, dn;
+      const Tensor gud = quantized(2 * ff, in, &gu), dnd = quantized(in, ff, &dn);
+      // Router logits on a coarse grid (ties happen), inputs, the shared expert's output and gate.
+      std::vector<float> logits(static_cast<size_t>(n * E));
+      for (auto& z : logits) z = static_cast<float>(static_cast<int>(rng() % 9)) * 0.5f - 2.0f;
+      const auto h = random_floats(rng, static_cast<size_t>(n * in));
+      const auto shared = random_floats(rng, static_cast<size_t>(n * in)),
+                 shared_logit = random_floats(rng, static_cast<size_t>(n));
+      const auto y0 = random_floats(rng, static_cast<size_t>(n * in));
+      std::vector<int32_t> ids(static_cast<size_t>(n * k));
+      std::vector<float> weights(ids.size());
+      cpu::route_experts(logits.data(), n, E, k, c.normalize, ids.data(), weights.data());
+
+      const Tensor ld = upload(*gpu, logits, Shape{n, E}), hd = upload(*gpu, h, Shape{n, in});
+      const Tensor sd = upload(*gpu, shared, Shape{n, in}),
+                   sld = upload(*gpu, shared_logit, Shape{n});
+      const Tensor yd = upload(
+          *gpu, c.accumulate ? y0 : std::vector<float>(y0.size(), std::nanf("")), Shape{n, in});
+      auto scratch = [&](int64_t count) { return gpu->alloc(Shape{count}, DType::kF32).value(); };
+      const Tensor t_ids = scratch(n * k), t_w = scratch(n * k), t_order = scratch(n * k),
+                   t_start = scratch(E + 1);
+      const Tensor t_xq =
+          scratch(static_cast<int64_t>(cuda::expert_activation_bytes(n, k, in, ff) + 3) / 4);
+      const Tensor t_hidden = scratch(n * k * ff), t_out = scratch(n * k * in);
+      const cuda::ExpertScratch s{
+          t_ids.data_as<int32_t>(),   t_w.data_as<float>(), t_order.data_as<int32_t>(),
+          t_start.data_as<int32_t>(), t_xq.data(),          t_hidden.data_as<float>(),
+          t_out.data_as<float>()};
+      cuda::ExpertsFfn f{.gate_up = &gud, .down = &dnd, .k = k, .normalize = c.normalize};
+      if (c.shared) f.shared = sd.data_as<float>(), f.shared_logit = sld.data_as<float>();
+      REQUIRE(cuda::experts_ffn(*gpu, f, ld.data_as<float>(), hd.data_as<float>(), n, s,
+                                yd.data_as<float>(), c.accumulate)
+                  .ok());
+      const std::vector<float> y = download(*gpu, yd);
+      std::vector<int32_t> got_ids(ids.size());
+      REQUIRE(gpu->copy(t_ids, Tensor::wrap(got_ids.data(), t_ids.shape(), DType::kF32)).ok());
+      const std::vector<float> got_w = download(*gpu, t_w);
+
+      // The routing: the CPU's experts in the CPU's slot order, the same weights to the ulps of
+      // --use_fast_math's expf and division.
+      CHECK(got_ids == ids);
+      for (size_t i = 0; i < weights.size(); ++i)
+        CHECK(std::abs(got_w[i] - weights[i]) <= 2e-6 * weights[i] + 1e-9);
+
+      std::vector<float> xr;
+      std::vector<double> half_step;
+      round_8bit(h, in, &xr, &half_step);
+      double worst = 0;
+      for (int64_t t = 0; t < n; ++t) {
+        std::vector<double> want(static_cast<size_t>(in), 0.0), tol(static_cast<size_t>(in), 1e-6);
+        for (int j = 0; j < k; ++j) {
+          const int e = ids[t * k + j];
+          const double wj = weights[t * k + j];
+          const float* g = gu.data() + static_cast<int64_t>(e) * 2 * ff * in;
+          std::vector<float> hid(static_cast<size_t>(ff));
+          for (int64_t o = 0; o < ff; ++o) {
+            double a = 0, b = 0;
+            for (int64_t i = 0; i < in; ++i) {
+              a += double(g[o * in + i]) * xr[t * in + i];
+              b += double(g[(ff + o) * in + i]) * xr[t * in + i];
+            }
+            hid[o] = static_cast<float>(a / (1 + std::exp(-a)) * b);
+          }
+          std::vector<float> hr;
+          std::vector<double> hstep;
+          round_8bit(hid, ff, &hr, &hstep);
+          const double step = 2 * *std::max_element(hstep.begin(), hstep.end());
+          const float* d = dn.data() + static_cast<int64_t>(e) * in * ff;
+          for (int64_t o = 0; o < in; ++o) {
+            double sum = 0, mag = 0, wmax = 0;
+            for (int64_t i = 0; i < ff; ++i) {
+              sum += double(d[o * ff + i]) * hr[i];
+              mag += std::abs(double(d[o * ff + i]) * hr[i]);
+              wmax = std::max(wmax, std::abs(double(d[o * ff + i])));
+            }
+            want[o] += wj * sum;
+            tol[o] += wj * (1e-4 * mag + 2 * wmax * step);
+          }
+        }
+        for (int64_t o = 0; o < in; ++o) {
+          if (c.shared) {  // (--use_fast_math's expf: a few ulps)
+            want[o] += shared[t * in + o] / (1 + std::exp(-double(shared_logit[t])));
+            tol[o] += 1e-5 * std::abs(shared[t * in + o]);
+          }
+          if (c.accumulate) want[o] += y0[t * in + o];
+          const double got = y[t * in + o];
+          REQUIRE(std::isfinite(got));
+          worst = std::max(worst, std::abs(got - want[o]) / (tol[o] + 1e-6 * std::abs(want[o])));
+        }
+      }
+      INFO("error / tolerance " << worst);
+      CHECK(worst <= 1.0);
+    }
+  }
+}

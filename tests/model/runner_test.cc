@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 
+#include "combs/backend/cpu/cpu_ops.h"
 #include "combs/model/sampler.h"
 #include "support/model_helpers.h"
 #include "support/model_reference.h"
@@ -419,4 +420,63 @@ TEST_CASE("forward rejects bad input and leaves the cache as it was", "[model]")
   const SequenceInput too_long{small.get(), five};
   CHECK(m.runner->forward({&too_long, 1}, logits.data()).code() == StatusCode::kResourceExhausted);
   CHECK(small->seq_len() == 0);
+}
+
+TEST_CASE(
+    "expert routing takes the k most probable, ties to the lower id, renormalized where asked",
+    "[model]") {
+  std::vector<int32_t> ids(4);
+  std::vector<float> w(4);
+  // Ties everywhere: the lowest ids, each 1/4 of the mass, or half of the chosen.
+  const float even[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+  cpu::route_experts(even, 1, 4, 2, false, ids.data(), w.data());
+  CHECK(ids[0] == 0);
+  CHECK(ids[1] == 1);
+  CHECK(w[0] == Approx(0.25f));
+  CHECK(w[1] == Approx(0.25f));
+  cpu::route_experts(even, 1, 4, 2, true, ids.data(), w.data());
+  CHECK(w[0] == Approx(0.5f));
+  CHECK(w[1] == Approx(0.5f));
+  // Descending by probability, a tie between experts 1 and 2 to the lower; two tokens at once.
+  const float two[8] = {1.0f, 3.0f, 3.0f, 2.0f, -4.0f, 0.0f, 7.0f, 0.0f};
+  cpu::route_experts(two, 2, 4, 2, false, ids.data(), w.data());
+  CHECK(std::vector<int32_t>(ids.begin(), ids.end()) == std::vector<int32_t>{1, 2, 2, 1});
+  const double z = std::exp(1.0) + 2 * std::exp(3.0) + std::exp(2.0);
+  CHECK(w[0] == Approx(std::exp(3.0) / z));
+  CHECK(w[1] == Approx(std::exp(3.0) / z));
+  // k = n_expert: every expert, in order of probability; the weights the whole softmax.
+  cpu::route_experts(two + 4, 1, 4, 4, false, ids.data(), w.data());
+  CHECK(std::vector<int32_t>(ids.begin(), ids.end()) == std::vector<int32_t>{2, 1, 3, 0});
+  CHECK(w[0] + w[1] + w[2] + w[3] == Approx(1.0f));
+  // Scores far apart stay finite: one expert takes everything.
+  const float far[4] = {1000.0f, -1000.0f, 0.0f, 80.0f};
+  cpu::route_experts(far, 1, 4, 2, true, ids.data(), w.data());
+  CHECK(ids[0] == 0);
+  CHECK(ids[1] == 3);
+  CHECK(w[0] == 1.0f);
+  CHECK(w[1] == 0.0f);
+}
+
+TEST_CASE(
+    "experts: every expert chosen, and decode steps that leave most unpicked, agree with the "
+    "float64 reference",
+    "[model]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  // k = n_expert; one expert a token (6 or 7 of 8 unpicked each decode step).
+  for (int used : {8, 1}) {
+    INFO("experts used " << used);
+    RandomModelOptions o;
+    o.shape = std::move(named_shape("qwen3moe-tiny")).value();
+    o.shape.n_expert_used = used;
+    o.dtype = DType::kF32;
+    TinyModel m(o);
+    const auto tokens = random_tokens(rng, 16, m.n_vocab());
+    auto cache = m.cache();
+    const auto got = run_chunks(m, *cache, tokens, {4, 1, 1, 1, 1, 8});
+    const auto want = ReferenceModel(m.model->file(), m.model->config()).forward(tokens);
+    const double worst = worst_relative_error(got, want, m.n_vocab());
+    INFO("worst relative error " << worst);
+    CHECK(worst < 2e-5);
+  }
 }

@@ -86,6 +86,36 @@ def unpermute(w, n_head):
     return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
+def experts(t, b, p, want):
+    """Layer b's experts as transformers names them under p: the router and the experts in one of
+    its layouts (per expert, or stacked [n_expert, out, in] with gate and up in one), the shared
+    expert and its gate where the file has them. `want`: the model's names and shapes."""
+    moe = next((p + m for m in ("mlp.", "block_sparse_moe.") if p + m + "gate.weight" in want), None)
+    if moe is None:
+        raise SystemExit(f"no router among {sorted(k for k in want if k.startswith(p))}")
+    gate, up, down = t[b + "ffn_gate_exps.weight"], t[b + "ffn_up_exps.weight"], t[b + "ffn_down_exps.weight"]
+    sd = {moe + "gate.weight": t[b + "ffn_gate_inp.weight"]}
+    e = moe + "experts."
+    if e + "gate_up_proj" in want:  # stacked, gate rows then up rows: [n_expert, 2 ff, in] (or transposed)
+        gu = torch.cat([gate, up], dim=1)
+        sd[e + "gate_up_proj"] = gu if want[e + "gate_up_proj"] == tuple(gu.shape) else gu.transpose(1, 2).contiguous()
+        sd[e + "down_proj"] = down if want[e + "down_proj"] == tuple(down.shape) else down.transpose(1, 2).contiguous()
+    elif e + "gate_proj" in want:
+        sd.update({e + "gate_proj": gate, e + "up_proj": up, e + "down_proj": down})
+    else:
+        names = ("gate_proj", "up_proj", "down_proj") if e + "0.gate_proj.weight" in want else ("w1", "w3", "w2")
+        if e + f"0.{names[0]}.weight" not in want:
+            raise SystemExit(f"no experts among {sorted(k for k in want if k.startswith(moe))}")
+        for i in range(gate.shape[0]):
+            for n, w in zip(names, (gate, up, down)):
+                sd[e + f"{i}.{n}.weight"] = w[i]
+    if b + "ffn_gate_inp_shexp.weight" in t:
+        for n in ("gate", "up", "down"):
+            sd[moe + f"shared_expert.{n}_proj.weight"] = t[b + f"ffn_{n}_shexp.weight"]
+        sd[moe + "shared_expert_gate.weight"] = t[b + "ffn_gate_inp_shexp.weight"].reshape(1, -1)
+    return sd
+
+
 def layer_windowed(meta, a, n_layers, pattern):
     """Which layers use the sliding window, as llama.cpp reads it (a number or a per-layer array)."""
     p = meta.get(a + "attention.sliding_window_pattern", pattern)
@@ -132,7 +162,26 @@ def build(meta, t):
     if rope_scaling:
         common["rope_scaling"] = rope_scaling
     gemma = arch in ("gemma2", "gemma3")
-    if arch == "llama":
+    n_expert = meta.get(a + "expert_count", 0)
+    if n_expert:  # a mixture of experts in every layer
+        ff_exp = meta.get(a + "expert_feed_forward_length", common["intermediate_size"])
+        moe = dict(num_experts_per_tok=meta[a + "expert_used_count"])
+        if arch == "llama":  # Mixtral: softmax over all, the top k renormalized
+            model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+                **dict(common, intermediate_size=ff_exp), num_local_experts=n_expert, **moe))
+        elif arch == "qwen3moe":  # llama.cpp renormalizes qwen3moe's top k (norm_topk_prob)
+            model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+                **common, num_experts=n_expert, moe_intermediate_size=ff_exp, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], **moe))
+        elif arch == "qwen2moe":  # not renormalized; a shared expert behind a sigmoid gate
+            common.pop("head_dim")
+            model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+                **common, num_experts=n_expert, moe_intermediate_size=ff_exp, norm_topk_prob=False,
+                shared_expert_intermediate_size=meta[a + "expert_shared_feed_forward_length"],
+                decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True, **moe))
+        else:
+            raise SystemExit(f"architecture {arch} with experts not handled")
+    elif arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif arch == "qwen2":
         common.pop("head_dim")
@@ -160,6 +209,7 @@ def build(meta, t):
     else:
         raise SystemExit(f"architecture {arch} not handled")
     norm = (lambda w: w - 1.0) if gemma else (lambda w: w)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     sd = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": norm(t["output_norm.weight"])}
     sd["lm_head.weight"] = t.get("output.weight", t["token_embd.weight"])
     for i in range(n_layers):
@@ -177,15 +227,18 @@ def build(meta, t):
             q, k = unpermute(q, heads), unpermute(k, kv)
         sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"] = q, k
         sd[p + "self_attn.v_proj.weight"] = t[b + "attn_v.weight"]
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             for n in "qkv":
                 sd[p + f"self_attn.{n}_proj.bias"] = t[b + f"attn_{n}.bias"]
         if b + "attn_q_norm.weight" in t:
             sd[p + "self_attn.q_norm.weight"] = norm(t[b + "attn_q_norm.weight"])
             sd[p + "self_attn.k_norm.weight"] = norm(t[b + "attn_k_norm.weight"])
-        sd[p + "mlp.gate_proj.weight"] = t[b + "ffn_gate.weight"]
-        sd[p + "mlp.up_proj.weight"] = t[b + "ffn_up.weight"]
-        sd[p + "mlp.down_proj.weight"] = t[b + "ffn_down.weight"]
+        if n_expert:
+            sd.update(experts(t, b, p, want))
+        else:
+            sd[p + "mlp.gate_proj.weight"] = t[b + "ffn_gate.weight"]
+            sd[p + "mlp.up_proj.weight"] = t[b + "ffn_up.weight"]
+            sd[p + "mlp.down_proj.weight"] = t[b + "ffn_down.weight"]
         sd[p + "input_layernorm.weight"] = norm(t[b + "attn_norm.weight"])
         if gemma:
             sd[p + "post_attention_layernorm.weight"] = norm(t[b + "post_attention_norm.weight"])
@@ -193,6 +246,9 @@ def build(meta, t):
             sd[p + "post_feedforward_layernorm.weight"] = norm(t[b + "post_ffw_norm.weight"])
         else:
             sd[p + "post_attention_layernorm.weight"] = t[b + "ffn_norm.weight"]
+    wrong = [f"{k} {tuple(v.shape)} (model {want[k]})" for k, v in sd.items() if k in want and tuple(v.shape) != want[k]]
+    if wrong:
+        raise SystemExit(f"shape mismatch: {wrong}")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if "rotary" not in m and not (m == "lm_head.weight")]
     if missing or unexpected:

@@ -274,9 +274,9 @@ void route_experts(const float* logits, int64_t n, int n_expert, int k, bool nor
     for (int i = 0; i < n_expert; ++i) sum += (p[static_cast<size_t>(i)] = std::exp(z[i] - mx));
     for (float& v : p) v /= sum;
     for (int i = 0; i < n_expert; ++i) order[static_cast<size_t>(i)] = i;
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-      return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)] || (p[static_cast<size_t>(a)] == p[static_cast<size_t>(b)] && a < b);
-    });
+    // Ranked by score (softmax keeps the order, and probabilities that underflow to 0 do not tie).
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
     float chosen = 0.0f;
     for (int j = 0; j < k; ++j) {
       ids[t * k + j] = order[static_cast<size_t>(j)];

@@ -408,6 +408,70 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   cp_async_wait<0>();
 }
 
+// The experts' products (quant_matmul.h, quant_gemv_experts): block (x, e) takes expert e's
+// weights, a warp a row at a time (rows read straight from global memory, lanes 32 units apart),
+// and that expert's (token, slot) pairs N at a time; an expert no pair chose returns at once.
+// Each pair's sum is its own (no pair's arithmetic depends on the others in its group).
+template <DType T, int N, bool PAIRS>
+__global__ void __launch_bounds__(kMaxWarps * 32)
+    expert_gemv_kernel(const uint8_t* __restrict__ w, int64_t expert_bytes, int64_t rows,
+                       const int8_t* __restrict__ xq, const float* __restrict__ xd, int64_t in,
+                       int gshift, const int32_t* __restrict__ order,
+                       const int32_t* __restrict__ start, int x_div, float* __restrict__ y) {
+  const int e = blockIdx.y;
+  const int first = start[e], count = start[e + 1] - first;
+  if (count == 0) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const uint8_t* we = w + static_cast<int64_t>(e) * expert_bytes;
+  const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>,
+                groups = in >> (5 + gshift);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * warps) {
+    const uint8_t* wr = we + row * row_bytes;
+    const uint8_t* wu = PAIRS ? we + (row + rows) * row_bytes : wr;
+    for (int c0 = 0; c0 < count; c0 += N) {
+      int pair[N];
+#pragma unroll
+      for (int r = 0; r < N; ++r) pair[r] = c0 + r < count ? order[first + c0 + r] : -1;
+      float acc[N], acc_up[PAIRS ? N : 1];
+#pragma unroll
+      for (int r = 0; r < N; ++r) acc[r] = 0.0f;
+      if constexpr (PAIRS) {
+#pragma unroll
+        for (int r = 0; r < N; ++r) acc_up[r] = 0.0f;
+      }
+      for (int64_t gu = lane; gu < units; gu += 32) {
+        const int u = static_cast<int>(gu % kUnits<T>);
+        const Unit U = decode<T>(unit_block<T>(wr, gu), u);
+        Unit V;
+        if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, gu), u);
+#pragma unroll
+        for (int r = 0; r < N; ++r) {
+          if (pair[r] < 0) break;
+          const int64_t xr = pair[r] / x_div;
+          const int4* xp = reinterpret_cast<const int4*>(xq + xr * in + gu * 32);
+          const int4 a = __ldg(xp), b = __ldg(xp + 1);
+          const int xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+          const float sc = __ldg(xd + xr * groups + (gu >> gshift));
+          acc[r] += sc * unit_dot<T>(U, xv);
+          if constexpr (PAIRS) acc_up[r] += sc * unit_dot<T>(V, xv);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < N; ++r) {
+        float v = acc[r];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+        if constexpr (PAIRS) {
+          float up = acc_up[r];
+          for (int o = 16; o > 0; o >>= 1) up += __shfl_xor_sync(0xffffffff, up, o);
+          v = silu(v) * up;
+        }
+        if (lane == 0 && pair[r] >= 0) y[static_cast<int64_t>(pair[r]) * rows + row] = v;
+      }
+    }
+  }
+}
+
 // One thread per unit: rows of w (from `w`, row_bytes apart, or ids[r] where ids is set) to out
 // [rows, in] in OutT.
 template <DType T, typename OutT>
@@ -535,7 +599,38 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   });
 }
 
-Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows, __nv_bfloat16* out) {
+Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,
+                          const int32_t* order, const int32_t* start, int x_div, bool pairs,
+                          float* y) {
+  if (!is_block_quant(w.dtype()) || w.rank() != 3 || w.dim(2) % dtype_block_elems(w.dtype()) != 0 ||
+      (pairs && w.dim(1) % 2 != 0)) {
+    return invalid_argument_error(
+        "cuda quant_gemv_experts: a 3-D block-quantized weight of whole blocks per row, not " +
+        std::string(dtype_name(w.dtype())) + " " + w.shape().to_string());
+  }
+  if (x_rows == 0) return ok_status();
+  const int64_t in = w.dim(2), rows = pairs ? w.dim(1) / 2 : w.dim(1);
+  const int8_t* q = static_cast<const int8_t*>(xq);
+  const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(x_rows, in));
+  const int gshift = activation_group(in) == 256 ? 3 : 0;
+  const int64_t expert_bytes = static_cast<int64_t>(nbytes_for(w.dtype(), w.dim(1) * in));
+  const dim3 grid(blocks_for(rows, kMaxWarps), static_cast<unsigned>(w.dim(0)));
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data());
+  return for_block_type(w.dtype(), [&](auto tag) -> Status {
+    constexpr DType T = decltype(tag)::value;
+    if (pairs) {
+      expert_gemv_kernel<T, 4, true><<<grid, kMaxWarps * 32, 0, st>>>(
+          wp, expert_bytes, rows, q, d, in, gshift, order, start, x_div, y);
+    } else {
+      expert_gemv_kernel<T, 4, false><<<grid, kMaxWarps * 32, 0, st>>>(
+          wp, expert_bytes, rows, q, d, in, gshift, order, start, x_div, y);
+    }
+    return cuda_status(cudaGetLastError(), "expert_gemv_kernel");
+  });
+}
+
+Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows,
+                            __nv_bfloat16* out) {
   COMBS_RETURN_IF_ERROR(check_block_weight(w, "cuda dequantize_rows_bf16"));
   if (row0 < 0 || rows < 0 || row0 + rows > w.dim(0)) return invalid_argument_error("cuda dequantize_rows_bf16: rows out of range");
   if (rows == 0) return ok_status();

@@ -47,6 +47,15 @@ Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t 
 // silu(gate) * up in f32.
 Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const GemvOut& outs, bool pairs);
 
+// The chosen experts' products for a mixture of experts: w [n_expert, out, in] (block type) on the
+// device, xq quantize_activations' x_rows rows; the (token, slot) pairs grouped by expert (order:
+// pair ids, expert e's at order[start[e] .. start[e + 1])); pair p takes x row p / x_div and
+// writes y [pairs, out] row p. pairs: each expert's rows are its gate rows then its up rows, and
+// y row p = silu(gate) * up [out / 2]. Every expert's weights read once per 4 of its pairs.
+Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,
+                          const int32_t* order, const int32_t* start, int x_div, bool pairs,
+                          float* y);
+
 // out [rows, in] = rows [row0, row0 + rows) of w dequantized to BF16.
 Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows, __nv_bfloat16* out);
 

@@ -142,13 +142,21 @@ struct CudaRunner::Impl {
   struct Layer {
     Tensor attn_norm, bqkv, wo, ffn_norm, w_down;
     Tensor q_norm, k_norm, post_attn_norm, post_ffn_norm;  // where the architecture has them
-    WeightStack wqkv, w_gate_up;  // Q/K/V and gate/up fused by rows
+    WeightStack wqkv,
+        w_gate_up;  // Q/K/V and gate/up fused by rows (the dense FFN or shared expert)
+    // Mixture of experts: the router, the experts' gate and up rows stacked per expert
+    // [n_expert, 2 n_ff_exp, n_embd], their down [n_expert, n_embd, n_ff_exp]; the shared expert's
+    // gate [1, n_embd].
+    Tensor router, gate_up_exps, down_exps, shared_gate;
   };
   Tensor tok_embd, output_norm, output, inv_freq, inv_freq_local;  // RoPE of global and windowed layers
   std::vector<Layer> layers;
   // Activations, grown to the largest batch seen.
   int64_t capacity = 0, logit_rows = 0;
   Tensor x, h, q, k, v, att, delta, gate, up, last, logits, ints;
+  Tensor router_logits, shared_out, shared_logit, expert_ints, expert_floats,
+      expert_xq;  // experts' scratch
+  cuda::ExpertScratch experts{};
   uint64_t activations_generation = 0;  // bumped when the activations move
   std::vector<int32_t> host_ints;  // tokens, output rows
   std::vector<char> sampling;      // SampleParamsDev rows, then SampleAdjustDev entries
@@ -212,6 +220,34 @@ StatusOr<WeightStack> upload_stack(CudaBackend& b, std::initializer_list<const T
   return s;
 }
 
+// A layer's experts on the device: gate and up interleaved per expert (each expert's gate rows,
+// then its up rows: the pairs quant_gemv_experts reads), down as it is. Block types only.
+Status upload_experts(CudaBackend& b, const LayerWeights& w, int layer, Tensor* gate_up,
+                      Tensor* down) {
+  for (const Tensor* t : {&w.gate_exps, &w.up_exps, &w.down_exps}) {
+    if (!is_block_quant(t->dtype())) {
+      return unimplemented_error(
+          "cuda: layer " + std::to_string(layer) + "'s experts are " +
+          std::string(dtype_name(t->dtype())) +
+          ": the GPU runs experts in block types only (Q4_K, Q8_0, MXFP4, ...)");
+    }
+  }
+  if (w.gate_exps.dtype() != w.up_exps.dtype()) {
+    return unimplemented_error("cuda: layer " + std::to_string(layer) +
+                               "'s gate and up experts differ in type");
+  }
+  const int64_t n = w.gate_exps.dim(0), ff = w.gate_exps.dim(1), in = w.gate_exps.dim(2);
+  COMBS_ASSIGN_OR_RETURN(*gate_up, b.alloc({n, 2 * ff, in}, w.gate_exps.dtype()));
+  const Tensor rows = gate_up->reshape({n * 2 * ff, in});
+  for (int64_t e = 0; e < n; ++e) {
+    COMBS_RETURN_IF_ERROR(b.copy(expert(w.gate_exps, e), rows.rows(2 * e * ff, (2 * e + 1) * ff)));
+    COMBS_RETURN_IF_ERROR(
+        b.copy(expert(w.up_exps, e), rows.rows((2 * e + 1) * ff, (2 * e + 2) * ff)));
+  }
+  COMBS_ASSIGN_OR_RETURN(*down, b.alloc(w.down_exps.shape(), w.down_exps.dtype()));
+  return b.copy(w.down_exps, *down);
+}
+
 bool decode_fused(const WeightStack& w, int64_t n) {
   for (const Tensor& p : w.parts)
     if (!cuda::decode_fused(p, n)) return false;
@@ -261,15 +297,27 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
   } else {
     COMBS_ASSIGN_OR_RETURN(impl->output, upload(b, {&model.output}));
   }
-  for (const LayerWeights& w : model.layers) {
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const LayerWeights& w = model.layers[i];
     Impl::Layer l;
+    if (c.n_expert > 0) {
+      COMBS_ASSIGN_OR_RETURN(l.router, upload(b, {&w.router}));
+      COMBS_RETURN_IF_ERROR(
+          upload_experts(b, w, static_cast<int>(i), &l.gate_up_exps, &l.down_exps));
+      if (c.shared_expert) {
+        const Tensor row = w.shared_gate.reshape({1, c.n_embd});
+        COMBS_ASSIGN_OR_RETURN(l.shared_gate, upload(b, {&row}));
+      }
+    }
     COMBS_ASSIGN_OR_RETURN(l.attn_norm, upload(b, {&w.attn_norm}));
     COMBS_ASSIGN_OR_RETURN(l.wqkv, upload_stack(b, {&w.wq, &w.wk, &w.wv}));
     COMBS_ASSIGN_OR_RETURN(l.bqkv, upload(b, {&w.bq, &w.bk, &w.bv}));
     COMBS_ASSIGN_OR_RETURN(l.wo, upload(b, {&w.wo}));
     COMBS_ASSIGN_OR_RETURN(l.ffn_norm, upload(b, {&w.ffn_norm}));
-    COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload_stack(b, {&w.w_gate, &w.w_up}));
-    COMBS_ASSIGN_OR_RETURN(l.w_down, upload(b, {&w.w_down}));
+    if (c.dense_ffn()) {
+      COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload_stack(b, {&w.w_gate, &w.w_up}));
+      COMBS_ASSIGN_OR_RETURN(l.w_down, upload(b, {&w.w_down}));
+    }
     COMBS_ASSIGN_OR_RETURN(l.q_norm, upload(b, {&w.q_norm}));
     COMBS_ASSIGN_OR_RETURN(l.k_norm, upload(b, {&w.k_norm}));
     COMBS_ASSIGN_OR_RETURN(l.post_attn_norm, upload(b, {&w.post_attn_norm}));
@@ -322,6 +370,33 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     I.gate = gate_up.rows(0, cap), I.up = gate_up.rows(cap, 2 * cap);
     COMBS_ASSIGN_OR_RETURN(I.last, b.alloc({cap, e}, DType::kF32));
     COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({3 * cap}, DType::kF32));  // int32: tokens, rows, ids
+    if (c.n_expert > 0) {
+      const int64_t kk = c.n_expert_used, fe = c.n_ff_exp;
+      COMBS_ASSIGN_OR_RETURN(I.router_logits, b.alloc({cap, c.n_expert}, DType::kF32));
+      // int32: ids, order [cap k], start [n_expert + 1]; f32: weights [cap k], hidden [cap k, ff],
+      // out [cap k, e] (Each part 256-byte aligned: the kernels load rows by 16 bytes.)
+      auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
+      const int64_t pairs = up(cap * kk);
+      COMBS_ASSIGN_OR_RETURN(I.expert_ints, b.alloc({2 * pairs + c.n_expert + 1}, DType::kF32));
+      COMBS_ASSIGN_OR_RETURN(I.expert_floats,
+                             b.alloc({pairs + up(cap * kk * fe) + cap * kk * e}, DType::kF32));
+      const size_t xq = cuda::expert_activation_bytes(cap, static_cast<int>(kk), e, fe);
+      COMBS_ASSIGN_OR_RETURN(I.expert_xq,
+                             b.alloc({static_cast<int64_t>((xq + 3) / 4)}, DType::kF32));
+      int32_t* ints = I.expert_ints.data_as<int32_t>();
+      float* floats = I.expert_floats.data_as<float>();
+      I.experts = {ints,
+                   floats,
+                   ints + pairs,
+                   ints + 2 * pairs,
+                   I.expert_xq.data(),
+                   floats + pairs,
+                   floats + pairs + up(cap * kk * fe)};
+      if (c.shared_expert) {
+        COMBS_ASSIGN_OR_RETURN(I.shared_out, b.alloc({cap, e}, DType::kF32));
+        COMBS_ASSIGN_OR_RETURN(I.shared_logit, b.alloc({cap, 1}, DType::kF32));
+      }
+    }
     I.capacity = cap;
     ++I.activations_generation;
   }
@@ -409,7 +484,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     // output the down projection takes as it is.
     // (Architectures with post norms or an activation the fused kernels lack take the general
     // path; q/k norms run on the projections' outputs either way.)
-    bool fused = !c.post_norms && c.activation == Activation::kSilu;
+    bool fused = !c.post_norms && c.activation == Activation::kSilu && c.n_expert == 0;
     for (const Impl::Layer& w : I.layers) {
       fused = fused && decode_fused(w.wqkv, total) && decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 &&
               cuda::decode_fused(w.wo, total) && cuda::decode_fused(w.w_down, total) &&
@@ -454,12 +529,38 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         if (c.post_norms) {
           COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_attn_norm.data_as<float>(), delta, total, e, c.rms_eps));
         }
-        COMBS_RETURN_IF_ERROR(norm_then_split(delta, w.ffn_norm, w.w_gate_up, gate_up));
-        if (c.activation == Activation::kGeluTanh) {
-          COMBS_RETURN_IF_ERROR(cuda::gelu_tanh_mul(b, I.gate.data_as<float>(), I.up.data_as<float>(), total * ff));
-          COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.w_down, I.gate.data_as<float>(), total, delta));
+        if (c.n_expert > 0) {  // the residual add, the norm in f32, then the experts into delta
+          COMBS_RETURN_IF_ERROR(
+              cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
+          COMBS_RETURN_IF_ERROR(
+              cuda::matmul(b, w.router, h, total, I.router_logits.data_as<float>()));
+          cuda::ExpertsFfn f{.gate_up = &w.gate_up_exps,
+                             .down = &w.down_exps,
+                             .k = c.n_expert_used,
+                             .normalize = c.expert_weights_norm};
+          if (c.shared_expert) {
+            COMBS_RETURN_IF_ERROR(
+                matmul_split(b, w.w_gate_up, h, total, gate_up, /*rounded=*/false));
+            COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(),
+                                                      I.up.data_as<float>(), total,
+                                                      I.shared_out.data_as<float>()));
+            COMBS_RETURN_IF_ERROR(
+                cuda::matmul(b, w.shared_gate, h, total, I.shared_logit.data_as<float>()));
+            f.shared = I.shared_out.data_as<float>(),
+            f.shared_logit = I.shared_logit.data_as<float>();
+          }
+          COMBS_RETURN_IF_ERROR(cuda::experts_ffn(b, f, I.router_logits.data_as<float>(), h, total,
+                                                  I.experts, delta));
         } else {
-          COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(), I.up.data_as<float>(), total, delta));
+          COMBS_RETURN_IF_ERROR(norm_then_split(delta, w.ffn_norm, w.w_gate_up, gate_up));
+          if (c.activation == Activation::kGeluTanh) {
+            COMBS_RETURN_IF_ERROR(
+                cuda::gelu_tanh_mul(b, I.gate.data_as<float>(), I.up.data_as<float>(), total * ff));
+            COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.w_down, I.gate.data_as<float>(), total, delta));
+          } else {
+            COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(),
+                                                      I.up.data_as<float>(), total, delta));
+          }
         }
         if (c.post_norms) {
           COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_ffn_norm.data_as<float>(), delta, total, e, c.rms_eps));

@@ -191,11 +191,13 @@ int run_gpu(int argc, char** argv) {
   auto sessions_run = [&](CudaRunner& r) { return run_sessions(r, int(sessions), 1024, 128, int(reps)); };
   auto vocab = bench_vocab(flags.str("vocab"));
   if (!vocab.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", vocab.status().message().c_str()), 2;
-  if (only == "models") {  // write the models of --shapes (no GPU needed) and print their paths, e.g. for the peer
+  if (only == "models") {  // write the models of --shapes x --dtypes (no GPU needed) and print their paths, e.g. for the peer
     for (const std::string& shape : split_list(flags.str("shapes"))) {
-      auto path = bench_model(flags.str("dir"), shape, "bf16", *vocab);
-      if (!path.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", path.status().message().c_str()), 2;
-      std::printf("%s %s\n", shape.c_str(), path->c_str());
+      for (const std::string& dtype : split_list(flags.str("dtypes"))) {
+        auto path = bench_model(flags.str("dir"), shape, dtype, *vocab);
+        if (!path.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", path.status().message().c_str()), 2;
+        std::printf("%s %s\n", (dtype == "bf16" ? shape : shape + "-" + dtype).c_str(), path->c_str());
+      }
     }
     return 0;
   }

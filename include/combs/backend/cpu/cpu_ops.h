@@ -49,7 +49,7 @@ void silu_mul(float* gate, const float* up, int64_t n);
 void gelu_tanh_mul(float* gate, const float* up, int64_t n);
 // Mixture-of-experts routing of n tokens (llama.cpp's build_moe_ffn with softmax gating): from
 // the router's logits [n, n_expert], each token's k most probable experts (softmax over all;
-// descending, ties to the lower id) into ids [n, k] and their probabilities into weights [n, k],
+// descending by score, ties to the lower id) into ids [n, k] and their probabilities into weights [n, k],
 // divided by their sum (at least 2^-14, as llama.cpp clamps it) where `normalize`.
 void route_experts(const float* logits, int64_t n, int n_expert, int k, bool normalize, int32_t* ids,
                    float* weights);

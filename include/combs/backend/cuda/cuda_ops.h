@@ -135,6 +135,36 @@ struct SampleAdjustDev {
 Status sample_rows(CudaBackend& b, float* logits, int64_t rows, int64_t n_vocab, const SampleParamsDev* params,
                    const SampleAdjustDev* adjust, int32_t* out);
 
+// A mixture of experts' FFN (ModelConfig::n_expert) on n normalized rows h [n, in]: each token's
+// k experts by the router's scores (router_logits [n, n_expert], routed as cpu::route_experts),
+// each chosen expert's down(silu(gate h) * up h) with h rounded to 8 bits as the decode kernels
+// round it, the token's experts weighted and summed in slot order into y [n, in] (+= with
+// accumulate), plus sigmoid(shared_logit[t]) * shared[t] where shared is set (qwen2moe's shared
+// expert, computed by the caller). Experts in a block type: gate_up [n_expert, 2 ff, in], each
+// expert's gate rows then its up rows; down [n_expert, in, ff].
+struct ExpertsFfn {
+  const Tensor* gate_up = nullptr;
+  const Tensor* down = nullptr;
+  int k = 0;
+  bool normalize = false;
+  const float* shared = nullptr;        // [n, in]
+  const float* shared_logit = nullptr;  // [n]
+};
+// Device scratch for n tokens: ids, weights, order [n k]; start [n_expert + 1]; xq
+// (expert_activation_bytes); hidden [n k, ff]; out [n k, in].
+struct ExpertScratch {
+  int32_t* ids;
+  float* weights;
+  int32_t* order;
+  int32_t* start;
+  void* xq;
+  float* hidden;
+  float* out;
+};
+size_t expert_activation_bytes(int64_t n, int k, int64_t in, int64_t ff);
+Status experts_ffn(CudaBackend& b, const ExpertsFfn& f, const float* router_logits, const float* h,
+                   int64_t n, const ExpertScratch& s, float* y, bool accumulate = false);
+
 // gate[i] = silu(gate[i]) * up[i].
 Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n);
 // gate[i] = gelu(gate[i]) * up[i], GELU's tanh approximation (as cpu::gelu_tanh_mul).

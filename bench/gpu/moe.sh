@@ -1,0 +1,68 @@
+#!/bin/bash
+# usage (on the GPU machine, through the device tool with carry [".gpu"]), two calls back to back
+# (the second within the machine's 30 s warm time):
+#   bench/gpu/moe.sh start [VARIANT]            the [cuda] tests and the experts' logits against transformers,
+#                                               while the peer's CUDA build and the model file are made in
+#                                               the background (setsid); waits for them up to START_WAIT s
+#   bench/gpu/moe.sh bench [VARIANT] [ROUNDS]   waits for both, then ROUNDS rounds of combs and the peer
+# The mixture-of-experts benchmark of issue 25: the qwen3-30b-a3b shape (48 layers, 128 experts,
+# 8 chosen, experts 768 wide) in Q4_K_M as combs-mkmodel quantizes it (llama.cpp's mix), with
+# Qwen2's vocabulary (151,646 tokens), the same file for both programs; the measurements are
+# side_by_side.sh's (one session's decode, prefill of 2,048, 64 sessions), the table its
+# side_by_side.py's. Needs .gpu/libs, .gpu/VARIANT/{combs-bench,combs_cuda_tests}.gz and
+# .gpu/llama-src.tar.xz, as side_by_side.sh.
+set -u
+PHASE=${1:?start or bench}; V=${2:-main}; ROUNDS=${3:-2}
+here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd)
+cd "$repo"
+. bench/gpu/unpack.sh "$V"
+out=/tmp/side-by-side; mkdir -p "$out"
+export PEER_DIR=$repo/build/peer
+models=$repo/build/models; mkdir -p "$models"
+peer_bin=$PEER_DIR/build-cuda/bin
+shape=qwen3-30b-a3b; type=q4_k_m
+mkdir -p /tmp/vocab && tar xJf tests/data/vocab/more-vocabs.tar.xz -C /tmp/vocab ggml-vocab-qwen2.gguf
+vocab=/tmp/vocab/ggml-vocab-qwen2.gguf
+combs=/tmp/bin/$V/combs-bench
+t0=$(date +%s)
+if [ "$PHASE" = start ]; then
+  setsid bash -c "bash '$repo/bench/peer/build.sh' cuda '$repo/.gpu/llama-src.tar.xz' > '$out/peer-build.log' 2>&1;
+                  echo \$? > '$out/peer-build.rc'" < /dev/null > /dev/null 2>&1 &
+  setsid bash -c "'$combs' gpu --only models --shapes $shape --dtypes $type --dir '$models' --vocab '$vocab' > '$out/models.txt' 2> '$out/models.log';
+                  echo \$? > '$out/models.rc'" < /dev/null > /dev/null 2>&1 &
+  /tmp/bin/$V/combs_cuda_tests "[cuda]" 2>&1 | tail -n "${TAIL:-40}"
+  echo "# tests done after $(( $(date +%s) - t0 )) s"
+  # The mixtures of experts' logits against transformers (CPU, f32 and bf16 weights).
+  SHAPES="qwen3moe-tiny qwen2moe-tiny mixtral-tiny" timeout 200 bash tests/reference/compare_hf_archs.sh /tmp/bin/$V
+  echo "# transformers done after $(( $(date +%s) - t0 )) s"
+  # Wait here (up to START_WAIT s from the start) so that the bench call has only measuring left.
+  while { [ ! -e "$out/peer-build.rc" ] || [ ! -e "$out/models.rc" ]; } && [ $(( $(date +%s) - t0 )) -lt "${START_WAIT:-560}" ]; do sleep 5; done
+  echo "# after $(( $(date +%s) - t0 )) s: peer build rc $(cat "$out/peer-build.rc" 2>/dev/null || echo running), models rc $(cat "$out/models.rc" 2>/dev/null || echo running)"
+  ls -la "$models"
+  exit 0
+fi
+while [ ! -e "$out/peer-build.rc" ] || [ ! -e "$out/models.rc" ]; do sleep 5; done
+echo "# waited $(( $(date +%s) - t0 )) s: peer build rc $(cat "$out/peer-build.rc"), models rc $(cat "$out/models.rc")"
+tail -n 3 "$out/peer-build.log"; cat "$out/models.log" "$out/models.txt"
+read -r label m < "$out/models.txt"
+[ -s "$m" ] && [ -x "$peer_bin/llama-batched-bench" ] || exit 1
+echo "$label $m" > "$out/files.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > "$out/gpu.txt"
+for r in $(seq 1 "$ROUNDS"); do
+  s=$label
+  echo "# round $r: combs ($(( $(date +%s) - t0 )) s)"
+  "$combs" gpu --models "$m" --vocab "$vocab" --reps 3 --sessions 64 --attention-contexts "" > "$out/combs-$s-$r.md" 2>&1
+  tail -n 2 "$out/combs-$s-$r.md"
+  echo "# round $r: peer ($(( $(date +%s) - t0 )) s)"
+  "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 256 -d 128 -r 3 -o json > "$out/peer-decode-$s-$r.json" 2> "$out/peer-decode-$s-$r.log"
+  "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 2048 -n 0 -b 2048 -ub 512,1024,2048 -r 3 -o json \
+    > "$out/peer-prefill-$s-$r.json" 2> "$out/peer-prefill-$s-$r.log"
+  "$peer_bin/llama-batched-bench" -m "$m" -ngl 99 -fa on -c $((64 * (1024 + 128))) -b 2048 -ub 512 \
+    -npp 1024 -ntg 128 -npl 64 --output-format jsonl > "$out/peer-sessions-$s-$r.jsonl" 2> "$out/peer-sessions-$s-$r.log"
+done
+echo "# done after $(( $(date +%s) - t0 )) s"
+python3 "$here/../peer/side_by_side.py" "$out" "$label" "$ROUNDS" | tee "$out/table.md"
+if [ -n "${OUT:-}" ]; then
+  rm -f "$out"/*.rc
+  tar czf "$OUT/moe-raw.tar.gz" -C "$out" . && cp "$out/table.md" "$OUT/table.md"
+fi
