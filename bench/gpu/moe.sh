@@ -8,7 +8,7 @@
 # The mixture-of-experts benchmark of issue 25: the qwen3-30b-a3b shape (48 layers, 128 experts,
 # 8 chosen, experts 768 wide) in Q4_K_M as combs-mkmodel quantizes it (llama.cpp's mix), with
 # Qwen2's vocabulary (151,646 tokens), the same file for both programs; the measurements are
-# side_by_side.sh's (one session's decode, prefill of 2,048, 64 sessions), the table its
+# side_by_side_round.sh's (one session's decode, prefill of 2,048, 64 sessions), the table its
 # side_by_side.py's. Needs .gpu/libs, .gpu/VARIANT/{combs-bench,combs_cuda_tests}.gz and
 # .gpu/llama-src.tar.xz, as side_by_side.sh.
 set -u
@@ -24,6 +24,7 @@ shape=qwen3-30b-a3b; type=q4_k_m
 mkdir -p /tmp/vocab && tar xJf tests/data/vocab/more-vocabs.tar.xz -C /tmp/vocab ggml-vocab-qwen2.gguf
 vocab=/tmp/vocab/ggml-vocab-qwen2.gguf
 combs=/tmp/bin/$V/combs-bench
+. "$here/side_by_side_round.sh"
 t0=$(date +%s)
 if [ "$PHASE" = start ]; then
   setsid bash -c "bash '$repo/bench/peer/build.sh' cuda '$repo/.gpu/llama-src.tar.xz' > '$out/peer-build.log' 2>&1;
@@ -49,16 +50,8 @@ read -r label m < "$out/models.txt"
 echo "$label $m" > "$out/files.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > "$out/gpu.txt"
 for r in $(seq 1 "$ROUNDS"); do
-  s=$label
-  echo "# round $r: combs ($(( $(date +%s) - t0 )) s)"
-  "$combs" gpu --models "$m" --vocab "$vocab" --reps 3 --sessions 64 --attention-contexts "" > "$out/combs-$s-$r.md" 2>&1
-  tail -n 2 "$out/combs-$s-$r.md"
-  echo "# round $r: peer ($(( $(date +%s) - t0 )) s)"
-  "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 256 -d 128 -r 3 -o json > "$out/peer-decode-$s-$r.json" 2> "$out/peer-decode-$s-$r.log"
-  "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 2048 -n 0 -b 2048 -ub 512,1024,2048 -r 3 -o json \
-    > "$out/peer-prefill-$s-$r.json" 2> "$out/peer-prefill-$s-$r.log"
-  "$peer_bin/llama-batched-bench" -m "$m" -ngl 99 -fa on -c $((64 * (1024 + 128))) -b 2048 -ub 512 \
-    -npp 1024 -ntg 128 -npl 64 --output-format jsonl > "$out/peer-sessions-$s-$r.jsonl" 2> "$out/peer-sessions-$s-$r.log"
+  measure_round "$r" "$label" "$m" "$vocab"
+  tail -n 2 "$out/combs-$label-$r.md"
 done
 echo "# done after $(( $(date +%s) - t0 )) s"
 python3 "$here/../peer/side_by_side.py" "$out" "$label" "$ROUNDS" | tee "$out/table.md"

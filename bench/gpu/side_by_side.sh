@@ -37,6 +37,7 @@ for f in "$repo"/.gpu/libs/*.gz; do [ -e "$f" ] && gunzip -c "$f" > /tmp/gpulibs
 gunzip -c "$repo/.gpu/$V/combs-bench.gz" > /tmp/bin/$V/combs-bench && chmod +x /tmp/bin/$V/combs-bench || exit 1
 export LD_LIBRARY_PATH=$repo/.gpu/libs:/tmp/gpulibs:/usr/local/cuda/lib64
 combs=/tmp/bin/$V/combs-bench
+. "$here/side_by_side_round.sh"
 
 t0=$(date +%s)
 peer_bin=$PEER_DIR/build-cuda/bin
@@ -73,15 +74,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 for r in $(seq "${FIRST_ROUND:-1}" "$ROUNDS"); do
   for s in ${labels//,/ }; do
     m=$(awk -v s="$s" '$1 == s { print $2 }' "$out/files.txt")
-    echo "# round $r $s: combs ($(( $(date +%s) - t0 )) s)"
-    "$combs" gpu --models "$m" --vocab "$(vocab_of "$s")" --reps 3 --sessions 64 --attention-contexts "" \
-      > "$out/combs-$s-$r.md" 2>&1
-    echo "# round $r $s: peer ($(( $(date +%s) - t0 )) s)"
-    "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 256 -d 128 -r 3 -o json > "$out/peer-decode-$s-$r.json" 2> "$out/peer-decode-$s-$r.log"
-    "$peer_bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 2048 -n 0 -b 2048 -ub 512,1024,2048 -r 3 -o json \
-      > "$out/peer-prefill-$s-$r.json" 2> "$out/peer-prefill-$s-$r.log"
-    "$peer_bin/llama-batched-bench" -m "$m" -ngl 99 -fa on -c $((64 * (1024 + 128))) -b 2048 -ub 512 \
-      -npp 1024 -ntg 128 -npl 64 --output-format jsonl > "$out/peer-sessions-$s-$r.jsonl" 2> "$out/peer-sessions-$s-$r.log"
+    measure_round "$r" "$s" "$m" "$(vocab_of "$s")"
   done
 done
 echo "# done after $(( $(date +%s) - t0 )) s"

@@ -629,8 +629,7 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
   });
 }
 
-Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows,
-                            __nv_bfloat16* out) {
+Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows, __nv_bfloat16* out) {
   COMBS_RETURN_IF_ERROR(check_block_weight(w, "cuda dequantize_rows_bf16"));
   if (row0 < 0 || rows < 0 || row0 + rows > w.dim(0)) return invalid_argument_error("cuda dequantize_rows_bf16: rows out of range");
   if (rows == 0) return ok_status();

@@ -191,14 +191,22 @@ int run_gpu(int argc, char** argv) {
   auto sessions_run = [&](CudaRunner& r) { return run_sessions(r, int(sessions), 1024, 128, int(reps)); };
   auto vocab = bench_vocab(flags.str("vocab"));
   if (!vocab.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", vocab.status().message().c_str()), 2;
-  if (only == "models") {  // write the models of --shapes x --dtypes (no GPU needed) and print their paths, e.g. for the peer
+  // (label, file) of a random model of each --shapes x --dtypes, written into --dir once.
+  using Measured = std::vector<std::pair<std::string, std::string>>;
+  auto random_models = [&](Measured* out) -> Status {
     for (const std::string& shape : split_list(flags.str("shapes"))) {
       for (const std::string& dtype : split_list(flags.str("dtypes"))) {
-        auto path = bench_model(flags.str("dir"), shape, dtype, *vocab);
-        if (!path.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", path.status().message().c_str()), 2;
-        std::printf("%s %s\n", (dtype == "bf16" ? shape : shape + "-" + dtype).c_str(), path->c_str());
+        COMBS_ASSIGN_OR_RETURN(std::string path, bench_model(flags.str("dir"), shape, dtype, *vocab));
+        out->emplace_back(dtype == "bf16" ? shape : shape + "-" + dtype, std::move(path));
       }
     }
+    return ok_status();
+  };
+  if (only == "models") {  // write the models (no GPU needed) and print their paths, e.g. for the peer
+    Measured written;
+    const Status st = random_models(&written);
+    for (const auto& [label, file] : written) std::printf("%s %s\n", label.c_str(), file.c_str());
+    if (!st.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", st.message().c_str()), 2;
     return 0;
   }
   auto backend = CudaBackend::create();
@@ -213,20 +221,16 @@ int run_gpu(int argc, char** argv) {
                 "\n|---|---|---|---|---|---|---|---|---|\n",
                 sessions);
   }
-  // (label, file): --models as they are, else a random BF16 model of each shape.
-  std::vector<std::pair<std::string, std::string>> measured;
+  // (label, file): --models as they are, else the random models.
+  Measured measured;
   for (const std::string& file : split_list(flags.str("models"))) {
     std::string label = file.substr(file.find_last_of('/') + 1);
     if (label.size() > 5 && label.ends_with(".gguf")) label.resize(label.size() - 5);
     measured.emplace_back(label, file);
   }
   if (measured.empty() && only != "attention") {
-    for (const std::string& shape : split_list(flags.str("shapes"))) {
-      for (const std::string& dtype : split_list(flags.str("dtypes"))) {
-        auto path = bench_model(flags.str("dir"), shape, dtype, *vocab);
-        if (!path.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", path.status().message().c_str()), 2;
-        measured.emplace_back(dtype == "bf16" ? shape : shape + "-" + dtype, *path);
-      }
+    if (const Status st = random_models(&measured); !st.ok()) {
+      return std::fprintf(stderr, "combs-bench gpu: %s\n", st.message().c_str()), 2;
     }
   }
   for (const auto& [shape, file] : measured) {
