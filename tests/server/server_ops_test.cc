@@ -218,10 +218,13 @@ TEST_CASE("a deadline stops the generation and the session keeps what was genera
   // (Seen once in the fresh root: the counter was not yet there.)
   const std::string counter = "combs_requests_total{method=\"Generate\",code=\"DEADLINE_EXCEEDED\"}";
   double deadline_exceeded = -1;
+  std::string scrape;
   for (int tries = 0; tries < 100 && deadline_exceeded < 1; ++tries) {
     if (tries > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    deadline_exceeded = metric(http_get(server.metrics_address, "/metrics"), counter);
+    scrape = http_get(server.metrics_address, "/metrics");
+    deadline_exceeded = metric(scrape, counter);
   }
+  INFO(scrape);  // on failure: which code the call was counted under
   CHECK(deadline_exceeded == 1);
   CHECK(server.stop() == 0);
 }
