@@ -48,6 +48,11 @@ struct ArchSpec {
   bool ff_exp_divided = false;
   bool expert_weights_norm = false;
   bool shared_expert = false;  // qwen2moe: a gated dense FFN beside the experts
+  // gpt-oss: see ModelConfig's fields of the same names. window_required: a file without
+  // attention.sliding_window is refused (llama.cpp reads it as a required key).
+  bool attn_out_bias = false, attn_sinks = false, ffn_norm_post_attention = false;
+  bool expert_softmax_chosen = false, expert_biases = false;
+  bool rope_scaling_swa = false, window_required = false;
 };
 
 constexpr ArchSpec kArchs[] = {
@@ -66,6 +71,12 @@ constexpr ArchSpec kArchs[] = {
     // phi3 (Phi-3, Phi-3.5, Phi-4-mini): llama.cpp v0.5.0 disables its sliding window ("results
     // might be suboptimal"): not read here either, so that both compute the same.
     {.name = "phi3", .rope_style = RopeStyle::kHalves, .gate_up_fused = true},
+    // gpt-oss: even layers windowed (llama.cpp's pattern 2), YaRN on all of them (its swa freq
+    // scale is the global one).
+    {.name = "gpt-oss", .rope_style = RopeStyle::kHalves, .qkv_bias = true, .activation = Activation::kSwigluOai,
+     .swa_pattern = 2, .moe = ArchSpec::kRequired, .attn_out_bias = true, .attn_sinks = true,
+     .ffn_norm_post_attention = true, .expert_softmax_chosen = true, .expert_biases = true,
+     .rope_scaling_swa = true, .window_required = true},
 };
 
 StatusOr<float> get_positive(const gguf::GgufFile& f, const std::string& key, double hi) {
@@ -138,6 +149,12 @@ Status apply_architecture(std::string_view name, ModelConfig* c) {
   c->embed_scale = spec->embed_scale ? std::sqrt(static_cast<float>(c->n_embd)) : 1.0f;
   c->expert_weights_norm = spec->expert_weights_norm;
   c->shared_expert = spec->shared_expert && c->n_expert > 0;
+  c->attn_out_bias = spec->attn_out_bias;
+  c->attn_sinks = spec->attn_sinks;
+  c->ffn_norm_post_attention = spec->ffn_norm_post_attention;
+  c->expert_softmax_chosen = spec->expert_softmax_chosen;
+  c->expert_biases = spec->expert_biases;
+  c->rope_scaling_swa = spec->rope_scaling_swa;
   return ok_status();
 }
 
@@ -227,6 +244,9 @@ StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
   // Sliding window and its layers.
   if (spec->swa_pattern != 0) {
     c.sliding_window = spec->default_window;
+    if (spec->window_required && !f.find(a + "attention.sliding_window")) {
+      return invalid_argument_error(f.path() + ": metadata '" + a + "attention.sliding_window' is missing");
+    }
     if (f.find(a + "attention.sliding_window")) {
       COMBS_ASSIGN_OR_RETURN(c.sliding_window, get_int(f, a + "attention.sliding_window", 0, 1 << 30));
     }
@@ -258,7 +278,8 @@ StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
       COMBS_ASSIGN_OR_RETURN(c.rope_freq_base_swa, get_positive(f, a + "rope.freq_base_swa", 1e12));
     }
   }
-  // RoPE scaling (of the global layers; windowed ones rotate unscaled, as llama.cpp's swa scale 1).
+  // RoPE scaling (of the global layers; windowed ones rotate unscaled, as llama.cpp's swa scale 1,
+  // but where the architecture scales them too).
   std::string scaling = "linear";
   if (f.find(a + "rope.scaling.type")) {
     COMBS_ASSIGN_OR_RETURN(scaling, f.get_string(a + "rope.scaling.type"));
@@ -337,14 +358,22 @@ std::vector<WeightSpec> weight_specs(const ModelConfig& c) {
       s.push_back({blk(i, "attn_k_norm.weight"), {c.head_dim}, true, true});
     }
     s.push_back({blk(i, "attn_output.weight"), {q, e}});
+    if (c.attn_out_bias) s.push_back({blk(i, "attn_output.bias"), {e}, true, true});
+    if (c.attn_sinks) s.push_back({blk(i, "attn_sinks.weight"), {c.n_heads}, true, true});
     if (c.post_norms) s.push_back({blk(i, "post_attention_norm.weight"), {e}, true, true});
-    s.push_back({blk(i, "ffn_norm.weight"), {e}, true, true});
+    s.push_back({blk(i, c.ffn_norm_post_attention ? "post_attention_norm.weight" : "ffn_norm.weight"), {e}, true, true});
     if (c.n_expert > 0) {
       const int64_t n = c.n_expert, fe = c.n_ff_exp;
       s.push_back({blk(i, "ffn_gate_inp.weight"), {e, n}});
       s.push_back({blk(i, "ffn_gate_exps.weight"), {e, fe, n}});
       s.push_back({blk(i, "ffn_up_exps.weight"), {e, fe, n}});
       s.push_back({blk(i, "ffn_down_exps.weight"), {fe, e, n}});
+      if (c.expert_biases) {
+        s.push_back({blk(i, "ffn_gate_inp.bias"), {n}, true, true});
+        s.push_back({blk(i, "ffn_gate_exps.bias"), {fe, n}, true, true});
+        s.push_back({blk(i, "ffn_up_exps.bias"), {fe, n}, true, true});
+        s.push_back({blk(i, "ffn_down_exps.bias"), {e, n}, true, true});
+      }
     }
     if (c.shared_expert) {
       s.push_back({blk(i, "ffn_gate_inp_shexp.weight"), {e}, true, true});
@@ -394,7 +423,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     if (w == "attn_v.bias") return &l.bv;
     if (w == "attn_q_norm.weight") return &l.q_norm;
     if (w == "attn_k_norm.weight") return &l.k_norm;
-    if (w == "post_attention_norm.weight") return &l.post_attn_norm;
+    if (w == "post_attention_norm.weight") return c.ffn_norm_post_attention ? &l.ffn_norm : &l.post_attn_norm;
     if (w == "post_ffw_norm.weight") return &l.post_ffn_norm;
     if (w == "attn_output.weight") return &l.wo;
     if (w == "ffn_norm.weight") return &l.ffn_norm;
@@ -406,6 +435,12 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     if (w == "ffn_up_exps.weight") return &l.up_exps;
     if (w == "ffn_down_exps.weight") return &l.down_exps;
     if (w == "ffn_gate_inp_shexp.weight") return &l.shared_gate;
+    if (w == "attn_output.bias") return &l.bo;
+    if (w == "attn_sinks.weight") return &l.sinks;
+    if (w == "ffn_gate_inp.bias") return &l.router_b;
+    if (w == "ffn_gate_exps.bias") return &l.gate_exps_b;
+    if (w == "ffn_up_exps.bias") return &l.up_exps_b;
+    if (w == "ffn_down_exps.bias") return &l.down_exps_b;
     return nullptr;
   };
   // Weights are copied into one anonymous buffer backed by transparent huge pages: decoding
@@ -485,6 +520,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     a.rope_mscale = mscale;
     a.softcap = c.attn_softcap;
     a.inv_freq = m->inv_freq_[windowed ? 1 : 0].data();
+    if (c.attn_sinks) a.sinks = m->layers[static_cast<size_t>(l)].sinks.data_as<float>();
     m->attention_.push_back(a);
   }
   return m;
@@ -496,7 +532,7 @@ RopeTable rope_table(const ModelConfig& c, bool local, const float* freq_factors
   t.inv_freq.resize(static_cast<size_t>(half));
   cpu::rope_inv_freq(c.rope_dim, local ? c.rope_freq_base_swa : c.rope_freq_base, freq_factors, t.inv_freq.data());
   t.mscale = c.rope_attn_factor;  // whatever the scaling (llama.cpp's yarn_attn_factor *= it always)
-  if (local || c.rope_scaling == RopeScaling::kNone) return t;
+  if ((local && !c.rope_scaling_swa) || c.rope_scaling == RopeScaling::kNone) return t;
   const float freq_scale = 1.0f / c.rope_scale_factor;
   if (c.rope_scaling == RopeScaling::kLinear) {
     for (float& f : t.inv_freq) f *= freq_scale;
@@ -504,7 +540,7 @@ RopeTable rope_table(const ModelConfig& c, bool local, const float* freq_factors
   }
   // YaRN (ggml's rope_yarn, ext_factor 1): pair i mixes the interpolated angle (freq_scale x) and
   // the extrapolated one by a ramp between the correction dimensions of beta_fast and beta_slow.
-  const float base = c.rope_freq_base;
+  const float base = local ? c.rope_freq_base_swa : c.rope_freq_base;
   auto corr_dim = [&](float n_rot) {
     return static_cast<float>(c.rope_dim) *
            std::log(static_cast<float>(c.rope_orig_context) / (n_rot * 2.0f * static_cast<float>(M_PI))) /

@@ -11,6 +11,7 @@ constexpr QuantMix kMixes[] = {
     {"q5_1", DType::kQ5_1, 9},     {"q8_0", DType::kQ8_0, 7},     {"q2_k", DType::kQ2_K, 10},
     {"q3_k_m", DType::kQ3_K, 12},  {"q4_k_m", DType::kQ4_K, 15},  {"q5_k_m", DType::kQ5_K, 17},
     {"q6_k", DType::kQ6_K, 18},    {"iq4_nl", DType::kIQ4_NL, 25}, {"iq4_xs", DType::kIQ4_XS, 30},
+    {"mxfp4_moe", DType::kMXFP4, 38},
 };
 
 // The layer of "blk.N.*", or -1.
@@ -61,6 +62,10 @@ std::string quant_mix_names() {
 DType quant_mix_type(const QuantMix& mix, std::string_view tensor, int64_t row_elems, bool output, int n_layers,
                      int n_gqa, int n_expert) {
   const std::string_view n = mix.name;
+  if (mix.base == DType::kMXFP4) {  // MXFP4_MOE: the experts (3-D tensors) in MXFP4, all else Q8_0
+    const bool experts = tensor.find("_exps.") != std::string_view::npos;
+    return experts && row_elems % 32 == 0 ? DType::kMXFP4 : DType::kQ8_0;
+  }
   const bool whole = row_elems % 256 == 0;
   if (output) return !whole || mix.base == DType::kQ8_0 ? DType::kQ8_0 : DType::kQ6_K;
   const int i = layer_of(tensor);

@@ -89,7 +89,7 @@ int builtin_vocab(gguf::GgufWriter& w, const std::vector<std::string>& extra) {
 
 std::vector<std::string> shape_names() {
   return {"tiny",     "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
-          "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny", "llama-1b", "llama-8b", "qwen3-8b", "gemma3-4b",
+          "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny", "gpt-oss-tiny", "llama-1b", "llama-8b", "qwen3-8b", "gemma3-4b",
           "qwen3-30b-a3b"};
 }
 
@@ -161,6 +161,14 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
   if (name == "mixtral-tiny") {  // llama with experts of width feed_forward_length
     tiny("llama");
     s.n_ff = 256, s.n_expert = 4, s.n_expert_used = 2;
+    return s;
+  }
+  if (name == "gpt-oss-tiny") {  // as gpt-oss-20b: 4 of the experts, even layers windowed, YaRN
+    tiny("gpt-oss");
+    s.n_layers = 4, s.n_heads = 8, s.n_kv_heads = 2, s.head_dim = 64, s.n_ff = 128;
+    s.sliding_window = 8, s.rope_freq_base = 150000.0f;
+    s.rope_scaling = "yarn", s.rope_scale_factor = 4.0f, s.rope_orig_context = 512;
+    s.n_expert = 8, s.n_expert_used = 4, s.n_ff_exp = 128;
     return s;
   }
   if (name == "qwen3-30b-a3b") {  // Qwen3-30B-A3B
@@ -294,14 +302,15 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
     if (is_block_quant(dt) && spec.dims[0] % dtype_block_elems(dt) != 0) dt = DType::kBF16;  // no whole blocks
     const bool is_norm = spec.name.find("norm") != std::string::npos;
     const bool is_bias = spec.name.find(".bias") != std::string::npos;
+    const bool sinks = spec.name.find("attn_sinks") != std::string::npos;  // logits in [-1.5, 2.5)
     // Matrices ~ U with std 1/sqrt(in), norms near 1, small biases, embeddings as ModelShape says.
     const float embd_std = s.embd_std > 0 ? s.embd_std : 1.0f / c.embed_scale;
     // LongRoPE divisors in [1, 3) (short) and [1, 9) (long).
     const float half = factors ? (spec.name.find("long") != std::string::npos ? 4.0f : 1.0f)
-                       : is_norm ? 0.1f : is_bias ? 0.1f
+                       : sinks ? 2.0f : is_norm ? 0.1f : is_bias ? 0.1f
                        : spec.name == "token_embd.weight" ? std::sqrt(3.0f) * embd_std
                                                           : std::sqrt(3.0f / float(spec.dims[0]));
-    const float center = factors ? 1.0f + half : is_norm ? 1.0f : 0.0f;
+    const float center = factors ? 1.0f + half : sinks ? 0.5f : is_norm ? 1.0f : 0.0f;
     const uint64_t seed = name_seed(o.seed, spec.name);
     w.add_tensor(spec.name, spec.dims, dt, [=](void* dst) {
       // Pieces of 2^20 values through a bounded f32 buffer (4 MB: a model's load, measured right

@@ -126,13 +126,15 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
     const LayerAttention& la = m.attention(l);
     cpu::rope(q_.data(), pos_.data(), total, c.n_heads, c.head_dim, c.rope_dim, la.inv_freq, adjacent, la.rope_mscale);
     cpu::rope(k_.data(), pos_.data(), total, c.n_kv_heads, c.head_dim, c.rope_dim, la.inv_freq, adjacent, la.rope_mscale);
-    Status s = attention_batch(batch_, l, q_t, k_t, v_t, AttentionParams(la.scale, la.window, la.softcap), &att_t);
+    AttentionParams params(la.scale, la.window, la.softcap);
+    params.sinks = la.sinks;
+    Status s = attention_batch(batch_, l, q_t, k_t, v_t, params, &att_t);
     if (!s.ok()) {
       // Layer 0 checks and reserves everything, so a later failure is unexpected; undo anyway.
       for (const SeqAttention& b : batch_) b.cache->popn(b.cache->seq_len() - b.pos);
       return s;
     }
-    matmul(w.wo, att_.data(), h);
+    matmul(w.wo, att_.data(), h, bias(w.bo));
     if (c.post_norms) cpu::rms_norm(h, w.post_attn_norm.data_as<float>(), h, total, e, c.rms_eps);
     for (int64_t i = 0; i < total * e; ++i) x[i] += h[i];
     cpu::rms_norm(x, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps);
@@ -149,11 +151,7 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
       }
       matmul(w.w_gate, h, gate_.data());
       matmul(w.w_up, h, up_.data());
-      if (c.activation == Activation::kGeluTanh) {
-        cpu::gelu_tanh_mul(gate_.data(), up_.data(), total * c.n_ff);
-      } else {
-        cpu::silu_mul(gate_.data(), up_.data(), total * c.n_ff);
-      }
+      activate(gate_.data(), up_.data(), total * c.n_ff);
       matmul(w.w_down, gate_.data(), h);
       if (c.shared_expert) {  // experts, then the gated shared expert
         for (int64_t t = 0; t < total; ++t)
@@ -190,12 +188,23 @@ Status Runner::forward(std::span<const SequenceInput> seqs, float* logits, Forwa
   return ok_status();
 }
 
+void Runner::activate(float* gate, const float* up, int64_t n) const {
+  switch (model_->config().activation) {
+    case Activation::kSilu: return cpu::silu_mul(gate, up, n);
+    case Activation::kGeluTanh: return cpu::gelu_tanh_mul(gate, up, n);
+    case Activation::kSwigluOai: return cpu::swiglu_oai_mul(gate, up, n, kSwigluOaiAlpha, kSwigluOaiLimit);
+  }
+}
+
 void Runner::experts(const LayerWeights& w, const float* in, int64_t n, cpu::MatmulPolicy policy, float* out) {
   const ModelConfig& c = model_->config();
   const int64_t e = c.n_embd, k = c.n_expert_used, ff = c.n_ff_exp;
-  cpu::matmul(*backend_, w.router, in, n, router_.data(), nullptr, policy);
+  // An expert's bias row (gpt-oss), or null.
+  auto bias_row = [](const Tensor& b, int x) { return b.defined() ? b.data_as<float>() + x * b.dim(1) : nullptr; };
+  cpu::matmul(*backend_, w.router, in, n, router_.data(), w.router_b.defined() ? w.router_b.data_as<float>() : nullptr,
+              policy);
   cpu::route_experts(router_.data(), n, c.n_expert, static_cast<int>(k), c.expert_weights_norm, expert_ids_.data(),
-                     expert_weights_.data());
+                     expert_weights_.data(), c.expert_softmax_chosen);
   // The (token, slot) pairs grouped by expert, tokens ascending within each: every chosen
   // expert's weights are read once for the step.
   std::vector<int64_t>& start = expert_start_;
@@ -213,10 +222,12 @@ void Runner::experts(const LayerWeights& w, const float* in, int64_t n, cpu::Mat
       const int64_t t = expert_order_[first + r] / k;
       std::copy(in + t * e, in + (t + 1) * e, expert_in_.data() + r * e);
     }
-    cpu::matmul(*backend_, expert(w.gate_exps, x), expert_in_.data(), rows, gate_.data(), nullptr, policy);
-    cpu::matmul(*backend_, expert(w.up_exps, x), expert_in_.data(), rows, up_.data(), nullptr, policy);
-    cpu::silu_mul(gate_.data(), up_.data(), rows * ff);
-    cpu::matmul(*backend_, expert(w.down_exps, x), gate_.data(), rows, expert_in_.data(), nullptr, policy);
+    cpu::matmul(*backend_, expert(w.gate_exps, x), expert_in_.data(), rows, gate_.data(), bias_row(w.gate_exps_b, x),
+                policy);
+    cpu::matmul(*backend_, expert(w.up_exps, x), expert_in_.data(), rows, up_.data(), bias_row(w.up_exps_b, x), policy);
+    activate(gate_.data(), up_.data(), rows * ff);
+    cpu::matmul(*backend_, expert(w.down_exps, x), gate_.data(), rows, expert_in_.data(), bias_row(w.down_exps_b, x),
+                policy);
     for (int64_t r = 0; r < rows; ++r) {
       std::copy(expert_in_.data() + r * e, expert_in_.data() + (r + 1) * e, expert_out_.data() + expert_order_[first + r] * e);
     }

@@ -31,10 +31,11 @@ struct Case {
   DType dtype;
   int64_t window = 0;  // sliding window (0: none)
   float softcap = 0.0f;
+  bool sinks = false;  // a sink logit per query head (gpt-oss)
   std::string describe() const {
     std::ostringstream s;
     s << "n_rep " << n_rep << ", head_dim " << head_dim << ", page_size " << page_size << ", "
-      << dtype_name(dtype) << ", window " << window << ", softcap " << softcap;
+      << dtype_name(dtype) << ", window " << window << ", softcap " << softcap << ", sinks " << sinks;
     return s.str();
   }
 };
@@ -65,11 +66,14 @@ class CrossCheck {
     paged_manual_ = std::move(PagedKVCache::create(*pool_, kCapacity)).value();
     contiguous_ = std::move(ContiguousKVCache::create(backend_, g, kCapacity)).value();
     refs_.assign(kLayers, ReferenceKV(kKvHeads, c.head_dim, c.dtype));
+    // Sinks from far below the scores to far above them (every row's maximum, then).
+    if (c.sinks) sinks_ = rng.floats(kKvHeads * c.n_rep, -8, 8);
   }
 
   void run(int64_t n_new) {
     const int n_q = kKvHeads * c_.n_rep, hd = c_.head_dim;
-    const AttentionParams params(1.0f / std::sqrt(float(hd)), c_.window, c_.softcap);
+    AttentionParams params(1.0f / std::sqrt(float(hd)), c_.window, c_.softcap);
+    if (c_.sinks) params.sinks = sinks_.data();
     const int64_t pos = paged_->seq_len();
     for (int layer = 0; layer < kLayers; ++layer) {
       auto q = rng_.floats(n_new * n_q * hd, -3, 3);  // peaky softmax
@@ -84,7 +88,8 @@ class CrossCheck {
       REQUIRE(attention_batch({&sp, 1}, layer, qt, kt, vt, params, &at, AttentionImpl::kFlash).ok());
       REQUIRE(attention_batch({&sc, 1}, layer, qt, kt, vt, params, &bt, AttentionImpl::kFlash).ok());
       REQUIRE(attention_batch({&sm, 1}, layer, qt, kt, vt, params, &mt, AttentionImpl::kManual).ok());
-      const auto want = refs_[layer].attend(q, k, v, n_q, params.scale, params.window, params.softcap);
+      const auto want = refs_[layer].attend(q, k, v, n_q, params.scale, params.window, params.softcap,
+                                            c_.sinks ? &sinks_ : nullptr);
       INFO("layer " << layer << ", pos " << pos << ", n_new " << n_new);
       REQUIRE(a == b);  // same kernel, pages or not: bit-identical
       require_close(a, want);
@@ -121,6 +126,7 @@ class CrossCheck {
   std::unique_ptr<PagedKVCache> paged_, paged_manual_;
   std::unique_ptr<ContiguousKVCache> contiguous_;
   std::vector<ReferenceKV> refs_;
+  std::vector<float> sinks_;
 };
 
 enum class Chunking { kOneChunk, kSeveralChunks, kTokenByToken };
@@ -187,6 +193,22 @@ TEST_CASE("sliding-window and softcapped attention matches the float64 reference
             scenario({head_dim == 40 ? 1 : 4, head_dim, page_size, dtype, window, softcap}, chunking, rng);
           }
   for (Chunking chunking : {Chunking::kOneChunk, Chunking::kTokenByToken}) scenario({2, 64, 16, DType::kF16, 0, 3.0f}, chunking, rng);
+}
+
+TEST_CASE("attention with sinks matches the float64 reference", "[kv]") {
+  // gpt-oss: a logit per query head in every row's softmax; with and without a window, on the
+  // generic (40) and fast (64, 128) paths and the manual one, every chunking.
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  for (int64_t window : {0, 7})
+    for (int head_dim : {40, 64, 128})
+      for (int n_rep : {1, 4})
+        for (Chunking chunking : {Chunking::kOneChunk, Chunking::kSeveralChunks, Chunking::kTokenByToken}) {
+          const DType dtype = head_dim == 64 ? DType::kBF16 : DType::kF32;
+          Case c{n_rep, head_dim, 16, dtype, window};
+          c.sinks = true;
+          scenario(c, chunking, rng);
+        }
 }
 
 TEST_CASE("batched attention equals one sequence at a time", "[kv]") {

@@ -245,6 +245,17 @@ TEST_CASE("every architecture's missing or inconsistent keys and tensors are ref
   const Status dense = load_patched("qwen3moe-tiny", std::string("\x08\x00\x00\x00\x00\x00\x00\x00qwen3moe", 16),
                                     std::string("\x08\x00\x00\x00\x00\x00\x00\x00qwen3mox", 16));
   CHECK_THAT(dense.message(), Catch::Contains("'qwen3mox' is not supported") && Catch::Contains("qwen3moe"));
+  // gpt-oss: sinks, the experts' and the attention output's biases, the FFN norm (stored as
+  // post_attention_norm) and the window are required.
+  for (const char* tensor : {"blk.2.attn_sinks.weight", "blk.1.ffn_up_exps.bias", "blk.3.ffn_gate_inp.bias",
+                             "blk.0.attn_output.bias", "blk.1.post_attention_norm.weight"}) {
+    std::string bad = tensor;
+    bad[bad.size() - 3] = 'X';
+    const Status missing = load_patched("gpt-oss-tiny", tensor, bad);
+    CHECK_THAT(missing.message(), Catch::Contains(tensor) && Catch::Contains("missing"));
+  }
+  const Status no_window = load_patched("gpt-oss-tiny", "gpt-oss.attention.sliding_window", "gpt-oss.attention.sliding_windoX");
+  CHECK_THAT(no_window.message(), Catch::Contains("gpt-oss.attention.sliding_window") && Catch::Contains("missing"));
 }
 
 namespace {

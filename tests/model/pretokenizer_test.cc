@@ -5,8 +5,11 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <fstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "combs/model/pretokenizer.h"
 #include "support/random.h"
@@ -140,4 +143,27 @@ TEST_CASE("pre-tokenizers stay bounded on long and adversarial text", "[tokenize
       words(**p, text);  // covers the text, in order (a limit hit leaves a word uncut, never a gap)
     }
   }
+}
+
+TEST_CASE("the gpt-4o pre-tokenizer (gpt-oss) cuts as o200k's published expression does", "[tokenizer]") {
+  // tests/data/vocab/gpt-4o.words.jsonl (tests/reference/pretokenize_gpt4o.py): the words Python's
+  // regex module finds with the expression of o200k's tokenizer.json, on llama.cpp's tokenizer
+  // test texts and gpt-oss's Harmony markup.
+  std::ifstream in(std::string(COMBS_TEST_DATA_DIR) + "/vocab/gpt-4o.words.jsonl");
+  REQUIRE(in.good());
+  auto fast = PreTokenizer::create("gpt-4o");
+  auto regex = PreTokenizer::create("gpt-4o", PreTokenizer::Matcher::kRegex);
+  REQUIRE(fast.ok());
+  REQUIRE(regex.ok());
+  int cases = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    const std::string text = j.at("text");
+    const std::vector<std::string> want = j.at("words");
+    INFO("'" << text << "'");
+    CHECK(words(**fast, text) == want);
+    CHECK(words(**regex, text) == want);
+    ++cases;
+  }
+  CHECK(cases >= 60);
 }

@@ -213,8 +213,8 @@ TEST_CASE("on every architecture the runner predicts llama.cpp's greedy tokens u
     ++cases;
   }
   CHECK(shapes == std::set<std::string>{"qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
-                                        "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny"});
-  CHECK(cases == 57);
+                                        "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny", "gpt-oss-tiny"});
+  CHECK(cases == 66);
 }
 
 TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[model][quant]") {
@@ -245,9 +245,10 @@ TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[m
 }
 
 // Every architecture's tiny shape (random_model.h): 24 tokens cross the windows of 8 keys; the
-// mixtures of experts route each token to 2 of 4 or 8 experts.
-const char* const kArchShapes[] = {"tiny",      "qwen2-tiny",    "qwen3-tiny",    "gemma2-tiny",  "gemma3-tiny",
-                                   "llama-yarn-tiny", "phi3-tiny", "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny"};
+// mixtures of experts route each token to 2 of 4 or 8 experts (gpt-oss: 4 of 8).
+const char* const kArchShapes[] = {"tiny",          "qwen2-tiny",    "qwen3-tiny",   "gemma2-tiny",
+                                   "gemma3-tiny",   "llama-yarn-tiny", "phi3-tiny",  "qwen3moe-tiny",
+                                   "qwen2moe-tiny", "mixtral-tiny",  "gpt-oss-tiny"};
 
 TEST_CASE("runner logits agree with the float64 reference in every weight dtype", "[model]") {
   Rng rng(test_seed());
@@ -331,7 +332,7 @@ TEST_CASE("a batch equals its sequences one at a time", "[model]") {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());
   // (The mixtures of experts: a step's tokens meet in the experts they share, in other groupings.)
-  for (const char* shape : {"tiny", "gemma2-tiny", "gemma3-tiny", "qwen3moe-tiny", "qwen2moe-tiny"}) {
+  for (const char* shape : {"tiny", "gemma2-tiny", "gemma3-tiny", "qwen3moe-tiny", "qwen2moe-tiny", "gpt-oss-tiny"}) {
   INFO(shape);
   TinyModel m(shape, DType::kBF16, 7, RunnerOptions{.batch_invariant = true});
   const int n_seqs = 3, V = m.n_vocab();
@@ -459,6 +460,47 @@ TEST_CASE(
   CHECK(ids[1] == 3);
   CHECK(w[0] == 1.0f);
   CHECK(w[1] == 0.0f);
+}
+
+TEST_CASE("gpt-oss routing: the top k by logit, weighted by a softmax over those k alone", "[model]") {
+  std::vector<int32_t> ids(4);
+  std::vector<float> w(4);
+  // Experts 1 and 3 (3.0 and 2.0; 1.0 and -4.0 left out): e^3 / (e^3 + e^2), e^2 / (e^3 + e^2),
+  // not their shares of the whole softmax; normalize has no say.
+  const float z[4] = {1.0f, 3.0f, -4.0f, 2.0f};
+  for (bool normalize : {false, true}) {
+    cpu::route_experts(z, 1, 4, 2, normalize, ids.data(), w.data(), /*softmax_chosen=*/true);
+    CHECK(ids[0] == 1);
+    CHECK(ids[1] == 3);
+    CHECK(w[0] == Approx(1.0 / (1.0 + std::exp(-1.0))));
+    CHECK(w[1] == Approx(1.0 / (1.0 + std::exp(1.0))));
+  }
+  // Ties to the lower id; k = 1: weight 1 whatever the logit.
+  const float tie[4] = {-50.0f, 5.0f, 5.0f, 5.0f};
+  cpu::route_experts(tie, 1, 4, 1, false, ids.data(), w.data(), true);
+  CHECK(ids[0] == 1);
+  CHECK(w[0] == 1.0f);
+  // k = n_expert: the softmax of all, ordered by logit; far-apart logits stay finite.
+  const float far[4] = {-1000.0f, 1000.0f, 0.0f, 80.0f};
+  cpu::route_experts(far, 1, 4, 4, false, ids.data(), w.data(), true);
+  CHECK(std::vector<int32_t>(ids.begin(), ids.end()) == std::vector<int32_t>{1, 3, 2, 0});
+  CHECK(w[0] == 1.0f);
+  CHECK(w[3] == 0.0f);
+}
+
+TEST_CASE("gpt-oss's clamped SwiGLU follows its formula at and beyond the clamps", "[model]") {
+  // g = min(gate, 7), u = clamp(up, -7, 7): g sigmoid(1.702 g) (u + 1).
+  const std::vector<float> gate = {-3.0f, 0.0f, 1.0f, 7.0f, 20.0f, 2.0f, 2.0f};
+  const std::vector<float> up = {0.5f, 4.0f, -1.0f, 0.0f, 1.0f, 30.0f, -30.0f};
+  std::vector<float> out = gate;
+  cpu::swiglu_oai_mul(out.data(), up.data(), static_cast<int64_t>(out.size()), kSwigluOaiAlpha, kSwigluOaiLimit);
+  for (size_t i = 0; i < gate.size(); ++i) {
+    const double g = std::min<double>(gate[i], 7.0), u = std::clamp<double>(up[i], -7.0, 7.0);
+    INFO(i);
+    CHECK(out[i] == Approx(g / (1.0 + std::exp(-1.702 * g)) * (u + 1.0)).margin(1e-6));
+  }
+  CHECK(out[4] == out[3] * 2.0f);  // gate clamped at 7 (u + 1 = 2 vs 1)
+  CHECK(out[2] == 0.0f);           // u = -1
 }
 
 TEST_CASE(

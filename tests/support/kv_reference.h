@@ -32,10 +32,11 @@ class ReferenceKV {
 
   // k, v: [n_new, n_kv, hd]; q: [n_new, n_q, hd]. Appends, then returns [n_new, n_q, hd].
   // window > 0: the query at position p sees keys p - window < key <= p; softcap > 0: scores
-  // become softcap * tanh(score / softcap).
+  // become softcap * tanh(score / softcap); sinks (n_q logits): each joins its head's softmax
+  // denominators with no value.
   std::vector<double> attend(const std::vector<float>& q, const std::vector<float>& k,
                              const std::vector<float>& v, int n_q, double scale, int64_t window = 0,
-                             double softcap = 0) {
+                             double softcap = 0, const std::vector<float>* sinks = nullptr) {
     const int64_t n_new = static_cast<int64_t>(k.size()) / (n_kv_ * hd_);
     const int64_t pos = len();
     for (float x : k) k_.push_back(round_to(dtype_, x));
@@ -57,7 +58,8 @@ class ReferenceKV {
           if (softcap > 0) s[p] = softcap * std::tanh(s[p] / softcap);
           mx = std::max(mx, s[p]);
         }
-        double sum = 0;
+        if (sinks) mx = std::max(mx, double((*sinks)[h]));
+        double sum = sinks ? std::exp((*sinks)[h] - mx) : 0.0;
         for (int64_t p = first; p <= last; ++p) sum += (s[p] = std::exp(s[p] - mx));
         for (int64_t p = first; p <= last; ++p)
           for (int e = 0; e < hd_; ++e)

@@ -3,8 +3,9 @@
 // from scratch, logits for every position. It follows the config's architecture traits with the
 // formulas of the papers and llama.cpp's graphs (not the runner's code): embedding scale, q/k
 // RMSNorm, RoPE with its own base on windowed layers and linear / YaRN scaling (ggml's rope_yarn),
-// sliding windows, score and logit softcapping, post-sublayer norms, SwiGLU or tanh-GELU, and
-// mixtures of experts (softmax routing, top-k, shared experts).
+// sliding windows, score and logit softcapping, attention sinks, post-sublayer norms, SwiGLU,
+// tanh-GELU or gpt-oss's clamped SwiGLU, and mixtures of experts (softmax routing, top-k, shared
+// experts; gpt-oss's top-k-then-softmax routing and biases).
 #pragma once
 
 #include <algorithm>
@@ -53,7 +54,9 @@ class ReferenceModel {
       } else {
         wq = matrix(b + "attn_q.weight"), wk = matrix(b + "attn_k.weight"), wv = matrix(b + "attn_v.weight");
       }
-      const auto attn_norm = vec(b + "attn_norm.weight"), ffn_norm = vec(b + "ffn_norm.weight");
+      const auto attn_norm = vec(b + "attn_norm.weight");
+      const auto ffn_norm = vec(b + (c_.ffn_norm_post_attention ? "post_attention_norm.weight" : "ffn_norm.weight"));
+      const auto sinks = c_.attn_sinks ? vec(b + "attn_sinks.weight") : std::vector<double>{};
       for (int t = 0; t < n; ++t) {
         const auto h = rms_norm(x[t], attn_norm);
         q[t] = matvec(wq, h);
@@ -87,12 +90,15 @@ class ReferenceModel {
             if (c_.attn_softcap > 0) s[p] = c_.attn_softcap * std::tanh(s[p] / c_.attn_softcap);
             mx = std::max(mx, s[p]);
           }
-          double sum = 0;
+          // A sink: its logit joins the softmax's denominator, with no value.
+          if (!sinks.empty()) mx = std::max(mx, sinks[h2]);
+          double sum = sinks.empty() ? 0.0 : std::exp(sinks[h2] - mx);
           for (int p = first; p <= t; ++p) sum += (s[p] = std::exp(s[p] - mx));
           for (int p = first; p <= t; ++p)
             for (int i = 0; i < hd; ++i) att[h2 * hd + i] += s[p] / sum * v[p][g * hd + i];
         }
         auto o = matvec(wo, att);
+        if (c_.attn_out_bias) add(o, vec(b + "attn_output.bias"));
         if (c_.post_norms) o = rms_norm(o, vec(b + "post_attention_norm.weight"));
         add(x[t], o);
       }
@@ -135,29 +141,50 @@ class ReferenceModel {
  private:
   // The gated FFN down(act(gate h) * up h); without a gate matrix, up holds the gate's rows then
   // the up's (phi3).
+  // Biases (gpt-oss's experts): added to gate h, up h and the output where given.
   std::vector<double> ffn(std::vector<std::vector<double>> up, const std::vector<std::vector<double>>& down,
-                          std::vector<std::vector<double>> gate, const std::vector<double>& h) const {
+                          std::vector<std::vector<double>> gate, const std::vector<double>& h,
+                          const double* gate_b = nullptr, const double* up_b = nullptr,
+                          const double* down_b = nullptr) const {
     if (gate.empty()) {
       const size_t half = up.size() / 2;
       gate.assign(up.begin(), up.begin() + half);
       up.erase(up.begin(), up.begin() + half);
     }
     auto g = matvec(gate, h);
-    const auto u = matvec(up, h);
+    auto u = matvec(up, h);
     for (size_t i = 0; i < g.size(); ++i) {
+      if (gate_b) g[i] += gate_b[i];
+      if (up_b) u[i] += up_b[i];
       const double z = g[i];
-      g[i] = c_.activation == Activation::kGeluTanh
-                 ? 0.5 * z * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (z + 0.044715 * z * z * z))) * u[i]
-                 : z / (1.0 + std::exp(-z)) * u[i];
+      switch (c_.activation) {
+        case Activation::kGeluTanh:
+          g[i] = 0.5 * z * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (z + 0.044715 * z * z * z))) * u[i];
+          break;
+        case Activation::kSwigluOai: {  // gpt-oss: alpha 1.702, limit 7
+          const double x = std::min(z, 7.0), y = std::clamp(u[i], -7.0, 7.0);
+          g[i] = x / (1.0 + std::exp(-1.702 * x)) * (y + 1.0);
+          break;
+        }
+        case Activation::kSilu: g[i] = z / (1.0 + std::exp(-z)) * u[i]; break;
+      }
     }
-    return matvec(down, g);
+    auto y = matvec(down, g);
+    if (down_b) {
+      for (size_t i = 0; i < y.size(); ++i) y[i] += down_b[i];
+    }
+    return y;
   }
 
   // The mixture of experts of layer prefix b on h: softmax of the router's scores, the
   // n_expert_used most probable (ties: the lower id), their FFNs weighted by their probabilities
   // (renormalized where the config says).
+  // gpt-oss (expert_softmax_chosen): the top k by the router's biased logits, weighted by the
+  // softmax of those k; its experts add their biases.
   std::vector<double> experts(const std::string& b, const std::vector<double>& h) const {
     auto p = matvec(matrix(b + "ffn_gate_inp.weight"), h);
+    if (c_.expert_biases) add(p, vec(b + "ffn_gate_inp.bias"));
+    const std::vector<double> logits = p;
     const double mx = *std::max_element(p.begin(), p.end());
     double sum = 0;
     for (double& z : p) sum += (z = std::exp(z - mx));
@@ -168,12 +195,21 @@ class ReferenceModel {
     ids.resize(c_.n_expert_used);
     double chosen = 0;
     for (int i : ids) chosen += p[i];
+    double chosen_exp = 0;  // the k chosen logits' softmax denominator (gpt-oss)
+    for (int i : ids) chosen_exp += std::exp(logits[i] - logits[ids[0]]);
+    std::vector<std::vector<double>> gb, ub, db;
+    if (c_.expert_biases) {
+      gb = matrix(b + "ffn_gate_exps.bias"), ub = matrix(b + "ffn_up_exps.bias"), db = matrix(b + "ffn_down_exps.bias");
+    }
     std::vector<double> y(h.size(), 0.0);
     for (int i : ids) {
       const int64_t ff = c_.n_ff_exp;
       const auto out = ffn(matrix(b + "ffn_up_exps.weight", i * ff, ff), matrix(b + "ffn_down_exps.weight", i * h.size(), h.size()),
-                           matrix(b + "ffn_gate_exps.weight", i * ff, ff), h);
-      const double w = c_.expert_weights_norm ? p[i] / chosen : p[i];
+                           matrix(b + "ffn_gate_exps.weight", i * ff, ff), h, gb.empty() ? nullptr : gb[i].data(),
+                           ub.empty() ? nullptr : ub[i].data(), db.empty() ? nullptr : db[i].data());
+      const double w = c_.expert_softmax_chosen ? std::exp(logits[i] - logits[ids[0]]) / chosen_exp
+                       : c_.expert_weights_norm ? p[i] / chosen
+                                                : p[i];
       for (size_t j = 0; j < y.size(); ++j) y[j] += w * out[j];
     }
     return y;
@@ -267,15 +303,15 @@ class ReferenceModel {
     const auto y = rms_norm(std::vector<double>(h, h + c_.head_dim), w);
     std::copy(y.begin(), y.end(), h);
   }
-  // RoPE at `pos`: windowed (local) layers with their own base, unscaled; the others with the
-  // file's scaling. Linear: every angle times 1/factor. YaRN (ggml's rope_yarn, ext_factor 1):
+  // RoPE at `pos`: windowed (local) layers with their own base, unscaled (but where
+  // rope_scaling_swa: gpt-oss); the others with the file's scaling. Linear: every angle times 1/factor. YaRN (ggml's rope_yarn, ext_factor 1):
   // each pair's angle blends the interpolated and the original one by a ramp between the
   // correction dimensions of beta_fast and beta_slow, and the rotated values are multiplied by
   // attn_factor * (1 + 0.1 ln factor).
   void rope(double* v, int pos, bool local) const {
     const int d = c_.rope_dim, half = d / 2;
     const double base = local ? c_.rope_freq_base_swa : c_.rope_freq_base;
-    const RopeScaling scaling = local ? RopeScaling::kNone : c_.rope_scaling;
+    const RopeScaling scaling = local && !c_.rope_scaling_swa ? RopeScaling::kNone : c_.rope_scaling;
     const double fs = 1.0 / c_.rope_scale_factor;
     double mscale = c_.rope_attn_factor;  // llama.cpp multiplies every rotation by it
     double low = 0, high = 0;

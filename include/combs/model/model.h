@@ -11,7 +11,10 @@
 // gemma2 with q/k norms instead of the attention softcap, five of six layers sliding-window with
 // their own RoPE base) and `phi3` (Q/K/V fused in attn_qkv, gate and up in ffn_up, partial rotary,
 // LongRoPE factors); with a mixture of experts as the FFN: `qwen3moe` (qwen3's attention),
-// `qwen2moe` (qwen2's, and a shared expert) and `llama` files with expert_count (Mixtral). Standard llama.cpp tensor names and metadata keys, read as llama.cpp reads
+// `qwen2moe` (qwen2's, and a shared expert), `llama` files with expert_count (Mixtral) and
+// `gpt-oss` (biases on Q/K/V, the attention output, the router and every expert; attention sinks;
+// top-k-then-softmax routing; the clamped SwiGLU; every other layer windowed, all YaRN-scaled).
+// Standard llama.cpp tensor names and metadata keys, read as llama.cpp reads
 // them (its gemma converters store norm weights already offset by one, so they load unchanged). Weights keep their own dtype (F32, F16, BF16
 // or any block type) and are copied from the file into huge-page memory at load; norms and biases are F32.
 //
@@ -38,9 +41,12 @@ enum class RopeStyle : uint8_t {
 };
 
 enum class Activation : uint8_t {
-  kSilu,      // SwiGLU: silu(gate) * up
-  kGeluTanh,  // GeGLU: gelu(gate) * up, tanh approximation (gemma)
+  kSilu,       // SwiGLU: silu(gate) * up
+  kGeluTanh,   // GeGLU: gelu(gate) * up, tanh approximation (gemma)
+  kSwigluOai,  // gpt-oss: g = min(gate, 7), u = clamp(up, -7, 7): g * sigmoid(1.702 g) * (u + 1)
 };
+// gpt-oss's clamped SwiGLU (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants).
+inline constexpr float kSwigluOaiAlpha = 1.702f, kSwigluOaiLimit = 7.0f;
 // RoPE context scaling ({arch}.rope.scaling.type): angles divided by the factor (linear), or
 // YaRN's per-frequency blend of interpolated and extrapolated angles with its magnitude scale.
 enum class RopeScaling : uint8_t { kNone, kLinear, kYarn };
@@ -66,6 +72,11 @@ struct ModelConfig {
   bool qkv_fused = false;    // the file has attn_qkv (Q, K, V rows in one tensor) for attn_q/k/v
   bool gate_up_fused = false;  // ffn_up holds the gate's rows then the up's (phi3), no ffn_gate
   bool rope_factors_long = false;  // LongRoPE: the long factors (context_length > rope_orig_context)
+  bool attn_out_bias = false;  // attn_output.bias (gpt-oss)
+  bool attn_sinks = false;     // attn_sinks.weight: a logit per query head in every softmax (gpt-oss)
+  // The FFN's input norm is stored as post_attention_norm (gpt-oss, whose converter names it after
+  // Hugging Face's post_attention_layernorm), not ffn_norm.
+  bool ffn_norm_post_attention = false;
   Activation activation = Activation::kSilu;
   float embed_scale = 1.0f;    // the embeddings are multiplied by this (gemma: sqrt(n_embd))
   float attn_scale = 0.0f;     // the scores' scale: 1/sqrt(head_dim), or what the architecture implies
@@ -77,7 +88,8 @@ struct ModelConfig {
   int sliding_window = 0;              // {arch}.attention.sliding_window; 0: none
   std::vector<uint8_t> layer_windowed;  // per layer ({arch}.attention.sliding_window_pattern)
   float rope_freq_base_swa = 10000.0f;  // {arch}.rope.freq_base_swa
-  RopeScaling rope_scaling = RopeScaling::kNone;  // of the global (not windowed) layers
+  RopeScaling rope_scaling = RopeScaling::kNone;  // of the global layers (and windowed ones where rope_scaling_swa)
+  bool rope_scaling_swa = false;       // windowed layers scaled as the global ones (gpt-oss); else unscaled
   float rope_scale_factor = 1.0f;      // {arch}.rope.scaling.factor
   int64_t rope_orig_context = 0;       // {arch}.rope.scaling.original_context_length (YaRN)
   float rope_attn_factor = 1.0f;       // {arch}.rope.scaling.attn_factor
@@ -87,12 +99,16 @@ struct ModelConfig {
   // n_expert_used most probable (ties: the lower id) run, and their outputs are summed weighted by
   // their probabilities, renormalized to sum 1 where expert_weights_norm. shared_expert
   // (qwen2moe): a dense FFN of width n_ff runs beside them (the *_shexp tensors), its output
-  // scaled by sigmoid(ffn_gate_inp_shexp . x).
+  // scaled by sigmoid(ffn_gate_inp_shexp . x). expert_softmax_chosen (gpt-oss): the top k by the
+  // router's logits, weighted by a softmax over those k alone. expert_biases (gpt-oss): the router
+  // and every expert's projections add a bias (ffn_gate_inp.bias, ffn_{gate,up,down}_exps.bias).
   int n_expert = 0;        // {arch}.expert_count
   int n_expert_used = 0;   // {arch}.expert_used_count
   int n_ff_exp = 0;        // {arch}.expert_feed_forward_length (the architecture's default otherwise)
   bool expert_weights_norm = false;
   bool shared_expert = false;
+  bool expert_softmax_chosen = false;
+  bool expert_biases = false;
 
   // Whether layers have a dense FFN (w_gate, w_up, w_down of width n_ff): every model without
   // experts, and the shared expert of one with.
@@ -126,6 +142,10 @@ struct LayerWeights {
   // the shared expert.)
   Tensor router, gate_exps, up_exps, down_exps;
   Tensor shared_gate;
+  // gpt-oss: the attention output's bias [n_embd], the sinks [n_heads], the router's bias
+  // [n_expert] and the experts' biases [n_expert, n_ff_exp] (gate, up) and [n_expert, n_embd] (down).
+  Tensor bo, sinks;
+  Tensor router_b, gate_exps_b, up_exps_b, down_exps_b;
 };
 
 // Expert `i` of a stacked [n_expert, out, in] tensor as an [out, in] matrix (a view).
@@ -142,6 +162,7 @@ struct LayerAttention {
   int window = 0;
   float softcap = 0.0f;
   const float* inv_freq = nullptr;
+  const float* sinks = nullptr;  // n_heads logits (host memory), where the model has them
 };
 
 class Model {

@@ -30,6 +30,7 @@ std::string quant_mix_names();
 // layer count, query heads per KV head and experts (8 experts: llama.cpp's Mixtral rules, attn_k
 // and attn_v in Q8_0, attn_output in Q5_K; experts' ffn_down as a dense one's). Rows that are not whole 256-element blocks get llama.cpp's
 // fallbacks (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0, IQ4_XS -> IQ4_NL).
+// mxfp4_moe (gpt-oss's files): the experts in MXFP4, every other matrix (output included) in Q8_0.
 DType quant_mix_type(const QuantMix& mix, std::string_view tensor, int64_t row_elems, bool output, int n_layers,
                      int n_gqa, int n_expert = 0);
 

@@ -97,6 +97,8 @@ class Runner final : public ModelRunner {
   // The mixture of experts of layer w on n normalized rows `in`: route, run each chosen expert on
   // its tokens, and write every token's weighted sum of its experts to out [n, n_embd].
   void experts(const LayerWeights& w, const float* in, int64_t n, cpu::MatmulPolicy policy, float* out);
+  // gate[i] = act(gate[i]) * up[i] by the model's activation, for n values.
+  void activate(float* gate, const float* up, int64_t n) const;
 
   const Model* model_;
   CpuBackend* backend_;

@@ -263,8 +263,15 @@ void silu_mul(float* gate, const float* up, int64_t n) {
   for (int64_t i = 0; i < n; ++i) gate[i] = silu(gate[i]) * up[i];
 }
 
+void swiglu_oai_mul(float* gate, const float* up, int64_t n, float alpha, float limit) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = std::min(gate[i], limit), u = std::clamp(up[i], -limit, limit);
+    gate[i] = g / (1.0f + std::exp(-alpha * g)) * (u + 1.0f);
+  }
+}
+
 void route_experts(const float* logits, int64_t n, int n_expert, int k, bool normalize, int32_t* ids,
-                   float* weights) {
+                   float* weights, bool softmax_chosen) {
   std::vector<float> p(static_cast<size_t>(n_expert));
   std::vector<int32_t> order(static_cast<size_t>(n_expert));
   for (int64_t t = 0; t < n; ++t) {
@@ -277,6 +284,15 @@ void route_experts(const float* logits, int64_t n, int n_expert, int k, bool nor
     // Ranked by score (softmax keeps the order, and probabilities that underflow to 0 do not tie).
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+    if (softmax_chosen) {  // the chosen logits' own softmax (the first is the largest)
+      float sum = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        ids[t * k + j] = order[static_cast<size_t>(j)];
+        sum += (weights[t * k + j] = std::exp(z[order[static_cast<size_t>(j)]] - z[order[0]]));
+      }
+      for (int j = 0; j < k; ++j) weights[t * k + j] /= sum;
+      continue;
+    }
     float chosen = 0.0f;
     for (int j = 0; j < k; ++j) {
       ids[t * k + j] = order[static_cast<size_t>(j)];

@@ -99,6 +99,23 @@ struct Problem {
   float scale;
   int64_t window;  // 0: none
   float softcap;   // 0: none
+  const float* sinks;  // null: none
+
+  // 1 / the softmax's denominator of row r of item `it` whose running maximum is m and sum l;
+  // with a sink, its e^{sink} joins the sum and acc [hd] is rescaled where it raises the maximum.
+  float denominator_inv(const Item& it, int64_t r, float m, float l, float* acc) const {
+    if (sinks != nullptr) {
+      const float sink = sinks[int64_t{it.g} * n_rep + r % n_rep];
+      if (sink > m) {
+        const float c = std::exp(m - sink);
+        for (int d = 0; d < hd; ++d) acc[d] *= c;
+        l = l * c + 1.0f;
+      } else {
+        l += std::exp(sink - m);
+      }
+    }
+    return 1.0f / l;
+  }
 
   // The first key a query whose last visible key is `horizon` sees.
   int64_t first_key(int64_t horizon) const { return window > 0 ? std::max<int64_t>(0, horizon - window + 1) : 0; }
@@ -206,7 +223,7 @@ void flash_item(const Problem& pb, const Item& it, Scratch& sc) {
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* acc = sc.acc.data() + r * hd;
-    const float inv = 1.0f / sc.l[r];
+    const float inv = pb.denominator_inv(it, it.r0 + r, sc.m[r], sc.l[r], acc);
     for (int d = 0; d < hd; ++d) acc[d] *= inv;
     pb.store_row(it, it.r0 + r, acc);
   }
@@ -232,8 +249,10 @@ void manual_item(const Problem& pb, const Item& it, Scratch& sc) {
     const int64_t horizon = it.seq->pos + (it.r0 + r) / pb.n_rep;
     for (int64_t p = horizon + 1; p < total; ++p) srow[p] = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < pb.first_key(horizon); ++p) srow[p] = -std::numeric_limits<float>::infinity();
-    const float mx = *std::max_element(srow, srow + total);
-    float sum = 0.0f;
+    const float sink = pb.sinks ? pb.sinks[int64_t{it.g} * pb.n_rep + (it.r0 + r) % pb.n_rep]
+                                : -std::numeric_limits<float>::infinity();
+    const float mx = std::max(sink, *std::max_element(srow, srow + total));
+    float sum = pb.sinks ? std::exp(sink - mx) : 0.0f;
     for (int64_t p = 0; p < total; ++p) sum += (srow[p] = std::exp(srow[p] - mx));
     for (int64_t p = 0; p < total; ++p) srow[p] /= sum;
     std::fill(o.begin(), o.end(), 0.0f);
@@ -434,7 +453,7 @@ class HeadPass {
     const int hd = pb_->hd;
     for (int r = 0; r < rows_; ++r) {
       float* ar = acc_ + r * hd;
-      const float inv = 1.0f / l_[r];
+      const float inv = pb_->denominator_inv(it_, it_.r0 + r, m_[r], l_[r], ar);
       for (int d = 0; d < hd; ++d) ar[d] *= inv;
       pb_->store_row(it_, it_.r0 + r, ar);
     }
@@ -534,6 +553,7 @@ void attention(CpuBackend& backend, std::span<const SeqWork> seqs, int n_kv_head
   pb.scale = params.scale;
   pb.window = params.window;
   pb.softcap = params.softcap;
+  pb.sinks = params.sinks;
   // Rows of one item: the manual path keeps a whole sequence (its scores matrix is the point).
   auto block_of = [&](const SeqWork& s) {
     return impl == AttentionImpl::kFlash ? int64_t{kRowBlock} : std::max<int64_t>(1, s.n_new * pb.n_rep);

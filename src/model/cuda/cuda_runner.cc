@@ -280,6 +280,15 @@ Status matmul_split(CudaBackend& b, const WeightStack& w, const void* x, int64_t
 }  // namespace
 
 StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, CudaRunnerOptions options) {
+  {
+    const ModelConfig& c = model.config();
+    if (c.attn_sinks || c.attn_out_bias || c.expert_biases || c.expert_softmax_chosen ||
+        c.activation == Activation::kSwigluOai) {
+      return unimplemented_error("cuda: " + c.arch_name +
+                                 " (attention sinks, the attention output's and the experts' biases, "
+                                 "top-k-then-softmax routing, the clamped SwiGLU) runs on the CPU only");
+    }
+  }
   auto impl = std::make_unique<Impl>();
   impl->use_graphs = options.cuda_graphs;
   COMBS_ASSIGN_OR_RETURN(impl->backend, CudaBackend::create({.device = options.device}));

@@ -47,12 +47,17 @@ void silu_mul(float* gate, const float* up, int64_t n);
 // gate[i] = gelu(gate[i]) * up[i], GELU's tanh approximation:
 // gelu(x) = x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))).
 void gelu_tanh_mul(float* gate, const float* up, int64_t n);
-// Mixture-of-experts routing of n tokens (llama.cpp's build_moe_ffn with softmax gating): from
-// the router's logits [n, n_expert], each token's k most probable experts (softmax over all;
-// descending by score, ties to the lower id) into ids [n, k] and their probabilities into weights [n, k],
-// divided by their sum (at least 2^-14, as llama.cpp clamps it) where `normalize`.
+// gate[i] = swiglu_oai(gate[i], up[i]) (gpt-oss): with g = min(gate, limit) and
+// u = clamp(up, -limit, limit), g * sigmoid(alpha g) * (u + 1) — ggml's swiglu_oai.
+void swiglu_oai_mul(float* gate, const float* up, int64_t n, float alpha, float limit);
+// Mixture-of-experts routing of n tokens (llama.cpp's build_moe_ffn): from the router's logits
+// [n, n_expert], each token's k highest-scoring experts (descending, ties to the lower id) into
+// ids [n, k] and their weights into weights [n, k]. The weights: their probabilities under a
+// softmax over all experts, divided by their sum (at least 2^-14, as llama.cpp clamps it) where
+// `normalize`; or, with `softmax_chosen` (gpt-oss: llama.cpp's SOFTMAX_WEIGHT gating), a softmax
+// over the k chosen logits alone.
 void route_experts(const float* logits, int64_t n, int n_expert, int k, bool normalize, int32_t* ids,
-                   float* weights);
+                   float* weights, bool softmax_chosen = false);
 
 // x[i] = cap * tanh(x[i] / cap) (cap > 0).
 void softcap(float* x, int64_t n, float cap);
