@@ -163,7 +163,7 @@ uint64_t fnv1a_of_file(const std::string& path) {
 TEST_CASE("on block-quantized files the runner predicts llama.cpp's greedy tokens under teacher forcing",
           "[model][quant]") {
   // tests/data/models/llama_cpp_greedy.txt: file|prompt ids|continuation ids. The files: made by
-  // llama.cpp's llama-quantize, and gemma3 / phi3 written by its gguf-py (README.md there).
+  // llama.cpp's llama-quantize, and gemma3, phi3, qwen3moe and gpt-oss written by its gguf-py (README.md there).
   std::ifstream in(std::string(COMBS_TEST_DATA_DIR) + "/models/llama_cpp_greedy.txt");
   REQUIRE(in.good());
   int cases = 0;
@@ -178,7 +178,7 @@ TEST_CASE("on block-quantized files the runner predicts llama.cpp's greedy token
     check_teacher_forced(m, ids_of(f[1]), want);
     ++cases;
   }
-  CHECK(cases == 12);
+  CHECK(cases == 18);
 }
 
 TEST_CASE("on every architecture the runner predicts llama.cpp's greedy tokens under teacher forcing", "[model]") {

@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
-"""Writes random-weight gemma3 and phi3 GGUFs with llama.cpp's own writer, gguf-py (from the
-node-llama-cpp bundle: bench/peer/build.sh source), laid out and keyed as its converters write
-them: tests/data/models/{gemma3,phi3}-gguf-py.gguf (tests/data/models/README.md).
+"""Writes random-weight gemma3, phi3, qwen3moe and gpt-oss GGUFs with llama.cpp's own writer,
+gguf-py (from the node-llama-cpp bundle: bench/peer/build.sh source), laid out and keyed as its
+converters write them: tests/data/models/{gemma3,phi3,qwen3moe,gpt-oss}-gguf-py.gguf
+(tests/data/models/README.md).
 
   PYTHONPATH=~/.cache/combs-peer/llama.cpp/gguf-py python3 tests/reference/write_gguf_py_models.py OUT_DIR
 
 Q8_0 matrices (gguf-py's own quantizer), F32 norms. The 259-token byte vocabulary of
 combs-mkmodel's files (plus <|endoftext|>, which llama.cpp's loader looks up in phi3 models).
 gemma3 gives its window pattern as a per-layer bool array (as its converter does), phi3 fuses
-Q/K/V and gate/up, rotates 48 of 64 dims and carries LongRoPE factors.
+Q/K/V and gate/up, rotates 48 of 64 dims and carries LongRoPE factors. The mixtures of experts
+stack their experts in 3-D tensors [n_expert, out, in] with an F32 router: qwen3moe with q/k norms,
+gpt-oss with its experts in MXFP4 (gguf-py's quantizer), biases on Q/K/V, the attention output,
+the router and each expert, attention sinks, YaRN, every other layer windowed, and its FFN norm
+stored as post_attention_norm (as convert_hf_to_gguf names it).
 """
 import sys
 
@@ -47,6 +52,15 @@ def matrix(w, name, out, inp, std=None):
 
 def norm(w, name, n):
     w.add_tensor(name, uniform((n,), 0.1 / np.sqrt(3.0), 1.0))
+
+
+def experts(w, name, n, out, inp, qtype=gguf.GGMLQuantizationType.Q8_0):
+    data = uniform((n, out, inp), 1.0 / np.sqrt(inp))
+    w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def bias(w, name, shape):
+    w.add_tensor(name, uniform(shape, 0.1 / np.sqrt(3.0)))
 
 
 def gemma3(path):
@@ -122,6 +136,94 @@ def phi3(path):
     finish(w)
 
 
+def qwen3moe(path):
+    e, layers, heads, kv, hd, n_exp, used, ff = 128, 2, 4, 2, 64, 4, 2, 64
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_name("combs gguf-py random qwen3moe")
+    n_vocab = vocab(w)
+    w.add_context_length(2048)
+    w.add_embedding_length(e)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff * used)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(used)
+    w.add_expert_feed_forward_length(ff)
+    matrix(w, "token_embd.weight", n_vocab, e, std=1.0)
+    norm(w, "output_norm.weight", e)
+    matrix(w, "output.weight", n_vocab, e)
+    for i in range(layers):
+        b = f"blk.{i}."
+        norm(w, b + "attn_norm.weight", e)
+        matrix(w, b + "attn_q.weight", heads * hd, e)
+        matrix(w, b + "attn_k.weight", kv * hd, e)
+        matrix(w, b + "attn_v.weight", kv * hd, e)
+        norm(w, b + "attn_q_norm.weight", hd)
+        norm(w, b + "attn_k_norm.weight", hd)
+        matrix(w, b + "attn_output.weight", e, heads * hd)
+        norm(w, b + "ffn_norm.weight", e)
+        w.add_tensor(b + "ffn_gate_inp.weight", uniform((n_exp, e), 1.0 / np.sqrt(e)))
+        experts(w, b + "ffn_gate_exps.weight", n_exp, ff, e)
+        experts(w, b + "ffn_up_exps.weight", n_exp, ff, e)
+        experts(w, b + "ffn_down_exps.weight", n_exp, e, ff)
+    finish(w)
+
+
+def gpt_oss(path):
+    e, layers, heads, kv, hd, n_exp, used, ff = 128, 2, 4, 1, 64, 4, 2, 64
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_name("combs gguf-py random gpt-oss")
+    n_vocab = vocab(w)
+    w.add_context_length(2048)
+    w.add_embedding_length(e)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(4.0)
+    w.add_rope_scaling_orig_ctx_len(512)
+    w.add_sliding_window(8)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(used)
+    w.add_expert_feed_forward_length(ff)
+    matrix(w, "token_embd.weight", n_vocab, e, std=1.0)
+    norm(w, "output_norm.weight", e)
+    matrix(w, "output.weight", n_vocab, e)
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    for i in range(layers):
+        b = f"blk.{i}."
+        norm(w, b + "attn_norm.weight", e)
+        matrix(w, b + "attn_q.weight", heads * hd, e)
+        matrix(w, b + "attn_k.weight", kv * hd, e)
+        matrix(w, b + "attn_v.weight", kv * hd, e)
+        bias(w, b + "attn_q.bias", (heads * hd,))
+        bias(w, b + "attn_k.bias", (kv * hd,))
+        bias(w, b + "attn_v.bias", (kv * hd,))
+        matrix(w, b + "attn_output.weight", e, heads * hd)
+        bias(w, b + "attn_output.bias", (e,))
+        w.add_tensor(b + "attn_sinks.weight", uniform((heads,), 1.0, 0.5))
+        norm(w, b + "post_attention_norm.weight", e)
+        w.add_tensor(b + "ffn_gate_inp.weight", uniform((n_exp, e), 1.0 / np.sqrt(e)))
+        bias(w, b + "ffn_gate_inp.bias", (n_exp,))
+        experts(w, b + "ffn_gate_exps.weight", n_exp, ff, e, mxfp4)
+        experts(w, b + "ffn_up_exps.weight", n_exp, ff, e, mxfp4)
+        experts(w, b + "ffn_down_exps.weight", n_exp, e, ff, mxfp4)
+        bias(w, b + "ffn_gate_exps.bias", (n_exp, ff))
+        bias(w, b + "ffn_up_exps.bias", (n_exp, ff))
+        bias(w, b + "ffn_down_exps.bias", (n_exp, e))
+    finish(w)
+
+
 def finish(w):
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -133,3 +235,5 @@ if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "tests/data/models"
     gemma3(f"{out}/gemma3-gguf-py.gguf")
     phi3(f"{out}/phi3-gguf-py.gguf")
+    qwen3moe(f"{out}/qwen3moe-gguf-py.gguf")
+    gpt_oss(f"{out}/gpt-oss-gguf-py.gguf")
