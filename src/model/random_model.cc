@@ -90,7 +90,7 @@ int builtin_vocab(gguf::GgufWriter& w, const std::vector<std::string>& extra) {
 std::vector<std::string> shape_names() {
   return {"tiny",     "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
           "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny", "gpt-oss-tiny", "llama-1b", "llama-8b", "qwen3-8b", "gemma3-4b",
-          "qwen3-30b-a3b"};
+          "qwen3-30b-a3b", "gpt-oss-20b"};
 }
 
 StatusOr<ModelShape> named_shape(std::string_view name) {
@@ -176,6 +176,14 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
     s.n_embd = 2048, s.n_layers = 48, s.n_heads = 32, s.n_kv_heads = 4, s.n_ff = 6144, s.head_dim = 128;
     s.context_length = 40960, s.rope_freq_base = 1000000.0f, s.rms_eps = 1e-6f;
     s.n_expert = 128, s.n_expert_used = 8, s.n_ff_exp = 768;
+    return s;
+  }
+  if (name == "gpt-oss-20b") {  // gpt-oss-20b (its o200k vocabulary aside)
+    s.arch = "gpt-oss";
+    s.n_embd = 2880, s.n_layers = 24, s.n_heads = 64, s.n_kv_heads = 8, s.head_dim = 64, s.n_ff = 2880;
+    s.context_length = 131072, s.rope_freq_base = 150000.0f, s.sliding_window = 128;
+    s.rope_scaling = "yarn", s.rope_scale_factor = 32.0f, s.rope_orig_context = 4096;
+    s.n_expert = 32, s.n_expert_used = 4, s.n_ff_exp = 2880;
     return s;
   }
   if (name == "llama-1b") {  // Llama-3.2-1B

@@ -213,11 +213,53 @@ TEST_CASE("the int8 dot products of every format with a kernel equal the exact s
           exact += double(w[i]) * a;
           magnitude += std::abs(double(w[i]) * a);
         }
-        const float got = dot(row, xq.data(), 4);
+        const float got = dot(row, xq.data(), n / f.block_elems);  // super-blocks, or blocks of 32
         INFO("row " << r << ": " << got << " vs " << exact);
         // Integer sums are exact; the float scales round a few times per super-block.
         CHECK(std::abs(got - exact) <= 1e-5 * magnitude + 1e-30);
       }
+    }
+  }
+}
+
+TEST_CASE("the 32-element formats' int8 dot products take rows that are not whole 256s", "[backend][quant]") {
+  // gpt-oss's rows are 2,880 wide (90 blocks of 32, 11.25 activation blocks): the activations'
+  // last 256 are padded with zeros, the kernel stops after the row's last block.
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) {
+    WARN("skipped: this CPU has no AVX2");
+    return;
+  }
+  using Dot = float (*)(const void*, const cpu::BlockQ8Act*, int64_t);
+  const std::pair<DType, Dot> kernels[] = {{DType::kQ4_0, cpu::avx2::dot_q4_0},     {DType::kQ4_1, cpu::avx2::dot_q4_1},
+                                           {DType::kQ5_0, cpu::avx2::dot_q5_0},     {DType::kQ5_1, cpu::avx2::dot_q5_1},
+                                           {DType::kIQ4_NL, cpu::avx2::dot_iq4_nl}, {DType::kMXFP4, cpu::avx2::dot_mxfp4}};
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const auto& [t, dot] : kernels) {
+    const QuantFormat& f = *quant_format(t);
+    for (int64_t n : {32, 224, 288, 2880}) {
+      INFO(f.name << ", " << n << " elements");
+      std::vector<float> w0(n), x(n), w(n);
+      for (float& v : w0) v = normal(rng);
+      for (float& v : x) v = normal(rng);
+      std::vector<uint8_t> row(static_cast<size_t>(n / 32 * f.block_bytes));
+      quantizer(t)(w0.data(), row.data(), n / 32);
+      f.dequantize(row.data(), w.data(), n / 32);
+      const int64_t nb = (n + 255) / 256;
+      std::vector<float> padded(nb * 256, 0.0f);
+      std::copy(x.begin(), x.end(), padded.begin());
+      std::vector<cpu::BlockQ8Act> xq(nb);
+      cpu::avx2::quantize_act(padded.data(), nb * 256, xq.data());
+      double exact = 0, magnitude = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double a = double(xq[i / 256].d) * xq[i / 256].q[i % 256];
+        exact += double(w[i]) * a;
+        magnitude += std::abs(double(w[i]) * a);
+      }
+      const float got = dot(row.data(), xq.data(), n / 32);
+      INFO(got << " vs " << exact);
+      CHECK(std::abs(got - exact) <= 1e-5 * magnitude + 1e-30);
     }
   }
 }

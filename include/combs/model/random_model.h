@@ -46,7 +46,7 @@ struct ModelShape {
 // (llama), "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
 // and with experts "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny" (llama), "gpt-oss-tiny"; real shapes for
 // benchmarks: "llama-1b" (Llama-3.2-1B), "llama-8b" (Llama-3.1-8B), "qwen3-8b" (Qwen3-8B),
-// "gemma3-4b" (Gemma-3-4B), "qwen3-30b-a3b" (Qwen3-30B-A3B).
+// "gemma3-4b" (Gemma-3-4B), "qwen3-30b-a3b" (Qwen3-30B-A3B), "gpt-oss-20b".
 StatusOr<ModelShape> named_shape(std::string_view name);
 std::vector<std::string> shape_names();
 

@@ -54,7 +54,8 @@ namespace {
 
 // The block types with int8 dot products on this CPU (AVX-512 VNNI, else AVX2 with FMA and F16C):
 // a row's dot product with activations rounded to 8 bits per 256 (quant_dot.h), and that
-// instruction set's rounding of the activations; none where the CPU has neither.
+// instruction set's rounding of the activations; none where the CPU has neither. The third
+// argument counts the format's blocks: of 256 elements, or of 32 for the 32-element formats.
 using QuantDot = float (*)(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 using QuantizeAct = void (*)(const float* x, int64_t n, BlockQ8Act* out);
 // The kernels that differ by instruction set; the 32-element formats, Q2_K and Q3_K have one AVX2
@@ -83,9 +84,13 @@ const QuantKernels& quant_kernels() {
   }();
   return chosen;
 }
+// A row of `in` elements of type t by int8 dot products, or null. The 32-element formats take rows
+// of any whole number of their blocks (the activations' last 256 padded with zeros); the others
+// whole super-blocks of 256.
 QuantDot quant_dot(DType t, int64_t in) {
   const QuantKernels& k = quant_kernels();
-  if (in % 256 != 0 || !k.quantize_act) return nullptr;
+  if (!k.quantize_act || in % dtype_block_elems(t) != 0) return nullptr;
+  if (in % 256 != 0 && dtype_block_elems(t) != 32) return nullptr;
   switch (t) {
     case DType::kQ4_K: return k.q4_k;
     case DType::kQ5_K: return k.q5_k;
@@ -115,16 +120,25 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
   const size_t row_bytes = nbytes_for(w.dtype(), in);
   const int64_t rows_per_task = 16;
   if (const QuantDot dot = quant_dot(w.dtype(), in)) {
-    const int64_t nb = in / 256;
+    const int64_t nb = (in + 255) / 256, count = in / dtype_block_elems(w.dtype());
     thread_local std::vector<BlockQ8Act> xq;  // every token's activations, rounded once per call
     if (xq.size() < static_cast<size_t>(n_tokens * nb)) xq.resize(n_tokens * nb);
-    for (int64_t t = 0; t < n_tokens; ++t) quant_kernels().quantize_act(x + t * in, in, xq.data() + t * nb);
+    thread_local std::vector<float> padded;  // a row that is not whole 256s, zeros after it
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      const float* xt = x + t * in;
+      if (in % 256 != 0) {
+        padded.assign(static_cast<size_t>(nb * 256), 0.0f);
+        std::copy(xt, xt + in, padded.begin());
+        xt = padded.data();
+      }
+      quant_kernels().quantize_act(xt, nb * 256, xq.data() + t * nb);
+    }
     const BlockQ8Act* xs = xq.data();
     backend.parallel_for((out + rows_per_task - 1) / rows_per_task, [&](int64_t task) {
       for (int64_t r = task * rows_per_task; r < std::min(out, (task + 1) * rows_per_task); ++r) {
         const void* wr = static_cast<const char*>(w.data()) + r * row_bytes;
         for (int64_t t = 0; t < n_tokens; ++t) {
-          const float s = dot(wr, xs + t * nb, nb);
+          const float s = dot(wr, xs + t * nb, count);
           y[t * out + r] = bias ? s + bias[r] : s;
         }
       }

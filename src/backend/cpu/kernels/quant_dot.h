@@ -32,14 +32,14 @@ float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q5_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks);
-// The 32-element formats, for both instruction sets: n_blocks blocks of 256 activations (eight
-// weight blocks each).
-float dot_q4_0(const void* row, const BlockQ8Act* x, int64_t n_blocks);
-float dot_q4_1(const void* row, const BlockQ8Act* x, int64_t n_blocks);
-float dot_q5_0(const void* row, const BlockQ8Act* x, int64_t n_blocks);
-float dot_q5_1(const void* row, const BlockQ8Act* x, int64_t n_blocks);
-float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n_blocks);
-float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n_blocks);
+// The 32-element formats, for both instruction sets: n32 weight blocks of 32 against the first
+// 32 n32 activations of x (ceil(n32 / 8) blocks of 256; a row need not be whole 256s).
+float dot_q4_0(const void* row, const BlockQ8Act* x, int64_t n32);
+float dot_q4_1(const void* row, const BlockQ8Act* x, int64_t n32);
+float dot_q5_0(const void* row, const BlockQ8Act* x, int64_t n32);
+float dot_q5_1(const void* row, const BlockQ8Act* x, int64_t n32);
+float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32);
+float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32);
 // Q2_K and Q3_K, for both instruction sets too.
 float dot_q2_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q3_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);

@@ -133,14 +133,15 @@ float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   return hsum(acc);
 }
 
-// The 32-element formats (quant.cc: Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4): eight weight blocks per
-// 256 activations, each its 32 levels against the block's 32 activations — vpmaddubsw (unsigned
+// The 32-element formats (quant.cc: Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4): n32 weight blocks, block j
+// against the 32 activations of part j % 8 of activation block j / 8 (a row need not be whole
+// 256s: gpt-oss's 2880), each its 32 levels against the block's 32 activations — vpmaddubsw (unsigned
 // levels, or for the signed tables |level| against sign(level) a), vpmaddwd by ones, one float
 // multiply-add by the block's scale times the activations'; a format's offset (-8, -16, or its f16
 // minimum) times the 32 activations' sum, from the activation block's sums of 16. Used on the
 // AVX-512 machines as well (256 bits are enough here: one block is 32 bytes).
 template <DType T>
-float dot32(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+float dot32(const void* row, const BlockQ8Act* x, int64_t n32) {
   constexpr int kBytes = static_cast<int>(dtype_block_bytes(T));
   constexpr bool kTable = T == DType::kIQ4_NL || T == DType::kMXFP4;
   constexpr int kQs = T == DType::kMXFP4 ? 1 : T == DType::kQ4_0 || T == DType::kIQ4_NL ? 2 : T == DType::kQ4_1 ? 4
@@ -157,9 +158,9 @@ float dot32(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
   __m256 acc = _mm256_setzero_ps();
   float acc_offset = 0.0f;
-  for (int64_t i = 0; i < n_blocks; ++i, ++x) {
+  for (int64_t i = 0; i < n32; i += 8, ++x) {
     prefetch_ahead(b, 8 * kBytes);
-    for (int j = 0; j < 8; ++j, b += kBytes) {
+    for (int j = 0; j < 8 && i + j < n32; ++j, b += kBytes) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs));
       __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
       if constexpr (T == DType::kQ5_0 || T == DType::kQ5_1) {
@@ -250,11 +251,11 @@ float dot_k23(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
 float dot_q2_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k23<false>(row, x, n_blocks); }
 float dot_q3_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k23<true>(row, x, n_blocks); }
 
-float dot_q4_0(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ4_0>(row, x, n_blocks); }
-float dot_q4_1(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ4_1>(row, x, n_blocks); }
-float dot_q5_0(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ5_0>(row, x, n_blocks); }
-float dot_q5_1(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kQ5_1>(row, x, n_blocks); }
-float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kIQ4_NL>(row, x, n_blocks); }
-float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot32<DType::kMXFP4>(row, x, n_blocks); }
+float dot_q4_0(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kQ4_0>(row, x, n32); }
+float dot_q4_1(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kQ4_1>(row, x, n32); }
+float dot_q5_0(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kQ5_0>(row, x, n32); }
+float dot_q5_1(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kQ5_1>(row, x, n32); }
+float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kIQ4_NL>(row, x, n32); }
+float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kMXFP4>(row, x, n32); }
 
 }  // namespace combs::cpu::avx2
