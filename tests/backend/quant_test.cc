@@ -187,6 +187,10 @@ TEST_CASE("the int8 dot products of every format with a kernel equal the exact s
     std::vector<std::pair<DType, Dot>> kernels = {{DType::kQ4_K, k.dot[0]}, {DType::kQ5_K, k.dot[1]},
                                                   {DType::kQ6_K, k.dot[2]}, {DType::kIQ4_XS, k.dot[3]}};
     kernels.insert(kernels.end(), std::begin(blocks32), std::end(blocks32));
+    if (std::string(k.name) == "avx512vnni") {  // its own kernels of the table formats
+      kernels.push_back({DType::kMXFP4, cpu::avx512vnni::dot_mxfp4});
+      kernels.push_back({DType::kIQ4_NL, cpu::avx512vnni::dot_iq4_nl});
+    }
     for (const auto& [t, dot] : kernels) {
       const QuantFormat& f = *quant_format(t);
       INFO(f.name);
@@ -236,7 +240,12 @@ TEST_CASE("the 32-element formats' int8 dot products take rows that are not whol
                                            {DType::kIQ4_NL, cpu::avx2::dot_iq4_nl}, {DType::kMXFP4, cpu::avx2::dot_mxfp4}};
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (const auto& [t, dot] : kernels) {
+  std::vector<std::pair<DType, Dot>> all(std::begin(kernels), std::end(kernels));
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+    all.push_back({DType::kMXFP4, cpu::avx512vnni::dot_mxfp4});  // eight blocks a step, the rest by AVX2
+    all.push_back({DType::kIQ4_NL, cpu::avx512vnni::dot_iq4_nl});
+  }
+  for (const auto& [t, dot] : all) {
     const QuantFormat& f = *quant_format(t);
     for (int64_t n : {32, 224, 288, 2880}) {
       INFO(f.name << ", " << n << " elements");

@@ -58,11 +58,12 @@ namespace {
 // argument counts the format's blocks: of 256 elements, or of 32 for the 32-element formats.
 using QuantDot = float (*)(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 using QuantizeAct = void (*)(const float* x, int64_t n, BlockQ8Act* out);
-// The kernels that differ by instruction set; the 32-element formats, Q2_K and Q3_K have one AVX2
-// kernel each, for both.
+// The kernels that differ by instruction set; the other 32-element formats, Q2_K and Q3_K have one
+// AVX2 kernel each, for both.
 struct QuantKernels {
   QuantizeAct quantize_act = nullptr;  // none: no int8 kernels on this CPU
   QuantDot q4_k = nullptr, q5_k = nullptr, q6_k = nullptr, iq4_xs = nullptr;
+  QuantDot mxfp4 = avx2::dot_mxfp4, iq4_nl = avx2::dot_iq4_nl;
 };
 const QuantKernels& quant_kernels() {
   static const QuantKernels chosen = []() -> QuantKernels {
@@ -74,7 +75,7 @@ const QuantKernels& quant_kernels() {
     if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
       return {avx512vnni::quantize_act, avx512vnni::dot_q4_k, avx512vnni::dot_q5_k, avx512vnni::dot_q6_k,
-              avx512vnni::dot_iq4_xs};
+              avx512vnni::dot_iq4_xs, avx512vnni::dot_mxfp4, avx512vnni::dot_iq4_nl};
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
       return {avx2::quantize_act, avx2::dot_q4_k, avx2::dot_q5_k, avx2::dot_q6_k, avx2::dot_iq4_xs};
@@ -100,8 +101,8 @@ QuantDot quant_dot(DType t, int64_t in) {
     case DType::kQ4_1: return avx2::dot_q4_1;
     case DType::kQ5_0: return avx2::dot_q5_0;
     case DType::kQ5_1: return avx2::dot_q5_1;
-    case DType::kIQ4_NL: return avx2::dot_iq4_nl;
-    case DType::kMXFP4: return avx2::dot_mxfp4;
+    case DType::kIQ4_NL: return k.iq4_nl;
+    case DType::kMXFP4: return k.mxfp4;
     case DType::kQ2_K: return avx2::dot_q2_k;
     case DType::kQ3_K: return avx2::dot_q3_k;
     default: return nullptr;

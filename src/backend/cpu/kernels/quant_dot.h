@@ -25,6 +25,9 @@ float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q5_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks);
+// MXFP4 and IQ4_NL: n32 blocks of 32, as the AVX2 kernels below take them (two blocks per vpdpbusd).
+float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32);
+float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32);
 }  // namespace avx512vnni
 namespace avx2 {
 void quantize_act(const float* x, int64_t n, BlockQ8Act* out);
