@@ -260,7 +260,9 @@ Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Ten
   }
   Backend& backend = seqs_[0].cache->backend();
   COMBS_RETURN_IF_ERROR(check_tensors(g, backend.device_type(), n_tokens_, q, k, v, &out));
-  if (params.sinks != nullptr) return unimplemented_error("attention step: attention sinks run on the CPU backend only");
+  if (params.sinks != nullptr && backend.device_type() != DeviceType::kCpu) {
+    return unimplemented_error("attention step: attention sinks run on the CPU backend only");
+  }
   if (q.dim(1) != n_q_heads_) {
     return invalid_argument_error("attention step: q has " + std::to_string(q.dim(1)) + " heads, begin() said " +
                                   std::to_string(n_q_heads_));

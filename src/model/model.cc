@@ -248,7 +248,8 @@ StatusOr<ModelConfig> Model::read_config(const gguf::GgufFile& f) {
       return invalid_argument_error(f.path() + ": metadata '" + a + "attention.sliding_window' is missing");
     }
     if (f.find(a + "attention.sliding_window")) {
-      COMBS_ASSIGN_OR_RETURN(c.sliding_window, get_int(f, a + "attention.sliding_window", 0, 1 << 30));
+      COMBS_ASSIGN_OR_RETURN(c.sliding_window,
+                             get_int(f, a + "attention.sliding_window", spec->window_required ? 1 : 0, 1 << 30));
     }
   }
   if (c.sliding_window > 0) {
@@ -340,15 +341,15 @@ std::vector<WeightSpec> weight_specs(const ModelConfig& c) {
   s.push_back({"rope_factors_short.weight", {c.rope_dim / 2}, false, true});
   for (int i = 0; i < c.n_layers; ++i) {
     s.push_back({blk(i, "attn_norm.weight"), {e}, true, true});
-    if (c.qkv_fused) {
+    if (c.qkv_fused) {  // its biases fused too (required where the architecture has them)
       s.push_back({blk(i, "attn_qkv.weight"), {e, q + 2 * kv}});
-      s.push_back({blk(i, "attn_qkv.bias"), {q + 2 * kv}, false, true});
+      s.push_back({blk(i, "attn_qkv.bias"), {q + 2 * kv}, c.qkv_bias, true});
     } else {
       s.push_back({blk(i, "attn_q.weight"), {e, q}});
       s.push_back({blk(i, "attn_k.weight"), {e, kv}});
       s.push_back({blk(i, "attn_v.weight"), {e, kv}});
     }
-    if (c.qkv_bias) {
+    if (c.qkv_bias && !c.qkv_fused) {
       s.push_back({blk(i, "attn_q.bias"), {q}, true, true});
       s.push_back({blk(i, "attn_k.bias"), {kv}, true, true});
       s.push_back({blk(i, "attn_v.bias"), {kv}, true, true});

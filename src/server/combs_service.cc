@@ -248,7 +248,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
       // The server's deadline is the client's timeout counted from the request's arrival, so it
       // falls a little after the client's own: the client's RST_STREAM for its deadline can arrive
       // first (seen in CI on a loaded machine). A cancellation within that slack of the deadline is
-      // the deadline's.
+      // the deadline's (a client's own cancel that close to its deadline is counted so too).
       constexpr auto kDeadlineSlack = std::chrono::milliseconds(250);
       code = ctx_->deadline() <= std::chrono::system_clock::now() + kDeadlineSlack
                  ? grpc::StatusCode::DEADLINE_EXCEEDED

@@ -256,6 +256,8 @@ TEST_CASE("every architecture's missing or inconsistent keys and tensors are ref
   }
   const Status no_window = load_patched("gpt-oss-tiny", "gpt-oss.attention.sliding_window", "gpt-oss.attention.sliding_windoX");
   CHECK_THAT(no_window.message(), Catch::Contains("gpt-oss.attention.sliding_window") && Catch::Contains("missing"));
+  const Status zero_window = load_u32("gpt-oss-tiny", "gpt-oss.attention.sliding_window", 8, 0);
+  CHECK_THAT(zero_window.message(), Catch::Contains("gpt-oss.attention.sliding_window") && Catch::Contains("out of range"));
 }
 
 namespace {

@@ -139,7 +139,8 @@ float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
 // levels, or for the signed tables |level| against sign(level) a), vpmaddwd by ones, one float
 // multiply-add by the block's scale times the activations'; a format's offset (-8, -16, or its f16
 // minimum) times the 32 activations' sum, from the activation block's sums of 16. Used on the
-// AVX-512 machines as well (256 bits are enough here: one block is 32 bytes).
+// AVX-512 machines as well for Q4_0, Q4_1, Q5_0 and Q5_1 (256 bits are enough: one block is 32
+// bytes); MXFP4 and IQ4_NL have an AVX-512 kernel there, which leaves a row's last blocks to this one.
 template <DType T>
 float dot32(const void* row, const BlockQ8Act* x, int64_t n32) {
   constexpr int kBytes = static_cast<int>(dtype_block_bytes(T));
