@@ -19,8 +19,10 @@ def combs_row(path, shape):
     """combs-bench gpu's table row of `shape` as a dict of its figures."""
     for line in open(path):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        # the row names the file: SHAPE, or SHAPE-DTYPE-VOCAB as combs-bench writes it
-        if cells and (cells[0] == shape or cells[0].startswith(shape + "-bf16-")) and len(cells) >= 9:
+        # the row names the file: SHAPE, or SHAPE-DTYPE-VOCAB as combs-bench writes it (SHAPE-bf16-VOCAB
+        # for a BF16 shape; SHAPE-VOCAB where the label names the type, as moe.sh's qwen3-30b-a3b-q4_k_m)
+        if cells and (cells[0] == shape or cells[0].startswith((shape + "-bf16-", shape + "-ggml-vocab-"))) \
+                and len(cells) >= 9:
             return {"bound": float(cells[2]), "decode": float(cells[3]), "prefill": float(cells[7]),
                     "sessions": float(cells[8])}
     raise ValueError(f"{path}: no row for {shape}")

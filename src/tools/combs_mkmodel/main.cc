@@ -9,14 +9,16 @@
 int main(int argc, char** argv) {
   using namespace combs;
   tools::Flags flags("combs-mkmodel", {{"shape", "tiny"}, {"dtype", "bf16"}, {"seed", "1"},
-                                       {"vocab", ""}, {"chat-template", ""}, {"out", ""}});
+                                       {"vocab", ""}, {"chat-template", ""}, {"out", ""},
+                                       {"layers", "0"}});
   if (!flags.parse(argc, argv)) return 2;
   std::string shapes;
   for (const auto& n : shape_names()) shapes += (shapes.empty() ? "" : "|") + n;
   if (flags.help_requested()) {
     flags.print_usage("--out PATH [--shape " + shapes +
-                      "] [--dtype f32|f16|bf16|" + quant_mix_names() + "] [--seed N] [--vocab VOCAB.gguf] [--chat-template FILE.jinja]\n"
-                      "  (q4_k_m, ...: llama.cpp's per-tensor mixes of its file types, quantized by combs)");
+                      "] [--dtype f32|f16|bf16|" + quant_mix_names() + "] [--seed N] [--vocab VOCAB.gguf] [--chat-template FILE.jinja] [--layers N]\n"
+                      "  (q4_k_m, ...: llama.cpp's per-tensor mixes of its file types, quantized by combs;\n"
+                      "   --layers: the shape's first N layers only, e.g. to time one layer's kernels of a large shape)");
     return 0;
   }
   if (flags.str("out").empty()) {
@@ -30,6 +32,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.shape = *shape;
+  long long layers;
+  if (!flags.integer("layers", &layers, 0, 4096)) return 2;
+  if (layers > 0) o.shape.n_layers = static_cast<int>(layers);
   if (const Status t = set_weight_type(flags.str("dtype"), &o); !t.ok()) {
     std::fprintf(stderr, "combs-mkmodel: --dtype: %s\n", t.message().c_str());
     return 2;
