@@ -425,7 +425,7 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
           *gpu, c.accumulate ? y0 : std::vector<float>(y0.size(), std::nanf("")), Shape{n, in});
       auto scratch = [&](int64_t count) { return gpu->alloc(Shape{count}, DType::kF32).value(); };
       const Tensor t_ids = scratch(n * k), t_w = scratch(n * k), t_order = scratch(n * k),
-                   t_start = scratch(E + 1);
+                   t_start = scratch(cuda::expert_start_size(E));
       const Tensor t_xq =
           scratch(static_cast<int64_t>(cuda::expert_activation_bytes(n, k, in, ff) + 3) / 4);
       const Tensor t_hidden = scratch(n * k * ff), t_out = scratch(n * k * in);

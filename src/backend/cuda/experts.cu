@@ -13,47 +13,65 @@ namespace {
 
 constexpr int kRouteThreads = 1024;
 
-// One block: each thread routes tokens (softmax over the router's scores, the k best by score,
-// ties to the lower id: cpu::route_experts' rule), then the (token, slot) pairs are counted and
-// grouped by expert. A pair's place within its expert's group is whatever the atomics give: no
-// pair's arithmetic depends on it.
+// One block: each warp routes tokens (softmax over the router's scores, the k best by score,
+// ties to the lower id: cpu::route_experts' rule; a token's lanes hold every 32nd score, and the
+// butterfly reductions leave every lane the same max, sum and choice), then the (token, slot)
+// pairs are counted and grouped by expert, and the experts chosen listed (start's layout:
+// quant_matmul.h). A pair's place within its expert's group is whatever the atomics give: no
+// pair's arithmetic depends on it, nor on the other tokens routed with it.
 __global__ void route_kernel(const float* __restrict__ logits, int n, int n_expert, int k,
                              bool normalize, int32_t* __restrict__ ids, float* __restrict__ weights,
                              int32_t* __restrict__ order, int32_t* __restrict__ start) {
   extern __shared__ int32_t cursor[];  // [n_expert + 1]
   for (int i = threadIdx.x; i <= n_expert; i += blockDim.x) cursor[i] = 0;
   __syncthreads();
-  for (int t = threadIdx.x; t < n; t += blockDim.x) {
+  const int lane = threadIdx.x % 32;
+  for (int t = threadIdx.x / 32; t < n; t += blockDim.x / 32) {
     const float* z = logits + static_cast<int64_t>(t) * n_expert;
-    float mx = z[0];
-    for (int i = 1; i < n_expert; ++i) mx = fmaxf(mx, z[i]);
+    float mx = -INFINITY;
+    for (int i = lane; i < n_expert; i += 32) mx = fmaxf(mx, z[i]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
     float sum = 0.0f;
-    for (int i = 0; i < n_expert; ++i) sum += expf(z[i] - mx);
+    for (int i = lane; i < n_expert; i += 32) sum += expf(z[i] - mx);
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
     // The j-th best: the largest (score, -id) below the (j-1)-th.
-    float prev_z = INFINITY;
+    float prev_z = INFINITY, chosen = 0.0f;
     int prev_id = -1;
-    float chosen = 0.0f;
     for (int j = 0; j < k; ++j) {
+      float bz = -INFINITY;
       int best = -1;
-      for (int i = 0; i < n_expert; ++i) {
+      for (int i = lane; i < n_expert; i += 32) {
         const bool below = z[i] < prev_z || (z[i] == prev_z && i > prev_id);
-        if (below && (best < 0 || z[i] > z[best])) best = i;
+        if (below && (best < 0 || z[i] > bz)) best = i, bz = z[i];
       }
-      const float p = expf(z[best] - mx) / sum;
-      ids[t * k + j] = best;
-      weights[t * k + j] = p;
+      for (int o = 16; o > 0; o >>= 1) {
+        const float oz = __shfl_xor_sync(0xffffffff, bz, o);
+        const int oi = __shfl_xor_sync(0xffffffff, best, o);
+        if (oi >= 0 && (best < 0 || oz > bz || (oz == bz && oi < best))) best = oi, bz = oz;
+      }
+      if (best < 0) best = 0, bz = z[0];  // NaN scores: expert 0 rather than an index out of range
+      const float p = expf(bz - mx) / sum;
+      if (lane == 0) {
+        ids[t * k + j] = best;
+        weights[t * k + j] = p;
+        atomicAdd(&cursor[best + 1], 1);
+      }
       chosen += p;
-      prev_z = z[best], prev_id = best;
-      atomicAdd(&cursor[best + 1], 1);
+      prev_z = bz, prev_id = best;
     }
-    if (normalize) {
+    if (normalize && lane == 0) {
       chosen = fmaxf(chosen, 6.103515625e-5f);
       for (int j = 0; j < k; ++j) weights[t * k + j] /= chosen;
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int i = 1; i <= n_expert; ++i) cursor[i] += cursor[i - 1];
+    int n_chosen = 0;
+    for (int i = 1; i <= n_expert; ++i) {
+      if (cursor[i] > 0) start[n_expert + 2 + n_chosen++] = i - 1;
+      cursor[i] += cursor[i - 1];
+    }
+    start[n_expert + 1] = n_chosen;
     for (int i = 0; i <= n_expert; ++i) start[i] = cursor[i];
   }
   __syncthreads();

@@ -408,19 +408,21 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   cp_async_wait<0>();
 }
 
-// The experts' products (quant_matmul.h, quant_gemv_experts): block (x, e) takes expert e's
-// weights, a warp a row at a time (rows read straight from global memory, lanes 32 units apart),
-// and that expert's (token, slot) pairs N at a time; an expert no pair chose returns at once.
+// The experts' products (quant_matmul.h, quant_gemv_experts): block (x, c) takes the c-th chosen
+// expert's weights, a warp a row at a time (rows read straight from global memory, lanes 32 units
+// apart), and that expert's (token, slot) pairs N at a time. The grid has a row of blocks per
+// expert that could be chosen (at most one per pair); those past the count chosen return at once
+// (a decode step launches 8 rows of blocks, not 128, of which 120 did nothing).
 // Each pair's sum is its own (no pair's arithmetic depends on the others in its group).
 template <DType T, int N, bool PAIRS>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     expert_gemv_kernel(const uint8_t* __restrict__ w, int64_t expert_bytes, int64_t rows,
                        const int8_t* __restrict__ xq, const float* __restrict__ xd, int64_t in,
                        int gshift, const int32_t* __restrict__ order,
-                       const int32_t* __restrict__ start, int x_div, float* __restrict__ y) {
-  const int e = blockIdx.y;
+                       const int32_t* __restrict__ start, int n_expert, int x_div, float* __restrict__ y) {
+  if (static_cast<int>(blockIdx.y) >= start[n_expert + 1]) return;
+  const int e = start[n_expert + 2 + blockIdx.y];
   const int first = start[e], count = start[e + 1] - first;
-  if (count == 0) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const uint8_t* we = w + static_cast<int64_t>(e) * expert_bytes;
   const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>,
@@ -614,16 +616,18 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
   const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(x_rows, in));
   const int gshift = activation_group(in) == 256 ? 3 : 0;
   const int64_t expert_bytes = static_cast<int64_t>(nbytes_for(w.dtype(), w.dim(1) * in));
-  const dim3 grid(blocks_for(rows, kMaxWarps), static_cast<unsigned>(w.dim(0)));
+  const int n_expert = static_cast<int>(w.dim(0));
+  const int64_t most_chosen = std::min<int64_t>(n_expert, x_rows * x_div);  // one expert a pair at most
+  const dim3 grid(blocks_for(rows, kMaxWarps), static_cast<unsigned>(most_chosen));
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
   return for_block_type(w.dtype(), [&](auto tag) -> Status {
     constexpr DType T = decltype(tag)::value;
     if (pairs) {
       expert_gemv_kernel<T, 4, true><<<grid, kMaxWarps * 32, 0, st>>>(
-          wp, expert_bytes, rows, q, d, in, gshift, order, start, x_div, y);
+          wp, expert_bytes, rows, q, d, in, gshift, order, start, n_expert, x_div, y);
     } else {
       expert_gemv_kernel<T, 4, false><<<grid, kMaxWarps * 32, 0, st>>>(
-          wp, expert_bytes, rows, q, d, in, gshift, order, start, x_div, y);
+          wp, expert_bytes, rows, q, d, in, gshift, order, start, n_expert, x_div, y);
     }
     return cuda_status(cudaGetLastError(), "expert_gemv_kernel");
   });

@@ -49,7 +49,8 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
 
 // The chosen experts' products for a mixture of experts: w [n_expert, out, in] (block type) on the
 // device, xq quantize_activations' x_rows rows; the (token, slot) pairs grouped by expert (order:
-// pair ids, expert e's at order[start[e] .. start[e + 1])); pair p takes x row p / x_div and
+// pair ids, expert e's at order[start[e] .. start[e + 1]); start[n_expert + 1] experts chosen,
+// their ids from start[n_expert + 2] on: blocks go to those only); pair p takes x row p / x_div and
 // writes y [pairs, out] row p. pairs: each expert's rows are its gate rows then its up rows, and
 // y row p = silu(gate) * up [out / 2]. Every expert's weights read once per 4 of its pairs.
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,

@@ -382,11 +382,11 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     if (c.n_expert > 0) {
       const int64_t kk = c.n_expert_used, fe = c.n_ff_exp;
       COMBS_ASSIGN_OR_RETURN(I.router_logits, b.alloc({cap, c.n_expert}, DType::kF32));
-      // int32: ids, order [cap k], start [n_expert + 1]; f32: weights [cap k], hidden [cap k, ff],
+      // int32: ids, order [cap k], start [expert_start_size]; f32: weights [cap k], hidden [cap k, ff],
       // out [cap k, e] (Each part 256-byte aligned: the kernels load rows by 16 bytes.)
       auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
       const int64_t pairs = up(cap * kk);
-      COMBS_ASSIGN_OR_RETURN(I.expert_ints, b.alloc({2 * pairs + c.n_expert + 1}, DType::kF32));
+      COMBS_ASSIGN_OR_RETURN(I.expert_ints, b.alloc({2 * pairs + cuda::expert_start_size(c.n_expert)}, DType::kF32));
       COMBS_ASSIGN_OR_RETURN(I.expert_floats,
                              b.alloc({pairs + up(cap * kk * fe) + cap * kk * e}, DType::kF32));
       const size_t xq = cuda::expert_activation_bytes(cap, static_cast<int>(kk), e, fe);

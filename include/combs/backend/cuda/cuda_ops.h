@@ -150,8 +150,10 @@ struct ExpertsFfn {
   const float* shared = nullptr;        // [n, in]
   const float* shared_logit = nullptr;  // [n]
 };
-// Device scratch for n tokens: ids, weights, order [n k]; start [n_expert + 1]; xq
-// (expert_activation_bytes); hidden [n k, ff]; out [n k, in].
+// Device scratch for n tokens: ids, weights, order [n k]; start [expert_start_size(n_expert)]
+// (each expert's first pair in order, then the count of experts chosen and their ids: the
+// products' blocks go to chosen experts only); xq (expert_activation_bytes); hidden [n k, ff];
+// out [n k, in].
 struct ExpertScratch {
   int32_t* ids;
   float* weights;
@@ -162,6 +164,7 @@ struct ExpertScratch {
   float* out;
 };
 size_t expert_activation_bytes(int64_t n, int k, int64_t in, int64_t ff);
+constexpr int64_t expert_start_size(int64_t n_expert) { return 2 * (n_expert + 1); }
 Status experts_ffn(CudaBackend& b, const ExpertsFfn& f, const float* router_logits, const float* h,
                    int64_t n, const ExpertScratch& s, float* y, bool accumulate = false);
 
