@@ -34,7 +34,7 @@ if [ "$PHASE" = start ]; then
   /tmp/bin/$V/combs_cuda_tests "[cuda]" 2>&1 | tail -n "${TAIL:-40}"
   echo "# tests done after $(( $(date +%s) - t0 )) s"
   # The mixtures of experts' logits against transformers (CPU, f32 and bf16 weights).
-  SHAPES="qwen3moe-tiny qwen2moe-tiny mixtral-tiny" timeout 200 bash tests/reference/compare_hf_archs.sh /tmp/bin/$V
+  SHAPES="qwen3moe-tiny qwen2moe-tiny mixtral-tiny gpt-oss-tiny" timeout 240 bash tests/reference/compare_hf_archs.sh /tmp/bin/$V
   echo "# transformers done after $(( $(date +%s) - t0 )) s"
   # Wait here (up to START_WAIT s from the start) so that the bench call has only measuring left.
   while { [ ! -e "$out/peer-build.rc" ] || [ ! -e "$out/models.rc" ]; } && [ $(( $(date +%s) - t0 )) -lt "${START_WAIT:-560}" ]; do sleep 5; done

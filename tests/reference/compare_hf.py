@@ -116,6 +116,33 @@ def experts(t, b, p, want):
     return sd
 
 
+def gpt_oss_experts(t, b, p, want):
+    """Layer b's gpt-oss router and experts as transformers' GptOss holds them: gate and up in one
+    stacked tensor, their output rows interleaved (gate, up, gate, ...) where its forward splits
+    them with [..., ::2] (llama.cpp's converter de-interleaves them into ffn_gate/up_exps), biases
+    beside. Whether the stacked tensors are [n_expert, in, out] (x @ W) or [n_expert, out, in] is read
+    from down_proj's shape, and the interleaving from the forward's source, not assumed."""
+    import inspect
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    interleaved = "::2" in inspect.getsource(modeling_gpt_oss.GptOssExperts)
+    m, e = p + "mlp.", p + "mlp.experts."
+    gate, up, down = t[b + "ffn_gate_exps.weight"], t[b + "ffn_up_exps.weight"], t[b + "ffn_down_exps.weight"]
+    gb, ub = t[b + "ffn_gate_exps.bias"], t[b + "ffn_up_exps.bias"]
+    n_expert, ff, hidden = gate.shape
+    if interleaved:
+        gu = torch.stack([gate, up], dim=2).reshape(n_expert, 2 * ff, hidden)
+        gub = torch.stack([gb, ub], dim=2).reshape(n_expert, 2 * ff)
+    else:
+        gu, gub = torch.cat([gate, up], dim=1), torch.cat([gb, ub], dim=1)
+    x_at_w = want[e + "down_proj"] == (n_expert, ff, hidden)  # [n_expert, in, out]
+    print(f"gpt-oss experts: gate/up {'interleaved' if interleaved else 'concatenated'}, "
+          f"{'x @ W' if x_at_w else 'W x'}", file=sys.stderr)
+    return {m + "router.weight": t[b + "ffn_gate_inp.weight"], m + "router.bias": t[b + "ffn_gate_inp.bias"],
+            e + "gate_up_proj": gu.transpose(1, 2).contiguous() if x_at_w else gu, e + "gate_up_proj_bias": gub,
+            e + "down_proj": down.transpose(1, 2).contiguous() if x_at_w else down,
+            e + "down_proj_bias": t[b + "ffn_down_exps.bias"]}
+
+
 def layer_windowed(meta, a, n_layers, pattern):
     """Which layers use the sliding window, as llama.cpp reads it (a number or a per-layer array)."""
     p = meta.get(a + "attention.sliding_window_pattern", pattern)
@@ -173,6 +200,12 @@ def build(meta, t):
             model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
                 **common, num_experts=n_expert, moe_intermediate_size=ff_exp, norm_topk_prob=True,
                 decoder_sparse_step=1, mlp_only_layers=[], **moe))
+        elif arch == "gpt-oss":  # top k then softmax, clamped SwiGLU, sinks; even layers windowed
+            windowed = layer_windowed(meta, a, n_layers, 2)
+            model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+                **dict(common, intermediate_size=ff_exp), num_local_experts=n_expert, attention_bias=True,
+                layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
+                sliding_window=meta.get(a + "attention.sliding_window", 128), **moe))
         elif arch == "qwen2moe":  # not renormalized; a shared expert behind a sigmoid gate
             common.pop("head_dim")
             model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
@@ -233,6 +266,15 @@ def build(meta, t):
         if b + "attn_q_norm.weight" in t:
             sd[p + "self_attn.q_norm.weight"] = norm(t[b + "attn_q_norm.weight"])
             sd[p + "self_attn.k_norm.weight"] = norm(t[b + "attn_k_norm.weight"])
+        if arch == "gpt-oss":
+            for n in "qkv":
+                sd[p + f"self_attn.{n}_proj.bias"] = t[b + f"attn_{n}.bias"]
+            sd[p + "self_attn.o_proj.bias"] = t[b + "attn_output.bias"]
+            sd[p + "self_attn.sinks"] = t[b + "attn_sinks.weight"]
+            sd.update(gpt_oss_experts(t, b, p, want))
+            sd[p + "input_layernorm.weight"] = t[b + "attn_norm.weight"]
+            sd[p + "post_attention_layernorm.weight"] = t[b + "post_attention_norm.weight"]
+            continue
         if n_expert:
             sd.update(experts(t, b, p, want))
         else:

@@ -10,7 +10,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 dir=$(mktemp -d)
 ids=$(python3 -c 'print(" ".join(str((i * 37 + 11) % 259) for i in range(48)))')  # every vocabulary's
 fail=0
-for shape in ${SHAPES:-tiny qwen2-tiny qwen3-tiny gemma2-tiny gemma3-tiny llama-yarn-tiny phi3-tiny qwen3moe-tiny qwen2moe-tiny mixtral-tiny}; do
+for shape in ${SHAPES:-tiny qwen2-tiny qwen3-tiny gemma2-tiny gemma3-tiny llama-yarn-tiny phi3-tiny qwen3moe-tiny qwen2moe-tiny mixtral-tiny gpt-oss-tiny}; do
   for type in f32 bf16; do
     f=$dir/$shape-$type.gguf
     "$bin/combs-mkmodel" --shape "$shape" --dtype "$type" --seed 5 --out "$f" > /dev/null 2>&1 || { echo "$shape $type: combs-mkmodel failed"; fail=1; continue; }
