@@ -43,7 +43,12 @@ Status check_tokens(const char* name, const Tensor& t, int64_t n_tokens, int64_t
 
 DeviceAttentionFactory g_cuda_attention = nullptr;
 
-Status check_params(const AttentionParams& p) {
+// `what` names the call in the one error that depends on where the cache lives: attention sinks
+// run on the CPU backend only.
+Status check_params(const AttentionParams& p, DeviceType device, const char* what) {
+  if (p.sinks != nullptr && device != DeviceType::kCpu) {
+    return unimplemented_error(std::string(what) + ": attention sinks run on the CPU backend only");
+  }
   if (!std::isfinite(p.scale) || p.scale <= 0.0f) return invalid_argument_error("attention: the scale must be positive and finite");
   if (p.window < 0) return invalid_argument_error("attention: negative window " + std::to_string(p.window));
   if (!std::isfinite(p.softcap) || p.softcap < 0.0f) return invalid_argument_error("attention: the softcap must be >= 0 and finite");
@@ -156,15 +161,12 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
   if (seqs.empty()) return ok_status();
   // ---- Check everything; change nothing. ----
   if (layer < 0) return invalid_argument_error("attention: layer " + std::to_string(layer) + " out of range");
-  COMBS_RETURN_IF_ERROR(check_params(params));
   int64_t n_tokens = 0;
   COMBS_RETURN_IF_ERROR(check_batch(seqs, layer, &n_tokens));
   const KVGeometry& g = seqs[0].cache->geometry();
   Backend& backend = seqs[0].cache->backend();
+  COMBS_RETURN_IF_ERROR(check_params(params, backend.device_type(), "attention"));
   COMBS_RETURN_IF_ERROR(check_tensors(g, backend.device_type(), n_tokens, q, k, v, out));
-  if (params.sinks != nullptr && backend.device_type() != DeviceType::kCpu) {
-    return unimplemented_error("attention: attention sinks run on the CPU backend only");
-  }
   COMBS_RETURN_IF_ERROR(reserve_batch_pages(seqs));
 
   // ---- Apply. ----
@@ -251,7 +253,7 @@ Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, c
 Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionParams& params,
                           const Tensor& out, const float* inv_freq) {
   if (!active_) return failed_precondition_error("attention step: run() outside begin() .. commit()");
-  COMBS_RETURN_IF_ERROR(check_params(params));
+  COMBS_RETURN_IF_ERROR(check_params(params, seqs_[0].cache->backend().device_type(), "attention step"));
   if (inv_freq && !rope_.inv_freq) return invalid_argument_error("attention step: layer frequencies without a rope");
   const KVGeometry& g = seqs_[0].cache->geometry();
   if (layer < 0 || layer >= g.num_layers) {
@@ -260,9 +262,6 @@ Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Ten
   }
   Backend& backend = seqs_[0].cache->backend();
   COMBS_RETURN_IF_ERROR(check_tensors(g, backend.device_type(), n_tokens_, q, k, v, &out));
-  if (params.sinks != nullptr && backend.device_type() != DeviceType::kCpu) {
-    return unimplemented_error("attention step: attention sinks run on the CPU backend only");
-  }
   if (q.dim(1) != n_q_heads_) {
     return invalid_argument_error("attention step: q has " + std::to_string(q.dim(1)) + " heads, begin() said " +
                                   std::to_string(n_q_heads_));

@@ -217,6 +217,30 @@ TEST_CASE("cuda sliding-window and softcapped attention matches the cpu", "[cuda
   }
 }
 
+TEST_CASE("cuda attention refuses attention sinks and changes nothing", "[cuda]") {
+  // gpt-oss's sinks run on the CPU only: on a GPU cache the call is UNIMPLEMENTED, by name, before
+  // anything is appended.
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  const KVGeometry g{1, 2, 64, DType::kBF16};
+  auto pool = PagePool::create(*gpu, {g, 16, 4}).value();
+  auto cache = PagedKVCache::create(*pool, 32).value();
+  const std::vector<float> sinks = {0.5f, -1.0f, 2.0f, 0.0f};  // one per query head
+  AttentionParams p(0.125f);
+  p.sinks = sinks.data();
+  testing::Rng rng(7);
+  const Shape qs{3, 4, 64}, ks{3, 2, 64};
+  Tensor q = upload(*gpu, rng.floats(3 * 4 * 64), qs), k = upload(*gpu, rng.floats(3 * 2 * 64), ks),
+         v = upload(*gpu, rng.floats(3 * 2 * 64), ks), out = gpu->alloc(qs, DType::kF32).value();
+  const std::vector<SeqAttention> batch = {{cache.get(), 0, 3}};
+  for (AttentionImpl impl : {AttentionImpl::kFlash, AttentionImpl::kManual}) {
+    const Status s = attention_batch(batch, 0, q, k, v, p, &out, impl);
+    CHECK(s.code() == StatusCode::kUnimplemented);
+    CHECK_THAT(s.message(), Catch::Contains("attention sinks"));
+    CHECK(cache->seq_len() == 0);
+  }
+}
+
 TEST_CASE("a cuda attention step rotates q and k in its append as the cpu step does", "[cuda]") {
   auto gpu_ptr = gpu_or_skip();
   if (!gpu_ptr) return;

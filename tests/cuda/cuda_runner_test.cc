@@ -167,6 +167,11 @@ TEST_CASE("the cuda runner follows the cpu on mixtures of experts under teacher 
   const auto refused = CudaRunner::create(*f32.model);
   CHECK(refused.status().code() == StatusCode::kUnimplemented);
   CHECK_THAT(refused.status().message(), Catch::Contains("experts are f32"));
+  // gpt-oss (sinks, biases, its routing and SwiGLU) is refused on the GPU, by name.
+  testing::TinyModel oss("gpt-oss-tiny", DType::kQ8_0);
+  const auto oss_refused = CudaRunner::create(*oss.model);
+  CHECK(oss_refused.status().code() == StatusCode::kUnimplemented);
+  CHECK_THAT(oss_refused.status().message(), Catch::Contains("gpt-oss"));
 }
 
 TEST_CASE("a batch on the cuda runner equals its sequences run alone and errors change nothing",

@@ -287,32 +287,26 @@ void swiglu_oai_mul(float* gate, const float* up, int64_t n, float alpha, float 
 
 void route_experts(const float* logits, int64_t n, int n_expert, int k, bool normalize, int32_t* ids,
                    float* weights, bool softmax_chosen) {
-  std::vector<float> p(static_cast<size_t>(n_expert));
   std::vector<int32_t> order(static_cast<size_t>(n_expert));
   for (int64_t t = 0; t < n; ++t) {
     const float* z = logits + t * n_expert;
-    const float mx = *std::max_element(z, z + n_expert);
-    float sum = 0.0f;
-    for (int i = 0; i < n_expert; ++i) sum += (p[static_cast<size_t>(i)] = std::exp(z[i] - mx));
-    for (float& v : p) v /= sum;
     for (int i = 0; i < n_expert; ++i) order[static_cast<size_t>(i)] = i;
     // Ranked by score (softmax keeps the order, and probabilities that underflow to 0 do not tie).
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
-    if (softmax_chosen) {  // the chosen logits' own softmax (the first is the largest)
-      float sum = 0.0f;
-      for (int j = 0; j < k; ++j) {
-        ids[t * k + j] = order[static_cast<size_t>(j)];
-        sum += (weights[t * k + j] = std::exp(z[order[static_cast<size_t>(j)]] - z[order[0]]));
-      }
+    for (int j = 0; j < k; ++j) ids[t * k + j] = order[static_cast<size_t>(j)];
+    // The weights: the chosen scores' own softmax (the first is the largest), or their share of
+    // the softmax over every expert (renormalized over the chosen where `normalize`).
+    const float mx = softmax_chosen ? z[order[0]] : *std::max_element(z, z + n_expert);
+    float sum = 0.0f;
+    if (softmax_chosen) {
+      for (int j = 0; j < k; ++j) sum += (weights[t * k + j] = std::exp(z[ids[t * k + j]] - mx));
       for (int j = 0; j < k; ++j) weights[t * k + j] /= sum;
       continue;
     }
+    for (int i = 0; i < n_expert; ++i) sum += std::exp(z[i] - mx);
     float chosen = 0.0f;
-    for (int j = 0; j < k; ++j) {
-      ids[t * k + j] = order[static_cast<size_t>(j)];
-      chosen += (weights[t * k + j] = p[static_cast<size_t>(order[static_cast<size_t>(j)])]);
-    }
+    for (int j = 0; j < k; ++j) chosen += (weights[t * k + j] = std::exp(z[ids[t * k + j]] - mx) / sum);
     if (normalize) {
       chosen = std::max(chosen, 6.103515625e-5f);
       for (int j = 0; j < k; ++j) weights[t * k + j] /= chosen;

@@ -101,11 +101,15 @@ struct Problem {
   float softcap;   // 0: none
   const float* sinks;  // null: none
 
+  // Row r's sink (its query head's, r = token * n_rep + head within the group); -inf: none.
+  float sink_of(const Item& it, int64_t r) const {
+    return sinks != nullptr ? sinks[int64_t{it.g} * n_rep + r % n_rep] : -std::numeric_limits<float>::infinity();
+  }
   // 1 / the softmax's denominator of row r of item `it` whose running maximum is m and sum l;
   // with a sink, its e^{sink} joins the sum and acc [hd] is rescaled where it raises the maximum.
   float denominator_inv(const Item& it, int64_t r, float m, float l, float* acc) const {
     if (sinks != nullptr) {
-      const float sink = sinks[int64_t{it.g} * n_rep + r % n_rep];
+      const float sink = sink_of(it, r);
       if (sink > m) {
         const float c = std::exp(m - sink);
         for (int d = 0; d < hd; ++d) acc[d] *= c;
@@ -249,8 +253,7 @@ void manual_item(const Problem& pb, const Item& it, Scratch& sc) {
     const int64_t horizon = it.seq->pos + (it.r0 + r) / pb.n_rep;
     for (int64_t p = horizon + 1; p < total; ++p) srow[p] = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < pb.first_key(horizon); ++p) srow[p] = -std::numeric_limits<float>::infinity();
-    const float sink = pb.sinks ? pb.sinks[int64_t{it.g} * pb.n_rep + (it.r0 + r) % pb.n_rep]
-                                : -std::numeric_limits<float>::infinity();
+    const float sink = pb.sink_of(it, it.r0 + r);
     const float mx = std::max(sink, *std::max_element(srow, srow + total));
     float sum = pb.sinks ? std::exp(sink - mx) : 0.0f;
     for (int64_t p = 0; p < total; ++p) sum += (srow[p] = std::exp(srow[p] - mx));
