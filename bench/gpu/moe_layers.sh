@@ -22,11 +22,12 @@ wait $mk; ls -la "$m"; echo "# model after $(( $(date +%s) - t0 )) s"
 for r in 1 2; do
   for v in "$OLD" "$NEW"; do
     echo "## $v round $r"
-    /tmp/bin/$v/combs-bench gpu --models "$m" --reps 3 --sessions 64 2>&1 | grep "^|" | tail -n 1
+    # --vocab none: the file carries its vocabulary; no attention table (its rows would come last)
+    /tmp/bin/$v/combs-bench gpu --models "$m" --vocab none --reps 3 --sessions 64 --attention-contexts "" 2>&1 | tail -n 2
   done
 done
 echo "# tables done after $(( $(date +%s) - t0 )) s"
 g++ -O2 -shared -fPIC -I/usr/local/cuda/include "$here/timeline.cc" -o /tmp/libtimeline.so -L/usr/local/cuda/lib64 -lcupti &&
-  CUDA_INJECTION64_PATH=/tmp/libtimeline.so COMBS_TIMELINE=/tmp/t.csv /tmp/bin/$NEW/combs-bench gpu --models "$m" --reps 1 --only decode > /dev/null 2>&1
+  CUDA_INJECTION64_PATH=/tmp/libtimeline.so COMBS_TIMELINE=/tmp/t.csv /tmp/bin/$NEW/combs-bench gpu --models "$m" --vocab none --reps 1 --only decode 2>&1 | tail -n 2
 python3 "$here/timeline.py" /tmp/t.csv --layer 1 2>&1 | tail -n 40
 echo "# done after $(( $(date +%s) - t0 )) s"
