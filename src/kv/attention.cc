@@ -43,12 +43,7 @@ Status check_tokens(const char* name, const Tensor& t, int64_t n_tokens, int64_t
 
 DeviceAttentionFactory g_cuda_attention = nullptr;
 
-// `what` names the call in the one error that depends on where the cache lives: attention sinks
-// run on the CPU backend only.
-Status check_params(const AttentionParams& p, DeviceType device, const char* what) {
-  if (p.sinks != nullptr && device != DeviceType::kCpu) {
-    return unimplemented_error(std::string(what) + ": attention sinks run on the CPU backend only");
-  }
+Status check_params(const AttentionParams& p) {
   if (!std::isfinite(p.scale) || p.scale <= 0.0f) return invalid_argument_error("attention: the scale must be positive and finite");
   if (p.window < 0) return invalid_argument_error("attention: negative window " + std::to_string(p.window));
   if (!std::isfinite(p.softcap) || p.softcap < 0.0f) return invalid_argument_error("attention: the softcap must be >= 0 and finite");
@@ -165,7 +160,7 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
   COMBS_RETURN_IF_ERROR(check_batch(seqs, layer, &n_tokens));
   const KVGeometry& g = seqs[0].cache->geometry();
   Backend& backend = seqs[0].cache->backend();
-  COMBS_RETURN_IF_ERROR(check_params(params, backend.device_type(), "attention"));
+  COMBS_RETURN_IF_ERROR(check_params(params));
   COMBS_RETURN_IF_ERROR(check_tensors(g, backend.device_type(), n_tokens, q, k, v, out));
   COMBS_RETURN_IF_ERROR(reserve_batch_pages(seqs));
 
@@ -253,7 +248,7 @@ Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, c
 Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionParams& params,
                           const Tensor& out, const float* inv_freq) {
   if (!active_) return failed_precondition_error("attention step: run() outside begin() .. commit()");
-  COMBS_RETURN_IF_ERROR(check_params(params, seqs_[0].cache->backend().device_type(), "attention step"));
+  COMBS_RETURN_IF_ERROR(check_params(params));
   if (inv_freq && !rope_.inv_freq) return invalid_argument_error("attention step: layer frequencies without a rope");
   const KVGeometry& g = seqs_[0].cache->geometry();
   if (layer < 0 || layer >= g.num_layers) {

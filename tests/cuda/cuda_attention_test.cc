@@ -5,6 +5,7 @@
 // the manual reference path. [cuda]: skipped (and saying so) without a GPU.
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 
@@ -41,6 +42,7 @@ struct Case {
   DType dtype;
   std::vector<std::pair<int64_t, int64_t>> seqs;  // (cached prefix, new tokens)
   AttentionParams params = 0.125f;                 // scale, sliding window, softcap
+  std::vector<float> sinks = {};                   // a logit per query head (params.sinks), or none
 };
 
 // Runs one batched call on CPU paged caches, GPU paged caches (flash and manual) and GPU
@@ -63,6 +65,8 @@ void run_case(CudaBackend& gpu, const Case& c, uint64_t seed) {
     contiguous.push_back(ContiguousKVCache::create(gpu, g, max_len).value());
   }
   const int n_q = c.n_kv * c.group;
+  // The sinks: the CPU reads them from host memory, the GPU from its own.
+  const Tensor d_sinks = c.sinks.empty() ? Tensor() : upload(gpu, c.sinks, Shape{n_q});
   // The prefixes: appended in one append-only batched call per cache set.
   auto batched = [&](std::vector<std::unique_ptr<KVCache>>& caches, bool prefix, Backend* dev,
                      std::vector<float>& q, std::vector<float>& k, std::vector<float>& v, int64_t tokens,
@@ -73,17 +77,19 @@ void run_case(CudaBackend& gpu, const Case& c, uint64_t seed) {
       batch.push_back({caches[i].get(), prefix ? 0 : pre, prefix ? pre : n});
     }
     const Shape qs{tokens, n_q, c.head_dim}, ks{tokens, c.n_kv, c.head_dim};
+    AttentionParams params = c.params;
+    if (!c.sinks.empty()) params.sinks = dev == nullptr ? c.sinks.data() : d_sinks.data_as<float>();
     if (dev == nullptr) {
       std::vector<float> out(static_cast<size_t>(tokens * n_q * c.head_dim));
       Tensor ot = Tensor::wrap(out.data(), qs, DType::kF32);
       REQUIRE(attention_batch(batch, 0, Tensor::wrap(q.data(), qs, DType::kF32), Tensor::wrap(k.data(), ks, DType::kF32),
-                              Tensor::wrap(v.data(), ks, DType::kF32), c.params, prefix ? nullptr : &ot, impl)
+                              Tensor::wrap(v.data(), ks, DType::kF32), params, prefix ? nullptr : &ot, impl)
                   .ok());
       return out;
     }
     Tensor qd = prefix ? Tensor() : upload(gpu, q, qs), kd = upload(gpu, k, ks), vd = upload(gpu, v, ks);
     Tensor od = gpu.alloc(qs, DType::kF32).value();
-    const Status s = attention_batch(batch, 0, qd, kd, vd, c.params, prefix ? nullptr : &od, impl);
+    const Status s = attention_batch(batch, 0, qd, kd, vd, params, prefix ? nullptr : &od, impl);
     INFO(s.to_string());
     REQUIRE(s.ok());
     REQUIRE(gpu.synchronize().ok());
@@ -217,27 +223,28 @@ TEST_CASE("cuda sliding-window and softcapped attention matches the cpu", "[cuda
   }
 }
 
-TEST_CASE("cuda attention refuses attention sinks and changes nothing", "[cuda]") {
-  // gpt-oss's sinks run on the CPU only: on a GPU cache the call is UNIMPLEMENTED, by name, before
-  // anything is appended.
+TEST_CASE("cuda attention with sinks matches the cpu", "[cuda]") {
+  // gpt-oss's sinks (a logit per query head in every row's softmax, no value; the CPU's are held to
+  // float64 in tests/kv): on every GPU path (f32 decode, tensor-core prefill and decode, split-KV
+  // merges, the manual reference) with windows, and sinks far below, near and far above the scores
+  // (a sink of 30 outweighs every key: the rows come out near 0).
   auto gpu = gpu_or_skip();
   if (!gpu) return;
-  const KVGeometry g{1, 2, 64, DType::kBF16};
-  auto pool = PagePool::create(*gpu, {g, 16, 4}).value();
-  auto cache = PagedKVCache::create(*pool, 32).value();
-  const std::vector<float> sinks = {0.5f, -1.0f, 2.0f, 0.0f};  // one per query head
-  AttentionParams p(0.125f);
-  p.sinks = sinks.data();
-  testing::Rng rng(7);
-  const Shape qs{3, 4, 64}, ks{3, 2, 64};
-  Tensor q = upload(*gpu, rng.floats(3 * 4 * 64), qs), k = upload(*gpu, rng.floats(3 * 2 * 64), ks),
-         v = upload(*gpu, rng.floats(3 * 2 * 64), ks), out = gpu->alloc(qs, DType::kF32).value();
-  const std::vector<SeqAttention> batch = {{cache.get(), 0, 3}};
-  for (AttentionImpl impl : {AttentionImpl::kFlash, AttentionImpl::kManual}) {
-    const Status s = attention_batch(batch, 0, q, k, v, p, &out, impl);
-    CHECK(s.code() == StatusCode::kUnimplemented);
-    CHECK_THAT(s.message(), Catch::Contains("attention sinks"));
-    CHECK(cache->seq_len() == 0);
+  const std::vector<std::pair<int64_t, int64_t>> ragged = {{0, 37}, {100, 1}, {5, 20}, {1000, 1}, {300, 64}, {31, 1}, {40, 3}};
+  uint64_t seed = 900;
+  for (int64_t window : {0, 7, 128}) {
+    INFO("window " << window);
+    const AttentionParams p(0.125f, window, 0.0f);
+    auto sinks = [](int n) {
+      std::vector<float> s;
+      for (int h = 0; h < n; ++h) s.push_back(std::array<float, 5>{-20.0f, 0.5f, -1.0f, 2.0f, 30.0f}[h % 5]);
+      return s;
+    };
+    run_case(*gpu, {16, 2, 4, 64, DType::kBF16, ragged, p, sinks(8)}, seed++);
+    run_case(*gpu, {32, 2, 8, 64, DType::kF16, ragged, p, sinks(16)}, seed++);
+    run_case(*gpu, {16, 4, 2, 64, DType::kF32, ragged, p, sinks(8)}, seed++);
+    run_case(*gpu, {16, 1, 8, 128, DType::kF32, ragged, p, sinks(8)}, seed++);
+    run_case(*gpu, {16, 2, 4, 64, DType::kBF16, {{9000, 1}, {2047, 129}, {4090, 16}}, p, sinks(8)}, seed++);
   }
 }
 

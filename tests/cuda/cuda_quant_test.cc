@@ -26,6 +26,7 @@
 #include "combs/backend/cpu/cpu_ops.h"
 #include "combs/backend/cuda/cuda_ops.h"
 #include "combs/backend/quant.h"
+#include "combs/model/model.h"
 #include "support/cuda_helpers.h"
 
 using namespace combs;
@@ -373,7 +374,8 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
   // experts_ffn on its own, so that no rounding upstream can move a token to another expert: the
   // router's logits are given (with ties among them), the routing (ids and weights) is the CPU's
   // cpu::route_experts, and y is the float64 sum over each token's experts of
-  // w_j down(round8(silu(gate x^) up x^)) with x^ rounded as the kernels round it. The kernel's
+  // w_j down(round8(silu(gate x^) up x^)) with x^ rounded as the kernels round it (gpt-oss's
+  // cases: w_j from the softmax of the chosen, biases on every product, its clamped SwiGLU). The kernel's
   // hidden values equal the float64 ones to float32 arithmetic, so their 8-bit rounding can differ
   // only where a value sits on a rounding boundary: a step d of that group, at most a couple of
   // times a row. Tolerance: 1e-4 of the absolute sum, plus two steps of the largest |w_down|, per
@@ -386,16 +388,19 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
     int64_t in, ff;
     int n_expert, k;
     bool normalize, shared, accumulate;
+    bool oss = false;  // gpt-oss: softmax over the chosen, biases, the clamped SwiGLU
   };
   for (const Case c : {Case{DType::kQ8_0, 256, 96, 16, 4, true, false, false},
                        Case{DType::kQ4_K, 256, 256, 8, 2, false, true, true},
                        Case{DType::kQ8_0, 64, 64, 4, 4, true, true, false},
-                       Case{DType::kQ6_K, 256, 256, 32, 8, true, false, true}}) {
+                       Case{DType::kQ6_K, 256, 256, 32, 8, true, false, true},
+                       Case{DType::kMXFP4, 96, 160, 32, 4, false, false, false, true},
+                       Case{DType::kQ8_0, 256, 64, 8, 8, false, false, true, true}}) {
     for (const int64_t n : {int64_t{1}, int64_t{5}, int64_t{40}}) {
       const int E = c.n_expert, k = c.k;
       const int64_t in = c.in, ff = c.ff;
       INFO(dtype_name(c.type) << " experts " << E << " k " << k << " in " << in << " ff " << ff
-                              << " n " << n);
+                              << " n " << n << (c.oss ? " gpt-oss" : ""));
       // Weights: random values in the block type; their exact values back on the host.
       auto quantized = [&](int64_t rows, int64_t cols, std::vector<float>* exact) {
         const auto v = random_floats(rng, static_cast<size_t>(E * rows * cols), 0.1f);
@@ -407,6 +412,11 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
       };
       std::vector<float> gu, dn;
       const Tensor gud = quantized(2 * ff, in, &gu), dnd = quantized(in, ff, &dn);
+      // gpt-oss's biases (each expert's gate then up, as its rows; down), large enough that the
+      // SwiGLU's clamps at +-7 bite.
+      const auto gu_bias = random_floats(rng, static_cast<size_t>(E * 2 * ff), 8.0f),
+                 dn_bias = random_floats(rng, static_cast<size_t>(E * in));
+      const Tensor gubd = upload(*gpu, gu_bias, Shape{E, 2 * ff}), dnbd = upload(*gpu, dn_bias, Shape{E, in});
       // Router logits on a coarse grid (ties happen), inputs, the shared expert's output and gate.
       std::vector<float> logits(static_cast<size_t>(n * E));
       for (auto& z : logits) z = static_cast<float>(static_cast<int>(rng() % 9)) * 0.5f - 2.0f;
@@ -416,7 +426,7 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
       const auto y0 = random_floats(rng, static_cast<size_t>(n * in));
       std::vector<int32_t> ids(static_cast<size_t>(n * k));
       std::vector<float> weights(ids.size());
-      cpu::route_experts(logits.data(), n, E, k, c.normalize, ids.data(), weights.data());
+      cpu::route_experts(logits.data(), n, E, k, c.normalize, ids.data(), weights.data(), c.oss);
 
       const Tensor ld = upload(*gpu, logits, Shape{n, E}), hd = upload(*gpu, h, Shape{n, in});
       const Tensor sd = upload(*gpu, shared, Shape{n, in}),
@@ -435,6 +445,11 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
           t_out.data_as<float>()};
       cuda::ExpertsFfn f{.gate_up = &gud, .down = &dnd, .k = k, .normalize = c.normalize};
       if (c.shared) f.shared = sd.data_as<float>(), f.shared_logit = sld.data_as<float>();
+      if (c.oss) {
+        f.softmax_chosen = true;
+        f.gate_up_bias = gubd.data_as<float>(), f.down_bias = dnbd.data_as<float>();
+        f.swiglu_alpha = kSwigluOaiAlpha, f.swiglu_limit = kSwigluOaiLimit;
+      }
       REQUIRE(cuda::experts_ffn(*gpu, f, ld.data_as<float>(), hd.data_as<float>(), n, s,
                                 yd.data_as<float>(), c.accumulate)
                   .ok());
@@ -466,7 +481,13 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
               a += double(g[o * in + i]) * xr[t * in + i];
               b += double(g[(ff + o) * in + i]) * xr[t * in + i];
             }
-            hid[o] = static_cast<float>(a / (1 + std::exp(-a)) * b);
+            if (c.oss) {
+              a = std::min(a + gu_bias[e * 2 * ff + o], double(kSwigluOaiLimit));
+              b = std::clamp(b + gu_bias[(e * 2 + 1) * ff + o], -double(kSwigluOaiLimit), double(kSwigluOaiLimit));
+              hid[o] = static_cast<float>(a / (1 + std::exp(-double(kSwigluOaiAlpha) * a)) * (b + 1));
+            } else {
+              hid[o] = static_cast<float>(a / (1 + std::exp(-a)) * b);
+            }
           }
           std::vector<float> hr;
           std::vector<double> hstep;
@@ -480,7 +501,7 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
               mag += std::abs(double(d[o * ff + i]) * hr[i]);
               wmax = std::max(wmax, std::abs(double(d[o * ff + i])));
             }
-            want[o] += wj * sum;
+            want[o] += wj * (sum + (c.oss ? dn_bias[e * in + o] : 0.0));
             tol[o] += wj * (1e-4 * mag + 2 * wmax * step);
           }
         }

@@ -125,7 +125,9 @@ TEST_CASE("the cuda runner follows the cpu on mixtures of experts under teacher 
   for (auto [shape, type] : {std::pair<const char*, const char*>{"qwen3moe-tiny", "q8_0"},
                              {"qwen2moe-tiny", "q8_0"},
                              {"mixtral-tiny", "q4_k_m"},
-                             {"qwen3moe-tiny", "q4_k_m"}}) {
+                             {"qwen3moe-tiny", "q4_k_m"},
+                             {"gpt-oss-tiny", "mxfp4_moe"},
+                             {"gpt-oss-tiny", "q8_0"}}) {
     INFO(shape << " " << type);
     RandomModelOptions o;
     o.shape = std::move(named_shape(shape)).value();
@@ -167,11 +169,6 @@ TEST_CASE("the cuda runner follows the cpu on mixtures of experts under teacher 
   const auto refused = CudaRunner::create(*f32.model);
   CHECK(refused.status().code() == StatusCode::kUnimplemented);
   CHECK_THAT(refused.status().message(), Catch::Contains("experts are f32"));
-  // gpt-oss (sinks, biases, its routing and SwiGLU) is refused on the GPU, by name.
-  testing::TinyModel oss("gpt-oss-tiny", DType::kQ8_0);
-  const auto oss_refused = CudaRunner::create(*oss.model);
-  CHECK(oss_refused.status().code() == StatusCode::kUnimplemented);
-  CHECK_THAT(oss_refused.status().message(), Catch::Contains("gpt-oss"));
 }
 
 TEST_CASE("a batch on the cuda runner equals its sequences run alone and errors change nothing",
@@ -179,7 +176,8 @@ TEST_CASE("a batch on the cuda runner equals its sequences run alone and errors 
   if (!have_gpu()) return;
   for (auto [shape, dtype] : {std::pair<const char*, DType>{"tiny", DType::kBF16},
                               {"gemma3-tiny", DType::kBF16},
-                              {"qwen2moe-tiny", DType::kQ8_0}}) {
+                              {"qwen2moe-tiny", DType::kQ8_0},
+                              {"gpt-oss-tiny", DType::kQ8_0}}) {
     INFO(shape);
     testing::TinyModel m(shape, dtype);
     auto gpu = std::move(CudaRunner::create(*m.model)).value();
@@ -258,7 +256,8 @@ TEST_CASE("decode steps replayed as cuda graphs give exactly the logits of launc
   for (auto [shape, dtype] : {std::pair<const char*, DType>{"tiny", DType::kBF16},
                               {"tiny", DType::kF32},
                               {"gemma3-tiny", DType::kBF16},
-                              {"qwen3moe-tiny", DType::kQ8_0}}) {
+                              {"qwen3moe-tiny", DType::kQ8_0},
+                              {"gpt-oss-tiny", DType::kQ8_0}}) {
     INFO(shape << " " << dtype_name(dtype));
     testing::TinyModel m(shape, dtype);
     // (time_device on one of the two: the events around its steps change nothing they compute.)

@@ -63,9 +63,10 @@ struct AttentionParams {
   int64_t window = 0;
   float softcap = 0.0f;
   float rope_mscale = 1.0f;
-  // Attention sinks (gpt-oss; null: none): one logit per query head, in host memory, that joins
-  // every row's softmax (after scale and softcap) and adds no value: out = sum_k e^{s_k} v_k /
-  // (e^{sink} + sum_k e^{s_k}). The CPU backend only.
+  // Attention sinks (gpt-oss; null: none): one logit per query head, in the caches' memory (host
+  // memory for CPU caches, device memory for GPU ones: read by the kernels, as AttentionRope's
+  // inv_freq), that joins every row's softmax (after scale and softcap) and adds no value:
+  // out = sum_k e^{s_k} v_k / (e^{sink} + sum_k e^{s_k}).
   const float* sinks = nullptr;
   AttentionParams() = default;
   AttentionParams(float s) : scale(s) {}  // NOLINT(google-explicit-constructor): a scale is a params

@@ -14,13 +14,14 @@ namespace {
 constexpr int kRouteThreads = 1024;
 
 // One block: each warp routes tokens (softmax over the router's scores, the k best by score,
-// ties to the lower id: cpu::route_experts' rule; a token's lanes hold every 32nd score, and the
+// ties to the lower id: cpu::route_experts' rule, and its softmax_chosen weighting: a softmax over
+// the k chosen scores alone; a token's lanes hold every 32nd score, and the
 // butterfly reductions leave every lane the same max, sum and choice), then the (token, slot)
 // pairs are counted and grouped by expert, and the experts chosen listed (start's layout:
 // quant_matmul.h). A pair's place within its expert's group is whatever the atomics give: no
 // pair's arithmetic depends on it, nor on the other tokens routed with it.
 __global__ void route_kernel(const float* __restrict__ logits, int n, int n_expert, int k,
-                             bool normalize, int32_t* __restrict__ ids, float* __restrict__ weights,
+                             bool normalize, bool softmax_chosen, int32_t* __restrict__ ids, float* __restrict__ weights,
                              int32_t* __restrict__ order, int32_t* __restrict__ start) {
   extern __shared__ int32_t cursor[];  // [n_expert + 1]
   for (int i = threadIdx.x; i <= n_expert; i += blockDim.x) cursor[i] = 0;
@@ -28,12 +29,13 @@ __global__ void route_kernel(const float* __restrict__ logits, int n, int n_expe
   const int lane = threadIdx.x % 32;
   for (int t = threadIdx.x / 32; t < n; t += blockDim.x / 32) {
     const float* z = logits + static_cast<int64_t>(t) * n_expert;
-    float mx = -INFINITY;
-    for (int i = lane; i < n_expert; i += 32) mx = fmaxf(mx, z[i]);
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-    float sum = 0.0f;
-    for (int i = lane; i < n_expert; i += 32) sum += expf(z[i] - mx);
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    float mx = -INFINITY, sum = 0.0f;
+    if (!softmax_chosen) {
+      for (int i = lane; i < n_expert; i += 32) mx = fmaxf(mx, z[i]);
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+      for (int i = lane; i < n_expert; i += 32) sum += expf(z[i] - mx);
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    }
     // The j-th best: the largest (score, -id) below the (j-1)-th.
     float prev_z = INFINITY, chosen = 0.0f;
     int prev_id = -1;
@@ -50,7 +52,8 @@ __global__ void route_kernel(const float* __restrict__ logits, int n, int n_expe
         if (oi >= 0 && (best < 0 || oz > bz || (oz == bz && oi < best))) best = oi, bz = oz;
       }
       if (best < 0) best = 0, bz = z[0];  // NaN scores: expert 0 rather than an index out of range
-      const float p = expf(bz - mx) / sum;
+      if (softmax_chosen && j == 0) mx = bz;  // the first chosen is the largest
+      const float p = softmax_chosen ? expf(bz - mx) : expf(bz - mx) / sum;
       if (lane == 0) {
         ids[t * k + j] = best;
         weights[t * k + j] = p;
@@ -59,8 +62,8 @@ __global__ void route_kernel(const float* __restrict__ logits, int n, int n_expe
       chosen += p;
       prev_z = bz, prev_id = best;
     }
-    if (normalize && lane == 0) {
-      chosen = fmaxf(chosen, 6.103515625e-5f);
+    if ((normalize || softmax_chosen) && lane == 0) {
+      if (!softmax_chosen) chosen = fmaxf(chosen, 6.103515625e-5f);  // (softmax_chosen's is >= 1)
       for (int j = 0; j < k; ++j) weights[t * k + j] /= chosen;
     }
   }
@@ -116,15 +119,17 @@ Status experts_ffn(CudaBackend& b, const ExpertsFfn& f, const float* router_logi
     return invalid_argument_error("cuda experts_ffn: too many tokens");
   auto st = static_cast<cudaStream_t>(b.stream());
   route_kernel<<<1, kRouteThreads, static_cast<size_t>(n_expert + 1) * sizeof(int32_t), st>>>(
-      router_logits, static_cast<int>(n), n_expert, f.k, f.normalize, s.ids, s.weights, s.order,
-      s.start);
+      router_logits, static_cast<int>(n), n_expert, f.k, f.normalize, f.softmax_chosen, s.ids, s.weights,
+      s.order, s.start);
   COMBS_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "route_kernel"));
   COMBS_RETURN_IF_ERROR(quantize_activations(st, h, n, in, nullptr, 0.0f, s.xq));
   COMBS_RETURN_IF_ERROR(
-      quant_gemv_experts(st, gu, s.xq, n, s.order, s.start, f.k, /*pairs=*/true, s.hidden));
+      quant_gemv_experts(st, gu, s.xq, n, s.order, s.start, f.k, /*pairs=*/true, s.hidden,
+                         {f.gate_up_bias, f.swiglu_alpha, f.swiglu_limit}));
   COMBS_RETURN_IF_ERROR(quantize_activations(st, s.hidden, n * f.k, ff, nullptr, 0.0f, s.xq));
   COMBS_RETURN_IF_ERROR(
-      quant_gemv_experts(st, down, s.xq, n * f.k, s.order, s.start, 1, /*pairs=*/false, s.out));
+      quant_gemv_experts(st, down, s.xq, n * f.k, s.order, s.start, 1, /*pairs=*/false, s.out,
+                         {f.down_bias}));
   combine_kernel<<<static_cast<unsigned>(n), 256, 0, st>>>(s.out, s.weights, f.k, in, f.shared,
                                                            f.shared_logit, accumulate, y);
   return cuda_status(cudaGetLastError(), "combine_kernel");

@@ -419,9 +419,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     expert_gemv_kernel(const uint8_t* __restrict__ w, int64_t expert_bytes, int64_t rows,
                        const int8_t* __restrict__ xq, const float* __restrict__ xd, int64_t in,
                        int gshift, const int32_t* __restrict__ order,
-                       const int32_t* __restrict__ start, int n_expert, int x_div, float* __restrict__ y) {
+                       const int32_t* __restrict__ start, int n_expert, int x_div, float* __restrict__ y,
+                       ExpertEpilogue ep) {
   if (static_cast<int>(blockIdx.y) >= start[n_expert + 1]) return;
   const int e = start[n_expert + 2 + blockIdx.y];
+  const float* bias = ep.bias ? ep.bias + static_cast<int64_t>(e) * (PAIRS ? 2 * rows : rows) : nullptr;
   const int first = start[e], count = start[e + 1] - first;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const uint8_t* we = w + static_cast<int64_t>(e) * expert_bytes;
@@ -463,10 +465,17 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       for (int r = 0; r < N; ++r) {
         float v = acc[r];
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+        if (bias) v += bias[row];
         if constexpr (PAIRS) {
           float up = acc_up[r];
           for (int o = 16; o > 0; o >>= 1) up += __shfl_xor_sync(0xffffffff, up, o);
-          v = silu(v) * up;
+          if (bias) up += bias[rows + row];
+          if (ep.limit > 0.0f) {  // gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit)
+            const float g = fminf(v, ep.limit), u = fminf(fmaxf(up, -ep.limit), ep.limit);
+            v = g / (1.0f + expf(-ep.alpha * g)) * (u + 1.0f);
+          } else {
+            v = silu(v) * up;
+          }
         }
         if (lane == 0 && pair[r] >= 0) y[static_cast<int64_t>(pair[r]) * rows + row] = v;
       }
@@ -603,7 +612,7 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
 
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,
                           const int32_t* order, const int32_t* start, int x_div, bool pairs,
-                          float* y) {
+                          float* y, ExpertEpilogue epilogue) {
   if (!is_block_quant(w.dtype()) || w.rank() != 3 || w.dim(2) % dtype_block_elems(w.dtype()) != 0 ||
       (pairs && w.dim(1) % 2 != 0)) {
     return invalid_argument_error(
@@ -624,10 +633,10 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
     constexpr DType T = decltype(tag)::value;
     if (pairs) {
       expert_gemv_kernel<T, 4, true><<<grid, kMaxWarps * 32, 0, st>>>(
-          wp, expert_bytes, rows, q, d, in, gshift, order, start, n_expert, x_div, y);
+          wp, expert_bytes, rows, q, d, in, gshift, order, start, n_expert, x_div, y, epilogue);
     } else {
       expert_gemv_kernel<T, 4, false><<<grid, kMaxWarps * 32, 0, st>>>(
-          wp, expert_bytes, rows, q, d, in, gshift, order, start, n_expert, x_div, y);
+          wp, expert_bytes, rows, q, d, in, gshift, order, start, n_expert, x_div, y, epilogue);
     }
     return cuda_status(cudaGetLastError(), "expert_gemv_kernel");
   });

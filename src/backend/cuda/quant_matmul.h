@@ -53,9 +53,15 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
 // their ids from start[n_expert + 2] on: blocks go to those only); pair p takes x row p / x_div and
 // writes y [pairs, out] row p. pairs: each expert's rows are its gate rows then its up rows, and
 // y row p = silu(gate) * up [out / 2]. Every expert's weights read once per 4 of its pairs.
+// epilogue: each expert's bias [n_expert, out] added to its products (before the activation), and
+// gpt-oss's clamped SwiGLU instead of silu(gate) * up where limit > 0.
+struct ExpertEpilogue {
+  const float* bias = nullptr;
+  float alpha = 0.0f, limit = 0.0f;
+};
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,
                           const int32_t* order, const int32_t* start, int x_div, bool pairs,
-                          float* y);
+                          float* y, ExpertEpilogue epilogue = {});
 
 // out [rows, in] = rows [row0, row0 + rows) of w dequantized to BF16.
 Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows, __nv_bfloat16* out);

@@ -73,15 +73,20 @@ __device__ inline int64_t kv_offset(const SeqDev& s, const int32_t* tables, int6
   return kv_offset_in(s, tables[s.table_off + kv_page(s, pi)], pi, head, hd);
 }
 
-// A layer's AttentionParams beyond the scale, as the kernels take them: the window (0: none) and
-// the softcap in exp2 units (softcap * log2e; 0: none).
+// A layer's AttentionParams beyond the scale, as the kernels take them: the window (0: none), the
+// softcap in exp2 units (softcap * log2e; 0: none) and the sinks (device memory, a logit per query
+// head; null: none).
 struct LayerDev {
   int window;
   float cap_log2;
+  const float* sinks;
   // The first key a query at position p sees.
   __device__ int64_t first_key(int64_t p) const { return window > 0 && p >= window ? p - window + 1 : 0; }
   // A score in exp2 units through the softcap.
   __device__ float cap(float x) const { return cap_log2 > 0.0f ? cap_log2 * tanhf(x / cap_log2) : x; }
+  // Query head h's sink in a softmax's denominator whose largest score is m (exp2 units, as the
+  // row's sum of exp2(s - m)); 0 without sinks. A sink far above m gives inf: the row's output 0.
+  __device__ float sink_term(int h, float m) const { return sinks ? exp2f(sinks[h] * kLog2e - m) : 0.0f; }
 };
 
 // The rotation of an AttentionRope, as the kernels take it (inv_freq null: none).
@@ -270,24 +275,24 @@ __global__ void __launch_bounds__(kWarps * 32)
   __syncthreads();
   for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
     const int g = i / HD, d = i % HD;
-    float M = -INFINITY;
-    for (int w = 0; w < SLOTS; ++w) M = fmaxf(M, sm[w][g]);
-    float L = 0.0f, O = 0.0f;
-    if (M != -INFINITY) {
+    float mx = -INFINITY;
+    for (int w = 0; w < SLOTS; ++w) mx = fmaxf(mx, sm[w][g]);
+    float den = 0.0f, o = 0.0f;
+    if (mx != -INFINITY) {
       for (int w = 0; w < SLOTS; ++w) {
-        const float f = exp2f(sm[w][g] - M);  // 0 for a slot that saw no key
-        L += sl[w][g] * f;
-        O += so[w][g][d] * f;
+        const float f = exp2f(sm[w][g] - mx);  // 0 for a slot that saw no key
+        den += sl[w][g] * f;
+        o += so[w][g][d] * f;
       }
     }
     const int64_t row = static_cast<int64_t>(t) * n_q + kvh * G + g;
     if (splits == 1) {
-      out[row * HD + d] = O / L;
+      out[row * HD + d] = o / (den + L.sink_term(kvh * G + g, mx));
     } else {
-      part_o[(row * grid_splits + split) * HD + d] = O;
+      part_o[(row * grid_splits + split) * HD + d] = o;
       if (d == 0) {
-        part_ml[(row * grid_splits + split) * 2] = M;
-        part_ml[(row * grid_splits + split) * 2 + 1] = L;
+        part_ml[(row * grid_splits + split) * 2] = mx;
+        part_ml[(row * grid_splits + split) * 2 + 1] = den;
       }
     }
   }
@@ -347,9 +352,10 @@ constexpr int kMergeBatch = 16;
 // [rows, grid_splits] of (m, l), exp2 units) for the four dimensions at d4: kMergeBatch splits'
 // partials requested at once (a loop waiting on each load would take a round trip to L2 per
 // split), read from L2 (__ldcg: other blocks wrote them), with a running maximum; empty splits
-// (m = -inf) count for nothing.
+// (m = -inf) count for nothing. sink_log2: the row's sink in exp2 units (-inf: none), joining the
+// denominator.
 __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml, int64_t row, int grid_splits,
-                                       int splits, int hd, int d4) {
+                                       int splits, int hd, int d4, float sink_log2) {
   constexpr int U = kMergeBatch;
   float mx = -INFINITY, L = 0.0f;
   float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -380,6 +386,7 @@ __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml
       O.x += po[u].x * f, O.y += po[u].y * f, O.z += po[u].z * f, O.w += po[u].w * f;
     }
   }
+  if (sink_log2 != -INFINITY) L += exp2f(sink_log2 - mx);
   return make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
 }
 
@@ -592,7 +599,7 @@ __global__ void __launch_bounds__(R * 32)
     l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
     if (orow[h] < 0) continue;
     if (splits == 1) {
-      const float inv = 1.0f / l[h];
+      const float inv = 1.0f / (l[h] + L.sink_term(static_cast<int>(orow[h] % n_q), m[h]));
       float* op = out + orow[h] * HD + 2 * quad;
 #pragma unroll
       for (int d = 0; d < HD / 8; ++d) *reinterpret_cast<float2*>(op + d * 8) = make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
@@ -608,9 +615,10 @@ __global__ void __launch_bounds__(R * 32)
 
 // grid (tokens * n_q); block: head_dim / 4 threads (rounded up to a warp). The merge of a token's
 // splits, for the rows of sequences that ran in several (those in one split were written by the
-// attention kernel directly). head_dim: 64, 128 or 256.
+// attention kernel directly). head_dim: 64, 128 or 256. sinks: as LayerDev's.
 __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                    float* __restrict__ out, int grid_splits, int hd, int n_q) {
+                                    float* __restrict__ out, int grid_splits, int hd, int n_q,
+                                    const float* __restrict__ sinks) {
   const int64_t row = blockIdx.x;
   const int d4 = threadIdx.x;
   const SeqDev& s = meta.seqs[meta.tok_seq[row / n_q]];
@@ -621,7 +629,8 @@ __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ p
   // (H200, llama-8b decode: 241 tok/s vs 239 launched at the merge's end, 227 at its start).
   cuda::pdl_launch_dependents();
   if (d4 >= hd / 4 || s.n_new >= meta.prefill_min || s.splits == 1) return;
-  reinterpret_cast<float4*>(out + row * hd)[d4] = merge_splits4(part_o, part_ml, row, grid_splits, s.splits, hd, d4);
+  const float sink_log2 = sinks ? sinks[row % n_q] * kLog2e : -INFINITY;
+  reinterpret_cast<float4*>(out + row * hd)[d4] = merge_splits4(part_o, part_ml, row, grid_splits, s.splits, hd, d4, sink_log2);
 }
 
 // The reference: grid (tokens, n_q); scores of one row in scratch [tokens, n_q, max_ctx].
@@ -665,6 +674,7 @@ __global__ void manual_attention_kernel(const Meta M, const float* __restrict__ 
     __syncthreads();
   }
   sum = red[0];
+  if (L.sinks) sum += expf(L.sinks[h] - mx);
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float o = 0.0f;
     for (int64_t j = 0; j < ctx; ++j) o += sc[j] * to_f32(V[kv_offset(s, M.tables, j, kvh, hd) + d]);
@@ -944,7 +954,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   auto st = static_cast<cudaStream_t>(b_.stream());
   const float scale = params.scale;
   if (params.window > INT32_MAX) return invalid_argument_error("attention (cuda): window beyond 2^31");
-  const LayerDev L{static_cast<int>(params.window), params.softcap * kLog2e};
+  const LayerDev L{static_cast<int>(params.window), params.softcap * kLog2e, params.sinks};
   RopeDev rope = rope_;
   if (inv_freq && rope.inv_freq) rope.inv_freq = inv_freq;
   rope.mscale = params.rope_mscale;
@@ -1020,7 +1030,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   if (grid_splits_ > 1) {
     const unsigned mthreads = static_cast<unsigned>((hd / 4 + 31) / 32 * 32);
     cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(mthreads), 0, st, M, part_o_,
-                     part_ml_, out->data_as<float>(), grid_splits_, hd, n_q);
+                     part_ml_, out->data_as<float>(), grid_splits_, hd, n_q, params.sinks);
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   return ok_status();

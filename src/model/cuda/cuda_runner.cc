@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -148,6 +149,9 @@ struct CudaRunner::Impl {
     // [n_expert, 2 n_ff_exp, n_embd], their down [n_expert, n_embd, n_ff_exp]; the shared expert's
     // gate [1, n_embd].
     Tensor router, gate_up_exps, down_exps, shared_gate;
+    // gpt-oss: the attention output's bias, the sinks, the router's bias, the experts' biases
+    // (gate_up_exps_b [n_expert, 2 n_ff_exp]: each expert's gate then up, as their rows).
+    Tensor bo, sinks, router_b, gate_up_exps_b, down_exps_b;
   };
   Tensor tok_embd, output_norm, output, inv_freq, inv_freq_local;  // RoPE of global and windowed layers
   std::vector<Layer> layers;
@@ -248,6 +252,19 @@ Status upload_experts(CudaBackend& b, const LayerWeights& w, int layer, Tensor* 
   return b.copy(w.down_exps, *down);
 }
 
+// The experts' gate and up biases [n_expert, n_ff_exp] each (f32, host) interleaved as
+// upload_experts lays out their rows: [n_expert, 2 n_ff_exp].
+StatusOr<Tensor> upload_gate_up_bias(CudaBackend& b, const Tensor& gate, const Tensor& up) {
+  const int64_t n = gate.dim(0), ff = gate.dim(1);
+  std::vector<float> host(static_cast<size_t>(n * 2 * ff));
+  for (int64_t e = 0; e < n; ++e) {
+    std::copy_n(gate.data_as<float>() + e * ff, ff, host.data() + 2 * e * ff);
+    std::copy_n(up.data_as<float>() + e * ff, ff, host.data() + (2 * e + 1) * ff);
+  }
+  const Tensor t = Tensor::wrap(host.data(), Shape{n, 2 * ff}, DType::kF32);
+  return upload(b, {&t});
+}
+
 bool decode_fused(const WeightStack& w, int64_t n) {
   for (const Tensor& p : w.parts)
     if (!cuda::decode_fused(p, n)) return false;
@@ -282,11 +299,8 @@ Status matmul_split(CudaBackend& b, const WeightStack& w, const void* x, int64_t
 StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, CudaRunnerOptions options) {
   {
     const ModelConfig& c = model.config();
-    if (c.attn_sinks || c.attn_out_bias || c.expert_biases || c.expert_softmax_chosen ||
-        c.activation == Activation::kSwigluOai) {
-      return unimplemented_error("cuda: " + c.arch_name +
-                                 " (attention sinks, the attention output's and the experts' biases, "
-                                 "top-k-then-softmax routing, the clamped SwiGLU) runs on the CPU only");
+    if (c.activation == Activation::kSwigluOai && c.dense_ffn()) {  // (gpt-oss has experts only)
+      return unimplemented_error("cuda: " + c.arch_name + ": the clamped SwiGLU in a dense FFN runs on the CPU only");
     }
   }
   auto impl = std::make_unique<Impl>();
@@ -317,7 +331,14 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
         const Tensor row = w.shared_gate.reshape({1, c.n_embd});
         COMBS_ASSIGN_OR_RETURN(l.shared_gate, upload(b, {&row}));
       }
+      COMBS_ASSIGN_OR_RETURN(l.router_b, upload(b, {&w.router_b}));
+      if (w.gate_exps_b.defined()) {
+        COMBS_ASSIGN_OR_RETURN(l.gate_up_exps_b, upload_gate_up_bias(b, w.gate_exps_b, w.up_exps_b));
+      }
+      COMBS_ASSIGN_OR_RETURN(l.down_exps_b, upload(b, {&w.down_exps_b}));
     }
+    COMBS_ASSIGN_OR_RETURN(l.bo, upload(b, {&w.bo}));
+    COMBS_ASSIGN_OR_RETURN(l.sinks, upload(b, {&w.sinks}));
     COMBS_ASSIGN_OR_RETURN(l.attn_norm, upload(b, {&w.attn_norm}));
     COMBS_ASSIGN_OR_RETURN(l.wqkv, upload_stack(b, {&w.wq, &w.wk, &w.wv}));
     COMBS_ASSIGN_OR_RETURN(l.bqkv, upload(b, {&w.bq, &w.bk, &w.bv}));
@@ -526,15 +547,17 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, k, nullptr, w.k_norm.data_as<float>(), k, total * nkv, hd, c.rms_eps));
       }
       const LayerAttention& la = m.attention(l);
-      COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, AttentionParams(la.scale, la.window, la.softcap, la.rope_mscale), att_t,
+      AttentionParams params(la.scale, la.window, la.softcap, la.rope_mscale);
+      params.sinks = bias(w.sinks);  // (the device's copy of la.sinks)
+      COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, params, att_t,
                                        la.window > 0 ? I.inv_freq_local.data_as<float>() : nullptr));
       if (fused) {
-        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, nullptr, /*accumulate=*/true));
+        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, bias(w.bo), /*accumulate=*/true));
         // silu(gate) * up in the weights' dtype, over the gate buffer (half its bytes).
         COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up_silu(b, w.w_gate_up.first(), x, total, w.ffn_norm.data_as<float>(), c.rms_eps, I.gate.data()));
         COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, x, /*accumulate=*/true));
       } else {
-        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta));
+        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta, bias(w.bo)));
         if (c.post_norms) {
           COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_attn_norm.data_as<float>(), delta, total, e, c.rms_eps));
         }
@@ -542,11 +565,15 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
           COMBS_RETURN_IF_ERROR(
               cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
           COMBS_RETURN_IF_ERROR(
-              cuda::matmul(b, w.router, h, total, I.router_logits.data_as<float>()));
+              cuda::matmul(b, w.router, h, total, I.router_logits.data_as<float>(), bias(w.router_b)));
           cuda::ExpertsFfn f{.gate_up = &w.gate_up_exps,
                              .down = &w.down_exps,
                              .k = c.n_expert_used,
-                             .normalize = c.expert_weights_norm};
+                             .normalize = c.expert_weights_norm,
+                             .softmax_chosen = c.expert_softmax_chosen,
+                             .gate_up_bias = bias(w.gate_up_exps_b),
+                             .down_bias = bias(w.down_exps_b)};
+          if (c.activation == Activation::kSwigluOai) f.swiglu_alpha = kSwigluOaiAlpha, f.swiglu_limit = kSwigluOaiLimit;
           if (c.shared_expert) {
             COMBS_RETURN_IF_ERROR(
                 matmul_split(b, w.w_gate_up, h, total, gate_up, /*rounded=*/false));

@@ -142,6 +142,10 @@ Status sample_rows(CudaBackend& b, float* logits, int64_t rows, int64_t n_vocab,
 // accumulate), plus sigmoid(shared_logit[t]) * shared[t] where shared is set (qwen2moe's shared
 // expert, computed by the caller). Experts in a block type: gate_up [n_expert, 2 ff, in], each
 // expert's gate rows then its up rows; down [n_expert, in, ff].
+// gpt-oss: softmax_chosen routes as cpu::route_experts' softmax_chosen; gate_up_bias [n_expert,
+// 2 ff] (each expert's gate then up biases) and down_bias [n_expert, in] join the products before
+// the activation and the weighting; swiglu_limit > 0 takes the clamped SwiGLU (cpu::swiglu_oai_mul
+// with swiglu_alpha and that limit) for silu(gate) * up.
 struct ExpertsFfn {
   const Tensor* gate_up = nullptr;
   const Tensor* down = nullptr;
@@ -149,6 +153,10 @@ struct ExpertsFfn {
   bool normalize = false;
   const float* shared = nullptr;        // [n, in]
   const float* shared_logit = nullptr;  // [n]
+  bool softmax_chosen = false;
+  const float* gate_up_bias = nullptr;
+  const float* down_bias = nullptr;
+  float swiglu_alpha = 0.0f, swiglu_limit = 0.0f;
 };
 // Device scratch for n tokens: ids, weights, order [n k]; start [expert_start_size(n_expert)]
 // (each expert's first pair in order, then the count of experts chosen and their ids: the
