@@ -63,19 +63,39 @@ def bias(w, name, shape):
     w.add_tensor(name, uniform(shape, 0.1 / np.sqrt(3.0)))
 
 
-def gemma3(path):
-    e, layers, heads, kv, hd, ff = 128, 6, 2, 1, 64, 256
-    w = gguf.GGUFWriter(path, "gemma3")
-    w.add_name("combs gguf-py random gemma3")
-    n_vocab = vocab(w)
+def start(path, arch, e, layers, heads, kv, ff, hd=None, extra_tokens=()):
+    """A writer with the keys every file shares, in its converter's order (key and value lengths
+    where hd is given); returns the writer and the vocabulary's size."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"combs gguf-py random {arch}")
+    n_vocab = vocab(w, extra_tokens)
     w.add_context_length(2048)
     w.add_embedding_length(e)
     w.add_block_count(layers)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    if hd is not None:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    return w, n_vocab
+
+
+def embeddings(w, n_vocab, e, std):
+    matrix(w, "token_embd.weight", n_vocab, e, std=std)
+    norm(w, "output_norm.weight", e)
+    matrix(w, "output.weight", n_vocab, e)
+
+
+def qkv(w, b, e, heads, kv, hd):
+    matrix(w, b + "attn_q.weight", heads * hd, e)
+    matrix(w, b + "attn_k.weight", kv * hd, e)
+    matrix(w, b + "attn_v.weight", kv * hd, e)
+
+
+def gemma3(path):
+    e, layers, heads, kv, hd, ff = 128, 6, 2, 1, 64, 256
+    w, n_vocab = start(path, "gemma3", e, layers, heads, kv, ff, hd)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6)
     w.add_rope_freq_base_swa(1e4)
@@ -83,15 +103,11 @@ def gemma3(path):
     w.add_sliding_window_pattern([i % 3 < 2 for i in range(layers)])  # 2 of 3 windowed
     w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     w.add_rope_scaling_factor(8.0)
-    matrix(w, "token_embd.weight", n_vocab, e, std=1.0 / np.sqrt(e))  # x sqrt(n_embd): std 1
-    norm(w, "output_norm.weight", e)
-    matrix(w, "output.weight", n_vocab, e)
+    embeddings(w, n_vocab, e, 1.0 / np.sqrt(e))  # x sqrt(n_embd): std 1
     for i in range(layers):
         b = f"blk.{i}."
         norm(w, b + "attn_norm.weight", e)
-        matrix(w, b + "attn_q.weight", heads * hd, e)
-        matrix(w, b + "attn_k.weight", kv * hd, e)
-        matrix(w, b + "attn_v.weight", kv * hd, e)
+        qkv(w, b, e, heads, kv, hd)
         norm(w, b + "attn_q_norm.weight", hd)
         norm(w, b + "attn_k_norm.weight", hd)
         matrix(w, b + "attn_output.weight", e, heads * hd)
@@ -106,15 +122,7 @@ def gemma3(path):
 
 def phi3(path):
     e, layers, heads, kv, hd, ff, rot = 128, 2, 2, 1, 64, 256, 48
-    w = gguf.GGUFWriter(path, "phi3")
-    w.add_name("combs gguf-py random phi3")
-    n_vocab = vocab(w, ["<|endoftext|>"])
-    w.add_context_length(2048)
-    w.add_embedding_length(e)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
+    w, n_vocab = start(path, "phi3", e, layers, heads, kv, ff, extra_tokens=["<|endoftext|>"])
     w.add_rope_dimension_count(rot)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(1e4)
@@ -122,9 +130,7 @@ def phi3(path):
     w.add_rope_scaling_attn_factors(1.19)
     w.add_tensor("rope_factors_long.weight", uniform((rot // 2,), 2.0, 5.0))
     w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 3.0, rot // 2, dtype=np.float32))
-    matrix(w, "token_embd.weight", n_vocab, e, std=1.0)
-    norm(w, "output_norm.weight", e)
-    matrix(w, "output.weight", n_vocab, e)
+    embeddings(w, n_vocab, e, 1.0)
     for i in range(layers):
         b = f"blk.{i}."
         norm(w, b + "attn_norm.weight", e)
@@ -138,31 +144,17 @@ def phi3(path):
 
 def qwen3moe(path):
     e, layers, heads, kv, hd, n_exp, used, ff = 128, 2, 4, 2, 64, 4, 2, 64
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    w.add_name("combs gguf-py random qwen3moe")
-    n_vocab = vocab(w)
-    w.add_context_length(2048)
-    w.add_embedding_length(e)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ff * used)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    w, n_vocab = start(path, "qwen3moe", e, layers, heads, kv, ff * used, hd)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6)
     w.add_expert_count(n_exp)
     w.add_expert_used_count(used)
     w.add_expert_feed_forward_length(ff)
-    matrix(w, "token_embd.weight", n_vocab, e, std=1.0)
-    norm(w, "output_norm.weight", e)
-    matrix(w, "output.weight", n_vocab, e)
+    embeddings(w, n_vocab, e, 1.0)
     for i in range(layers):
         b = f"blk.{i}."
         norm(w, b + "attn_norm.weight", e)
-        matrix(w, b + "attn_q.weight", heads * hd, e)
-        matrix(w, b + "attn_k.weight", kv * hd, e)
-        matrix(w, b + "attn_v.weight", kv * hd, e)
+        qkv(w, b, e, heads, kv, hd)
         norm(w, b + "attn_q_norm.weight", hd)
         norm(w, b + "attn_k_norm.weight", hd)
         matrix(w, b + "attn_output.weight", e, heads * hd)
@@ -176,17 +168,7 @@ def qwen3moe(path):
 
 def gpt_oss(path):
     e, layers, heads, kv, hd, n_exp, used, ff = 128, 2, 4, 1, 64, 4, 2, 64
-    w = gguf.GGUFWriter(path, "gpt-oss")
-    w.add_name("combs gguf-py random gpt-oss")
-    n_vocab = vocab(w)
-    w.add_context_length(2048)
-    w.add_embedding_length(e)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    w, n_vocab = start(path, "gpt-oss", e, layers, heads, kv, ff, hd)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(150000.0)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -196,16 +178,12 @@ def gpt_oss(path):
     w.add_expert_count(n_exp)
     w.add_expert_used_count(used)
     w.add_expert_feed_forward_length(ff)
-    matrix(w, "token_embd.weight", n_vocab, e, std=1.0)
-    norm(w, "output_norm.weight", e)
-    matrix(w, "output.weight", n_vocab, e)
+    embeddings(w, n_vocab, e, 1.0)
     mxfp4 = gguf.GGMLQuantizationType.MXFP4
     for i in range(layers):
         b = f"blk.{i}."
         norm(w, b + "attn_norm.weight", e)
-        matrix(w, b + "attn_q.weight", heads * hd, e)
-        matrix(w, b + "attn_k.weight", kv * hd, e)
-        matrix(w, b + "attn_v.weight", kv * hd, e)
+        qkv(w, b, e, heads, kv, hd)
         bias(w, b + "attn_q.bias", (heads * hd,))
         bias(w, b + "attn_k.bias", (kv * hd,))
         bias(w, b + "attn_v.bias", (kv * hd,))
