@@ -482,6 +482,15 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
                                               : Shape{t->dims[2], t->dims[1], t->dims[0]};
     char* dst = m->memory_.get() + used;
     std::memcpy(dst, t->data, t->nbytes);
+    if (spec.f32_only) {  // norms, biases, sinks, RoPE factors: small, and a NaN there spoils every token
+      const float* v = reinterpret_cast<const float*>(dst);
+      for (int64_t i = 0; i < t->numel(); ++i) {
+        if (!std::isfinite(v[i])) {
+          return invalid_argument_error(path + ": tensor '" + spec.name + "' holds a non-finite value (" +
+                                        std::to_string(v[i]) + ") at element " + std::to_string(i));
+        }
+      }
+    }
     m->file_->drop_pages(*t);  // the copy is the weight now: resident once, not twice
     used += (t->nbytes + 63) / 64 * 64;
     Tensor* to = slot(spec.name);

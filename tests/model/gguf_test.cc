@@ -1,6 +1,7 @@
 // The GGUF reader: round trips with the writer, and a clear error for every kind of bad file.
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <fstream>
@@ -168,6 +169,39 @@ TEST_CASE("model files with a wrong architecture or missing or misshapen tensors
   const Status shape = Model::load(dir.file("bad.gguf")).status();
   CHECK_THAT(shape.message(), Catch::Contains("shape") && Catch::Contains("ffn_gate"));
   CHECK(Model::load(dir.file("does-not-exist.gguf")).status().code() == StatusCode::kNotFound);
+}
+
+TEST_CASE("non-finite norms, biases and sinks are refused by name", "[model]") {
+  // The small F32 tensors (norms, biases, sinks, RoPE factors) are checked at load; a NaN or an
+  // infinity there would turn every token's logits to NaN.
+  TempDir dir;
+  RandomModelOptions o;
+  o.shape = std::move(named_shape("gpt-oss-tiny")).value();
+  o.dtype = DType::kF32;
+  const std::string path = dir.file("oss.gguf");
+  REQUIRE(write_random_model(o, path).ok());
+  REQUIRE(Model::load(path).ok());
+  const auto bytes = read_all(path);
+  for (const char* name : {"blk.1.attn_sinks.weight", "blk.0.attn_norm.weight", "blk.2.ffn_down_exps.bias"}) {
+    for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+      INFO(name << " " << bad);
+      // The tensor's bytes (random values: found once in the file), its third element poisoned.
+      std::string data;
+      {
+        auto file = GgufFile::open(path);
+        REQUIRE(file.ok());
+        const TensorInfo* t = (*file)->find_tensor(name);
+        REQUIRE(t != nullptr);
+        data.assign(static_cast<const char*>(t->data), t->nbytes);
+      }
+      auto copy = bytes;
+      std::memcpy(copy.data() + find(bytes, data) + 2 * sizeof(float), &bad, sizeof bad);
+      write_all(dir.file("bad.gguf"), copy);
+      const Status s = Model::load(dir.file("bad.gguf")).status();
+      CHECK(s.code() == StatusCode::kInvalidArgument);
+      CHECK_THAT(s.message(), Catch::Contains(name) && Catch::Contains("non-finite") && Catch::Contains("element 2"));
+    }
+  }
 }
 
 TEST_CASE("every architecture's missing or inconsistent keys and tensors are refused by name", "[model]") {
