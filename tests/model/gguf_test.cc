@@ -55,6 +55,17 @@ size_t find(const std::vector<char>& bytes, const std::string& needle) {
   return static_cast<size_t>(it - bytes.begin());
 }
 
+// A random f32 model of `shape` written into dir as SHAPE.gguf, checked to load: its path.
+std::string valid_model_file(const TempDir& dir, const char* shape) {
+  RandomModelOptions o;
+  o.shape = std::move(named_shape(shape)).value();
+  o.dtype = DType::kF32;
+  const std::string path = dir.file(std::string(shape) + ".gguf");
+  REQUIRE(write_random_model(o, path).ok());
+  REQUIRE(Model::load(path).ok());
+  return path;
+}
+
 }  // namespace
 
 TEST_CASE("gguf round trip of metadata and tensors", "[model]") {
@@ -135,13 +146,7 @@ TEST_CASE("gguf with bad tensor offsets types or dims is rejected", "[model]") {
 
 TEST_CASE("model files with a wrong architecture or missing or misshapen tensors are rejected", "[model]") {
   TempDir dir;
-  RandomModelOptions o;
-  o.shape = std::move(named_shape("tiny")).value();
-  o.dtype = DType::kF32;
-  const std::string path = dir.file("tiny.gguf");
-  REQUIRE(write_random_model(o, path).ok());
-  REQUIRE(Model::load(path).ok());
-  const auto bytes = read_all(path);
+  const auto bytes = read_all(valid_model_file(dir, "tiny"));
   auto load_patched = [&](const std::string& from, const std::string& to) {
     REQUIRE(from.size() == to.size());
     auto copy = bytes;
@@ -175,12 +180,7 @@ TEST_CASE("non-finite norms, biases and sinks are refused by name", "[model]") {
   // The small F32 tensors (norms, biases, sinks, RoPE factors) are checked at load; a NaN or an
   // infinity there would turn every token's logits to NaN.
   TempDir dir;
-  RandomModelOptions o;
-  o.shape = std::move(named_shape("gpt-oss-tiny")).value();
-  o.dtype = DType::kF32;
-  const std::string path = dir.file("oss.gguf");
-  REQUIRE(write_random_model(o, path).ok());
-  REQUIRE(Model::load(path).ok());
+  const std::string path = valid_model_file(dir, "gpt-oss-tiny");
   const auto bytes = read_all(path);
   for (const char* name : {"blk.1.attn_sinks.weight", "blk.0.attn_norm.weight", "blk.2.ffn_down_exps.bias"}) {
     for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
@@ -208,13 +208,7 @@ TEST_CASE("every architecture's missing or inconsistent keys and tensors are ref
   TempDir dir;
   // A shape's f32 file changed by `patch`: Model::load's status.
   auto load_changed = [&](const char* shape, const std::function<void(std::vector<char>&)>& patch) {
-    RandomModelOptions o;
-    o.shape = std::move(named_shape(shape)).value();
-    o.dtype = DType::kF32;
-    const std::string path = dir.file(std::string(shape) + ".gguf");
-    REQUIRE(write_random_model(o, path).ok());
-    REQUIRE(Model::load(path).ok());
-    auto bytes = read_all(path);
+    auto bytes = read_all(valid_model_file(dir, shape));
     patch(bytes);
     write_all(dir.file("bad.gguf"), bytes);
     return Model::load(dir.file("bad.gguf")).status();

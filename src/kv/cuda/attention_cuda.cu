@@ -352,10 +352,9 @@ constexpr int kMergeBatch = 16;
 // [rows, grid_splits] of (m, l), exp2 units) for the four dimensions at d4: kMergeBatch splits'
 // partials requested at once (a loop waiting on each load would take a round trip to L2 per
 // split), read from L2 (__ldcg: other blocks wrote them), with a running maximum; empty splits
-// (m = -inf) count for nothing. sink_log2: the row's sink in exp2 units (-inf: none), joining the
-// denominator.
+// (m = -inf) count for nothing; query head `head`'s sink (L.sink_term) joins the denominator.
 __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml, int64_t row, int grid_splits,
-                                       int splits, int hd, int d4, float sink_log2) {
+                                       int splits, int hd, int d4, const LayerDev& layer, int head) {
   constexpr int U = kMergeBatch;
   float mx = -INFINITY, L = 0.0f;
   float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -386,7 +385,7 @@ __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml
       O.x += po[u].x * f, O.y += po[u].y * f, O.z += po[u].z * f, O.w += po[u].w * f;
     }
   }
-  if (sink_log2 != -INFINITY) L += exp2f(sink_log2 - mx);
+  L += layer.sink_term(head, mx);
   return make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
 }
 
@@ -615,10 +614,9 @@ __global__ void __launch_bounds__(R * 32)
 
 // grid (tokens * n_q); block: head_dim / 4 threads (rounded up to a warp). The merge of a token's
 // splits, for the rows of sequences that ran in several (those in one split were written by the
-// attention kernel directly). head_dim: 64, 128 or 256. sinks: as LayerDev's.
+// attention kernel directly). head_dim: 64, 128 or 256. L: the layer's (for its sinks).
 __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                    float* __restrict__ out, int grid_splits, int hd, int n_q,
-                                    const float* __restrict__ sinks) {
+                                    float* __restrict__ out, int grid_splits, int hd, int n_q, LayerDev L) {
   const int64_t row = blockIdx.x;
   const int d4 = threadIdx.x;
   const SeqDev& s = meta.seqs[meta.tok_seq[row / n_q]];
@@ -629,8 +627,8 @@ __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ p
   // (H200, llama-8b decode: 241 tok/s vs 239 launched at the merge's end, 227 at its start).
   cuda::pdl_launch_dependents();
   if (d4 >= hd / 4 || s.n_new >= meta.prefill_min || s.splits == 1) return;
-  const float sink_log2 = sinks ? sinks[row % n_q] * kLog2e : -INFINITY;
-  reinterpret_cast<float4*>(out + row * hd)[d4] = merge_splits4(part_o, part_ml, row, grid_splits, s.splits, hd, d4, sink_log2);
+  reinterpret_cast<float4*>(out + row * hd)[d4] =
+      merge_splits4(part_o, part_ml, row, grid_splits, s.splits, hd, d4, L, static_cast<int>(row % n_q));
 }
 
 // The reference: grid (tokens, n_q); scores of one row in scratch [tokens, n_q, max_ctx].
@@ -1030,7 +1028,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   if (grid_splits_ > 1) {
     const unsigned mthreads = static_cast<unsigned>((hd / 4 + 31) / 32 * 32);
     cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(mthreads), 0, st, M, part_o_,
-                     part_ml_, out->data_as<float>(), grid_splits_, hd, n_q, params.sinks);
+                     part_ml_, out->data_as<float>(), grid_splits_, hd, n_q, L);
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   return ok_status();

@@ -224,6 +224,19 @@ StatusOr<WeightStack> upload_stack(CudaBackend& b, std::initializer_list<const T
   return s;
 }
 
+// Stacked gate and up [n, rows, cols] (host, one dtype) on the device as [n, 2 rows, cols]: each
+// expert's gate rows, then its up rows (the pairs quant_gemv_experts reads; their biases alike).
+StatusOr<Tensor> upload_pairs(CudaBackend& b, const Tensor& gate, const Tensor& up) {
+  const int64_t n = gate.dim(0), r = gate.dim(1), cols = gate.dim(2);
+  COMBS_ASSIGN_OR_RETURN(Tensor pairs, b.alloc({n, 2 * r, cols}, gate.dtype()));
+  const Tensor rows = pairs.reshape({n * 2 * r, cols});
+  for (int64_t e = 0; e < n; ++e) {
+    COMBS_RETURN_IF_ERROR(b.copy(expert(gate, e), rows.rows(2 * e * r, (2 * e + 1) * r)));
+    COMBS_RETURN_IF_ERROR(b.copy(expert(up, e), rows.rows((2 * e + 1) * r, (2 * e + 2) * r)));
+  }
+  return pairs;
+}
+
 // A layer's experts on the device: gate and up interleaved per expert (each expert's gate rows,
 // then its up rows: the pairs quant_gemv_experts reads), down as it is. Block types only.
 Status upload_experts(CudaBackend& b, const LayerWeights& w, int layer, Tensor* gate_up,
@@ -240,29 +253,9 @@ Status upload_experts(CudaBackend& b, const LayerWeights& w, int layer, Tensor* 
     return unimplemented_error("cuda: layer " + std::to_string(layer) +
                                "'s gate and up experts differ in type");
   }
-  const int64_t n = w.gate_exps.dim(0), ff = w.gate_exps.dim(1), in = w.gate_exps.dim(2);
-  COMBS_ASSIGN_OR_RETURN(*gate_up, b.alloc({n, 2 * ff, in}, w.gate_exps.dtype()));
-  const Tensor rows = gate_up->reshape({n * 2 * ff, in});
-  for (int64_t e = 0; e < n; ++e) {
-    COMBS_RETURN_IF_ERROR(b.copy(expert(w.gate_exps, e), rows.rows(2 * e * ff, (2 * e + 1) * ff)));
-    COMBS_RETURN_IF_ERROR(
-        b.copy(expert(w.up_exps, e), rows.rows((2 * e + 1) * ff, (2 * e + 2) * ff)));
-  }
+  COMBS_ASSIGN_OR_RETURN(*gate_up, upload_pairs(b, w.gate_exps, w.up_exps));
   COMBS_ASSIGN_OR_RETURN(*down, b.alloc(w.down_exps.shape(), w.down_exps.dtype()));
   return b.copy(w.down_exps, *down);
-}
-
-// The experts' gate and up biases [n_expert, n_ff_exp] each (f32, host) interleaved as
-// upload_experts lays out their rows: [n_expert, 2 n_ff_exp].
-StatusOr<Tensor> upload_gate_up_bias(CudaBackend& b, const Tensor& gate, const Tensor& up) {
-  const int64_t n = gate.dim(0), ff = gate.dim(1);
-  std::vector<float> host(static_cast<size_t>(n * 2 * ff));
-  for (int64_t e = 0; e < n; ++e) {
-    std::copy_n(gate.data_as<float>() + e * ff, ff, host.data() + 2 * e * ff);
-    std::copy_n(up.data_as<float>() + e * ff, ff, host.data() + (2 * e + 1) * ff);
-  }
-  const Tensor t = Tensor::wrap(host.data(), Shape{n, 2 * ff}, DType::kF32);
-  return upload(b, {&t});
 }
 
 bool decode_fused(const WeightStack& w, int64_t n) {
@@ -333,7 +326,9 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
       }
       COMBS_ASSIGN_OR_RETURN(l.router_b, upload(b, {&w.router_b}));
       if (w.gate_exps_b.defined()) {
-        COMBS_ASSIGN_OR_RETURN(l.gate_up_exps_b, upload_gate_up_bias(b, w.gate_exps_b, w.up_exps_b));
+        const int64_t n = w.gate_exps_b.dim(0), ff = w.gate_exps_b.dim(1);
+        COMBS_ASSIGN_OR_RETURN(l.gate_up_exps_b,
+                               upload_pairs(b, w.gate_exps_b.reshape({n, 1, ff}), w.up_exps_b.reshape({n, 1, ff})));
       }
       COMBS_ASSIGN_OR_RETURN(l.down_exps_b, upload(b, {&w.down_exps_b}));
     }
