@@ -27,6 +27,12 @@ QUANT_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2
 
 
 def short(name):
+    if "expert_gemv" in name:  # expert_gemv(_staged)_kernel<DType T, N, PAIRS(, stages)>
+        m = re.search(r"ELi(\d+)ELb(\d)E", name)
+        return "experts_gate_up" if m and m.group(2) == "1" else "experts_down"
+    for key, role in (("router_route_kernel", "router+route"), ("route_kernel", "route"), ("combine_kernel", "combine")):
+        if key in name:
+            return role
     if "quant_gemv_kernel" in name:  # quant_gemv_kernel<DType T, N, PAIRS>: ...LN5combs5DTypeE<T>ELi<N>ELb<PAIRS>E
         m = re.search(r"DTypeE?(\d+)ELi(\d+)ELb(\d)E", name)
         if m:

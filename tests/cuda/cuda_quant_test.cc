@@ -521,3 +521,87 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
     }
   }
 }
+
+TEST_CASE("cuda experts' own router scores follow float64 and route as the given scores do", "[cuda][quant]") {
+  // experts_ffn with the router set: decode-sized steps (n <= 8) take one kernel for the scores and
+  // the routing (the last block to finish routes, leaving its counter at zero), larger ones the
+  // general matmul. Its scores (written to router_logits) against float64 dots; everything after
+  // them against experts_ffn run on those scores given: the same ids, weights and y to the bit.
+  // Two inputs through one scratch: the second call routes afresh (the counter was put back).
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(29);
+  struct Case {
+    int n_expert, k;
+    int64_t in;
+    bool bias;
+  };
+  for (const Case c : {Case{8, 2, 256, false}, Case{128, 8, 2048, false}, Case{32, 4, 512, true}, Case{16, 16, 256, false}}) {
+    for (const int64_t n : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{12}}) {
+      const int E = c.n_expert, k = c.k;
+      const int64_t in = c.in, ff = 64;
+      INFO("experts " << E << " k " << k << " in " << in << " n " << n << (c.bias ? " bias" : ""));
+      auto quantized = [&](int64_t rows, int64_t cols) {
+        const auto v = random_floats(rng, static_cast<size_t>(E * rows * cols), 0.1f);
+        std::vector<uint8_t> bytes(nbytes_for(DType::kQ8_0, static_cast<int64_t>(v.size())));
+        cpu::quantize_row(v.data(), DType::kQ8_0, bytes.data(), static_cast<int64_t>(v.size()));
+        return upload_bytes(*gpu, bytes, Shape{E, rows, cols}, DType::kQ8_0);
+      };
+      const Tensor gud = quantized(2 * ff, in), dnd = quantized(in, ff);
+      const auto router = random_floats(rng, static_cast<size_t>(E * in), 0.05f);
+      const auto router_bias = random_floats(rng, static_cast<size_t>(E));
+      const Tensor rd = upload(*gpu, router, Shape{E, in}), rbd = upload(*gpu, router_bias, Shape{E});
+      auto scratch = [&](int64_t count) { return gpu->alloc(Shape{count}, DType::kF32).value(); };
+      auto make_scratch = [&](std::vector<Tensor>* keep) {
+        keep->push_back(scratch(n * k));
+        keep->push_back(scratch(n * k));
+        keep->push_back(scratch(n * k));
+        keep->push_back(scratch(cuda::expert_start_size(E)));
+        REQUIRE(gpu->zero(keep->back()).ok());
+        keep->push_back(scratch(static_cast<int64_t>(cuda::expert_activation_bytes(n, k, in, ff) + 3) / 4));
+        keep->push_back(scratch(n * k * ff));
+        keep->push_back(scratch(n * k * in));
+        const std::vector<Tensor>& t = *keep;
+        return cuda::ExpertScratch{t[0].data_as<int32_t>(), t[1].data_as<float>(), t[2].data_as<int32_t>(),
+                                   t[3].data_as<int32_t>(), t[4].data(),          t[5].data_as<float>(),
+                                   t[6].data_as<float>()};
+      };
+      std::vector<Tensor> own_keep, given_keep;
+      const cuda::ExpertScratch own = make_scratch(&own_keep), given = make_scratch(&given_keep);
+      for (int round = 0; round < 2; ++round) {
+        INFO("call " << round);
+        const auto h = random_floats(rng, static_cast<size_t>(n * in));
+        const Tensor hd = upload(*gpu, h, Shape{n, in});
+        const Tensor ld = scratch(n * E), yd = scratch(n * in), y2d = scratch(n * in);
+        cuda::ExpertsFfn f{.gate_up = &gud, .down = &dnd, .k = k, .normalize = true};
+        f.router = &rd;
+        if (c.bias) f.router_bias = rbd.data_as<float>();
+        REQUIRE(cuda::experts_ffn(*gpu, f, ld.data_as<float>(), hd.data_as<float>(), n, own, yd.data_as<float>()).ok());
+        const std::vector<float> logits = download(*gpu, ld);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int e = 0; e < E; ++e) {
+            double want = c.bias ? router_bias[e] : 0.0, mag = std::abs(want);
+            for (int64_t i = 0; i < in; ++i) {
+              want += double(router[e * in + i]) * h[t * in + i];
+              mag += std::abs(double(router[e * in + i]) * h[t * in + i]);
+            }
+            CHECK(std::abs(logits[t * E + e] - want) <= 1e-5 * mag + 1e-7);
+          }
+        }
+        cuda::ExpertsFfn g = f;
+        g.router = nullptr, g.router_bias = nullptr;
+        REQUIRE(cuda::experts_ffn(*gpu, g, ld.data_as<float>(), hd.data_as<float>(), n, given, y2d.data_as<float>()).ok());
+        std::vector<int32_t> own_ids(static_cast<size_t>(n * k)), given_ids(own_ids.size());
+        REQUIRE(gpu->copy(own_keep[0], Tensor::wrap(own_ids.data(), own_keep[0].shape(), DType::kF32)).ok());
+        REQUIRE(gpu->copy(given_keep[0], Tensor::wrap(given_ids.data(), given_keep[0].shape(), DType::kF32)).ok());
+        std::vector<int32_t> cpu_ids(own_ids.size());
+        std::vector<float> cpu_w(own_ids.size());
+        cpu::route_experts(logits.data(), n, E, k, true, cpu_ids.data(), cpu_w.data(), false);
+        CHECK(own_ids == cpu_ids);
+        CHECK(own_ids == given_ids);
+        CHECK(download(*gpu, own_keep[1]) == download(*gpu, given_keep[1]));
+        CHECK(download(*gpu, yd) == download(*gpu, y2d));
+      }
+    }
+  }
+}

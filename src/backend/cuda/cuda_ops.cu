@@ -106,6 +106,27 @@ __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* _
   }
 }
 
+// heads_rms_norm: a warp a row (rows of q, then rows of k), lanes 32 elements apart.
+constexpr int kHeadNormWarps = 4;
+__global__ void __launch_bounds__(kHeadNormWarps * 32)
+    heads_rms_norm_kernel(float* __restrict__ q, const float* __restrict__ q_weight, int64_t q_rows,
+                          float* __restrict__ k, const float* __restrict__ k_weight, int64_t k_rows, int64_t dim,
+                          float eps) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kHeadNormWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  pdl_launch_dependents();
+  pdl_wait();
+  if (row >= q_rows + k_rows) return;
+  const bool is_q = row < q_rows;
+  float* r = is_q ? q + row * dim : k + (row - q_rows) * dim;
+  const float* w = is_q ? q_weight : k_weight;
+  float ss = 0.0f;
+  for (int64_t i = lane; i < dim; i += 32) ss += r[i] * r[i];
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+  const float scale = rsqrtf(ss / static_cast<float>(dim) + eps);
+  for (int64_t i = lane; i < dim; i += 32) r[i] = r[i] * scale * w[i];
+}
+
 // out[i] = silu(gate[i]) * up[i] (out may be gate; T: the dtype of the GEMM that takes it).
 template <typename T>
 __global__ void silu_mul_kernel(const float* gate, const float* __restrict__ up, T* out, int64_t n) {
@@ -800,6 +821,15 @@ Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const f
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, float* y, int64_t n,
                     int64_t dim, float eps) {
   return add_rms_norm(b, residual, delta, weight, y, DType::kF32, n, dim, eps);
+}
+
+Status heads_rms_norm(CudaBackend& b, float* q, const float* q_weight, int64_t q_rows, float* k, const float* k_weight,
+                      int64_t k_rows, int64_t dim, float eps) {
+  const int64_t rows = q_rows + k_rows;
+  if (rows == 0) return ok_status();
+  launch_pdl(heads_rms_norm_kernel, dim3(static_cast<unsigned>((rows + kHeadNormWarps - 1) / kHeadNormWarps)),
+             dim3(kHeadNormWarps * 32), 0, stream_of(b), q, q_weight, q_rows, k, k_weight, k_rows, dim, eps);
+  return launched("heads_rms_norm_kernel");
 }
 
 Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_t n, int64_t dim, float* dst) {

@@ -421,6 +421,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
                        int gshift, const int32_t* __restrict__ order,
                        const int32_t* __restrict__ start, int n_expert, int x_div, float* __restrict__ y,
                        ExpertEpilogue ep) {
+  pdl_launch_dependents();
+  pdl_wait();  // the routing (start, order) and xq come from the kernels before
   if (static_cast<int>(blockIdx.y) >= start[n_expert + 1]) return;
   const int e = start[n_expert + 2 + blockIdx.y];
   const float* bias = ep.bias ? ep.bias + static_cast<int64_t>(e) * (PAIRS ? 2 * rows : rows) : nullptr;
@@ -627,18 +629,16 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
   const int64_t expert_bytes = static_cast<int64_t>(nbytes_for(w.dtype(), w.dim(1) * in));
   const int n_expert = static_cast<int>(w.dim(0));
   const int64_t most_chosen = std::min<int64_t>(n_expert, x_rows * x_div);  // one expert a pair at most
-  const dim3 grid(blocks_for(rows, kMaxWarps), static_cast<unsigned>(most_chosen));
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
+  const dim3 grid(blocks_for(rows, kMaxWarps), static_cast<unsigned>(most_chosen));
   return for_block_type(w.dtype(), [&](auto tag) -> Status {
     constexpr DType T = decltype(tag)::value;
-    if (pairs) {
-      expert_gemv_kernel<T, 4, true><<<grid, kMaxWarps * 32, 0, st>>>(
-          wp, expert_bytes, rows, q, d, in, gshift, order, start, n_expert, x_div, y, epilogue);
-    } else {
-      expert_gemv_kernel<T, 4, false><<<grid, kMaxWarps * 32, 0, st>>>(
-          wp, expert_bytes, rows, q, d, in, gshift, order, start, n_expert, x_div, y, epilogue);
-    }
-    return cuda_status(cudaGetLastError(), "expert_gemv_kernel");
+    const cudaError_t e =
+        pairs ? launch_pdl(expert_gemv_kernel<T, 4, true>, grid, dim3(kMaxWarps * 32), 0, st, wp, expert_bytes, rows, q,
+                           d, in, gshift, order, start, n_expert, x_div, y, epilogue)
+              : launch_pdl(expert_gemv_kernel<T, 4, false>, grid, dim3(kMaxWarps * 32), 0, st, wp, expert_bytes, rows,
+                           q, d, in, gshift, order, start, n_expert, x_div, y, epilogue);
+    return cuda_status(e, "expert_gemv_kernel");
   });
 }
 

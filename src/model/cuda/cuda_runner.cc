@@ -403,6 +403,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
       const int64_t pairs = up(cap * kk);
       COMBS_ASSIGN_OR_RETURN(I.expert_ints, b.alloc({2 * pairs + cuda::expert_start_size(c.n_expert)}, DType::kF32));
+      COMBS_RETURN_IF_ERROR(b.zero(I.expert_ints));  // (start's last entry: the router's counter)
       COMBS_ASSIGN_OR_RETURN(I.expert_floats,
                              b.alloc({pairs + up(cap * kk * fe) + cap * kk * e}, DType::kF32));
       const size_t xq = cuda::expert_activation_bytes(cap, static_cast<int>(kk), e, fe);
@@ -509,12 +510,17 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     // output the down projection takes as it is.
     // (Architectures with post norms or an activation the fused kernels lack take the general
     // path; q/k norms run on the projections' outputs either way.)
+    // A mixture of experts folds the attention's: the experts add their sum to the residual
+    // (experts_ffn's accumulate) after the FFN's norm (in f32: the router and the experts' 8-bit
+    // rounding take it).
+    bool fused_attention = !c.post_norms;
     bool fused = !c.post_norms && c.activation == Activation::kSilu && c.n_expert == 0;
     for (const Impl::Layer& w : I.layers) {
-      fused = fused && decode_fused(w.wqkv, total) && decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 &&
-              cuda::decode_fused(w.wo, total) && cuda::decode_fused(w.w_down, total) &&
-              cuda::input_dtype(w.w_gate_up.first()) == cuda::input_dtype(w.w_down);
+      fused_attention = fused_attention && decode_fused(w.wqkv, total) && cuda::decode_fused(w.wo, total);
+      fused = fused && fused_attention && decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 &&
+              cuda::decode_fused(w.w_down, total) && cuda::input_dtype(w.w_gate_up.first()) == cuda::input_dtype(w.w_down);
     }
+    fused_attention = fused_attention && (fused || c.n_expert > 0);  // the residual whole in x after every layer
     // Otherwise: add delta (if any) to the residual and normalize it with norm_w, then project the
     // norm by wt into outs. The norm's output is rounded for the projection's GEMM (in h, which
     // has room for it) or, where this projection alone takes the decode kernel, stays f32 for it.
@@ -525,21 +531,47 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, add, norm_w.data_as<float>(), h, dt, total, e, c.rms_eps));
       return matmul_split(b, wt, h, total, outs, /*rounded=*/dt != DType::kF32);
     };
+    // The layer's experts on h (its FFN norm's output), their sum into x (accumulate) or delta.
+    auto experts = [&](const Impl::Layer& w, bool accumulate) -> Status {
+      cuda::ExpertsFfn f{.gate_up = &w.gate_up_exps,
+                         .down = &w.down_exps,
+                         .k = c.n_expert_used,
+                         .normalize = c.expert_weights_norm,
+                         .softmax_chosen = c.expert_softmax_chosen,
+                         .gate_up_bias = bias(w.gate_up_exps_b),
+                         .down_bias = bias(w.down_exps_b),
+                         .router = &w.router,
+                         .router_bias = bias(w.router_b)};
+      if (c.activation == Activation::kSwigluOai) f.swiglu_alpha = kSwigluOaiAlpha, f.swiglu_limit = kSwigluOaiLimit;
+      if (c.shared_expert) {
+        const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
+        COMBS_RETURN_IF_ERROR(matmul_split(b, w.w_gate_up, h, total, gate_up, /*rounded=*/false));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(),
+                                                  I.up.data_as<float>(), total,
+                                                  I.shared_out.data_as<float>()));
+        COMBS_RETURN_IF_ERROR(
+            cuda::matmul(b, w.shared_gate, h, total, I.shared_logit.data_as<float>()));
+        f.shared = I.shared_out.data_as<float>(),
+        f.shared_logit = I.shared_logit.data_as<float>();
+      }
+      return cuda::experts_ffn(b, f, I.router_logits.data_as<float>(), h, total, I.experts,
+                               accumulate ? x : delta, accumulate);
+    };
     for (int l = 0; l < c.n_layers; ++l) {
       const Impl::Layer& w = I.layers[static_cast<size_t>(l)];
       const float* bqkv = bias(w.bqkv);
       const cuda::MatmulOut qkv[] = {{q, nq * hd, bqkv}, {k, nkv * hd, bqkv ? bqkv + nq * hd : nullptr},
                                      {v, nkv * hd, bqkv ? bqkv + (nq + nkv) * hd : nullptr}};
       const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
-      if (fused) {
+      if (fused_attention) {
         COMBS_RETURN_IF_ERROR(matmul_split(b, w.wqkv, x, total, qkv, false, w.attn_norm.data_as<float>(), c.rms_eps));
       } else {
         // The previous layer's MLP output joins the residual here, fused with this layer's norm.
         COMBS_RETURN_IF_ERROR(norm_then_split(l == 0 ? nullptr : delta, w.attn_norm, w.wqkv, qkv));
       }
       if (c.qk_norm) {  // every head of q and k, in place, before the step's RoPE
-        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, q, nullptr, w.q_norm.data_as<float>(), q, total * nq, hd, c.rms_eps));
-        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, k, nullptr, w.k_norm.data_as<float>(), k, total * nkv, hd, c.rms_eps));
+        COMBS_RETURN_IF_ERROR(cuda::heads_rms_norm(b, q, w.q_norm.data_as<float>(), total * nq, k,
+                                                   w.k_norm.data_as<float>(), total * nkv, hd, c.rms_eps));
       }
       const LayerAttention& la = m.attention(l);
       AttentionParams params(la.scale, la.window, la.softcap, la.rope_mscale);
@@ -551,6 +583,10 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         // silu(gate) * up in the weights' dtype, over the gate buffer (half its bytes).
         COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up_silu(b, w.w_gate_up.first(), x, total, w.ffn_norm.data_as<float>(), c.rms_eps, I.gate.data()));
         COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, x, /*accumulate=*/true));
+      } else if (fused_attention) {  // a mixture of experts, decode-sized: the residual stays in x
+        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, bias(w.bo), /*accumulate=*/true));
+        COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, nullptr, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
+        COMBS_RETURN_IF_ERROR(experts(w, /*accumulate=*/true));
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta, bias(w.bo)));
         if (c.post_norms) {
@@ -559,29 +595,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         if (c.n_expert > 0) {  // the residual add, the norm in f32, then the experts into delta
           COMBS_RETURN_IF_ERROR(
               cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
-          COMBS_RETURN_IF_ERROR(
-              cuda::matmul(b, w.router, h, total, I.router_logits.data_as<float>(), bias(w.router_b)));
-          cuda::ExpertsFfn f{.gate_up = &w.gate_up_exps,
-                             .down = &w.down_exps,
-                             .k = c.n_expert_used,
-                             .normalize = c.expert_weights_norm,
-                             .softmax_chosen = c.expert_softmax_chosen,
-                             .gate_up_bias = bias(w.gate_up_exps_b),
-                             .down_bias = bias(w.down_exps_b)};
-          if (c.activation == Activation::kSwigluOai) f.swiglu_alpha = kSwigluOaiAlpha, f.swiglu_limit = kSwigluOaiLimit;
-          if (c.shared_expert) {
-            COMBS_RETURN_IF_ERROR(
-                matmul_split(b, w.w_gate_up, h, total, gate_up, /*rounded=*/false));
-            COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(),
-                                                      I.up.data_as<float>(), total,
-                                                      I.shared_out.data_as<float>()));
-            COMBS_RETURN_IF_ERROR(
-                cuda::matmul(b, w.shared_gate, h, total, I.shared_logit.data_as<float>()));
-            f.shared = I.shared_out.data_as<float>(),
-            f.shared_logit = I.shared_logit.data_as<float>();
-          }
-          COMBS_RETURN_IF_ERROR(cuda::experts_ffn(b, f, I.router_logits.data_as<float>(), h, total,
-                                                  I.experts, delta));
+          COMBS_RETURN_IF_ERROR(experts(w, /*accumulate=*/false));
         } else {
           COMBS_RETURN_IF_ERROR(norm_then_split(delta, w.ffn_norm, w.w_gate_up, gate_up));
           if (c.activation == Activation::kGeluTanh) {
@@ -598,13 +612,13 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         }
       }
     }
-    if (fused && n_out == total && cuda::decode_fused(I.output, n_out)) {
+    if (fused_attention && n_out == total && cuda::decode_fused(I.output, n_out)) {
       // Every row wanted (the rows ascend: in place): the final norm folded into the logits' projection.
       const cuda::MatmulOut logits_out[] = {{I.logits.data_as<float>(), c.n_vocab}};
       COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, I.output, x, total, logits_out, I.output_norm.data_as<float>(), c.rms_eps));
     } else {
       // The last residual add, the wanted rows, the final norm and the logits.
-      COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, fused ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
+      COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, fused_attention ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
       COMBS_RETURN_IF_ERROR(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
       COMBS_RETURN_IF_ERROR(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
     }

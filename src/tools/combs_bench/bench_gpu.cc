@@ -167,7 +167,7 @@ int run_gpu(int argc, char** argv) {
                   {"models", "GGUF files to measure instead of --shapes (e.g. llama-quantize's); a row is labelled by the file's name"}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
-    flags.print_usage("[--shapes llama-1b,llama-8b | --models FILE,...] [--dir DIR] [--reps N] [--sessions N] [--only decode|prefill|sessions|attention|models] [--vocab PATH|none]");
+    flags.print_usage("[--shapes llama-1b,llama-8b | --models FILE,...] [--dir DIR] [--reps N] [--sessions N] [--only decode|sampled|prefill|sessions|attention|models] [--vocab PATH|none]");
     return 0;
   }
   long long reps, sessions;
@@ -177,9 +177,9 @@ int run_gpu(int argc, char** argv) {
     return 2;
   }
   const std::string only = flags.str("only");
-  if (!only.empty() && only != "decode" && only != "prefill" && only != "sessions" && only != "attention" &&
-      only != "models") {
-    return std::fprintf(stderr, "combs-bench gpu: --only decode|prefill|sessions|attention|models\n"), 2;
+  if (!only.empty() && only != "decode" && only != "sampled" && only != "prefill" && only != "sessions" &&
+      only != "attention" && only != "models") {
+    return std::fprintf(stderr, "combs-bench gpu: --only decode|sampled|prefill|sessions|attention|models\n"), 2;
   }
   // The workloads, one definition for the table and for --only: one session's decode (256 new
   // tokens after a 128-token prompt), a 2,048-token prefill, `sessions` sessions' decode (128 new
@@ -188,6 +188,8 @@ int run_gpu(int argc, char** argv) {
     return run_sessions(r, 1, 128, 256, int(reps), sampling);
   };
   auto prefill_run = [&](CudaRunner& r) { return run_sessions(r, 1, 2048, 1, int(reps)); };
+  SamplingParams table_sampling;  // the table's "same sampling" column and --only sampled
+  table_sampling.temperature = 0.8f, table_sampling.top_p = 0.95f;
   auto sessions_run = [&](CudaRunner& r) { return run_sessions(r, int(sessions), 1024, 128, int(reps)); };
   auto vocab = bench_vocab(flags.str("vocab"));
   if (!vocab.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", vocab.status().message().c_str()), 2;
@@ -242,7 +244,10 @@ int run_gpu(int argc, char** argv) {
     const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
     if (!only.empty()) {  // one part alone (for a profiler): no table
       const bool pre = only == "prefill";
-      auto r = pre ? prefill_run(**runner) : only == "decode" ? decode_run(**runner) : sessions_run(**runner);
+      auto r = pre                 ? prefill_run(**runner)
+               : only == "decode"  ? decode_run(**runner)
+               : only == "sampled" ? decode_run(**runner, &table_sampling)
+                                   : sessions_run(**runner);
       if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
       std::printf("%s %s: %.0f tok/s", shape.c_str(), only.c_str(), pre ? r->prompt_tps : r->decode_tps);
       if (!pre) {
@@ -260,9 +265,7 @@ int run_gpu(int argc, char** argv) {
       if (!no_graphs.ok()) return std::fprintf(stderr, "%s\n", no_graphs.status().to_string().c_str()), 1;
       eager = decode_run(**no_graphs);
     }
-    SamplingParams sp;
-    sp.temperature = 0.8f, sp.top_p = 0.95f;
-    auto sampled = decode_run(**runner, &sp);
+    auto sampled = decode_run(**runner, &table_sampling);
     auto prefill = prefill_run(**runner);
     auto many = sessions_run(**runner);
     for (const StatusOr<Run>* r : {&one, &eager, &sampled, &prefill, &many}) {

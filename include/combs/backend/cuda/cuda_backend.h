@@ -50,7 +50,8 @@ class CudaBackend final : public Backend {
   static constexpr int kSamplingSlot = 3;       // sampling parameters (upload())
   static constexpr int kWeightTileSlot = 4;     // block-quantized weights dequantized for a GEMM, a tile at a time
   static constexpr int kCopySlot = 5;           // copy_chunks()'s list of addresses (upload())
-  static constexpr int kScratchSlots = 6;
+  static constexpr int kSampleWorkSlot = 6;     // sample_rows()'s histograms, partial sums and barrier
+  static constexpr int kScratchSlots = 7;
   StatusOr<void*> scratch(size_t bytes, int slot = 0);
   // Bumped whenever a scratch buffer moves: launches captured before hold stale pointers.
   uint64_t scratch_generation() const;

@@ -106,6 +106,12 @@ Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const f
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, void* y, DType y_dtype,
                     int64_t n, int64_t dim, float eps);
 
+// The per-head RMSNorm of q and k (qwen3's, gemma3's), in place, in one launch: each of q_rows
+// rows of q (dim wide) times q_weight, each of k_rows rows of k times k_weight (a warp a row: a
+// row's numbers never depend on the others).
+Status heads_rms_norm(CudaBackend& b, float* q, const float* q_weight, int64_t q_rows, float* k, const float* k_weight,
+                      int64_t k_rows, int64_t dim, float eps);
+
 // dst[i, :] = src[rows[i], :] for n rows of dim f32 (rows on the device).
 Status gather_rows(CudaBackend& b, const float* src, const int32_t* rows, int64_t n, int64_t dim, float* dst);
 
@@ -157,10 +163,15 @@ struct ExpertsFfn {
   const float* gate_up_bias = nullptr;
   const float* down_bias = nullptr;
   float swiglu_alpha = 0.0f, swiglu_limit = 0.0f;
+  // The router [n_expert, in] and its bias [n_expert]: experts_ffn computes the scores itself (one
+  // kernel with the routing for decode-sized steps of an F32 router). Unset: the scores are given.
+  const Tensor* router = nullptr;
+  const float* router_bias = nullptr;
 };
 // Device scratch for n tokens: ids, weights, order [n k]; start [expert_start_size(n_expert)]
 // (each expert's first pair in order, then the count of experts chosen and their ids: the
-// products' blocks go to chosen experts only); xq (expert_activation_bytes); hidden [n k, ff];
+// products' blocks go to chosen experts only; its last entry a counter the router's kernel uses
+// and leaves at zero: zero it once when the scratch is allocated); xq (expert_activation_bytes); hidden [n k, ff];
 // out [n k, in].
 struct ExpertScratch {
   int32_t* ids;
@@ -172,8 +183,9 @@ struct ExpertScratch {
   float* out;
 };
 size_t expert_activation_bytes(int64_t n, int k, int64_t in, int64_t ff);
-constexpr int64_t expert_start_size(int64_t n_expert) { return 2 * (n_expert + 1); }
-Status experts_ffn(CudaBackend& b, const ExpertsFfn& f, const float* router_logits, const float* h,
+constexpr int64_t expert_start_size(int64_t n_expert) { return 2 * (n_expert + 1) + 1; }
+// router_logits [n, n_expert]: the router's scores, given (f.router unset) or written.
+Status experts_ffn(CudaBackend& b, const ExpertsFfn& f, float* router_logits, const float* h,
                    int64_t n, const ExpertScratch& s, float* y, bool accumulate = false);
 
 // gate[i] = silu(gate[i]) * up[i].
