@@ -395,7 +395,9 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
                        Case{DType::kQ8_0, 64, 64, 4, 4, true, true, false},
                        Case{DType::kQ6_K, 256, 256, 32, 8, true, false, true},
                        Case{DType::kMXFP4, 96, 160, 32, 4, false, false, false, true},
-                       Case{DType::kQ8_0, 256, 64, 8, 8, false, false, true, true}}) {
+                       Case{DType::kQ8_0, 256, 64, 8, 8, false, false, true, true},
+                       Case{DType::kQ4_K, 2048, 256, 8, 2, true, false, false},     // rows > 1024: a warp a row
+                       Case{DType::kQ4_K, 1024, 768, 16, 4, true, false, true}}) {  // (down: 768, 8 lanes a row)
     for (const int64_t n : {int64_t{1}, int64_t{5}, int64_t{40}}) {
       const int E = c.n_expert, k = c.k;
       const int64_t in = c.in, ff = c.ff;

@@ -409,32 +409,46 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 }
 
 // The experts' products (quant_matmul.h, quant_gemv_experts): block (x, c) takes the c-th chosen
-// expert's weights, a warp a row at a time (rows read straight from global memory, lanes 32 units
-// apart), and that expert's (token, slot) pairs N at a time. The grid has a row of blocks per
-// expert that could be chosen (at most one per pair); those past the count chosen return at once
-// (a decode step launches 8 rows of blocks, not 128, of which 120 did nothing).
+// expert's weights, a warp 32 / LPR rows at a time (LPR lanes a row, LPR units apart: short rows
+// take fewer lanes, so that a warp has several rows' loads in flight), and that expert's (token,
+// slot) pairs N at a time. As soon as the expert is known its rows are asked into L2
+// (prefetch), while the pairs' ids are still being read. The grid has a row of blocks per expert
+// that could be chosen (at most one per pair); those past the count chosen return at once.
 // Each pair's sum is its own (no pair's arithmetic depends on the others in its group).
-template <DType T, int N, bool PAIRS>
+template <DType T, int N, bool PAIRS, int LPR>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     expert_gemv_kernel(const uint8_t* __restrict__ w, int64_t expert_bytes, int64_t rows,
                        const int8_t* __restrict__ xq, const float* __restrict__ xd, int64_t in,
                        int gshift, const int32_t* __restrict__ order,
                        const int32_t* __restrict__ start, int n_expert, int x_div, float* __restrict__ y,
                        ExpertEpilogue ep) {
+  constexpr int kRowsPerWarp = 32 / LPR;
   pdl_launch_dependents();
   pdl_wait();  // the routing (start, order) and xq come from the kernels before
   if (static_cast<int>(blockIdx.y) >= start[n_expert + 1]) return;
   const int e = start[n_expert + 2 + blockIdx.y];
-  const float* bias = ep.bias ? ep.bias + static_cast<int64_t>(e) * (PAIRS ? 2 * rows : rows) : nullptr;
-  const int first = start[e], count = start[e + 1] - first;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int sub = lane / LPR, sl = lane % LPR;  // this lane's row of the warp's, its place in the row
   const uint8_t* we = w + static_cast<int64_t>(e) * expert_bytes;
   const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>,
                 groups = in >> (5 + gshift);
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < rows;
-       row += static_cast<int64_t>(gridDim.x) * warps) {
-    const uint8_t* wr = we + row * row_bytes;
-    const uint8_t* wu = PAIRS ? we + (row + rows) * row_bytes : wr;
+  const int64_t first_row = (static_cast<int64_t>(blockIdx.x) * warps + warp) * kRowsPerWarp;
+  {  // the warp's first rows (and their up rows) into L2: 128-byte lines, a lane a line
+    const int64_t span = min(static_cast<int64_t>(kRowsPerWarp), rows - first_row) * row_bytes;
+    for (int p = 0; p < (PAIRS ? 2 : 1); ++p) {
+      const uint8_t* base = we + (first_row + p * rows) * row_bytes;
+      for (int64_t at = static_cast<int64_t>(lane) * 128; at < span; at += 32 * 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(base + at));
+      }
+    }
+  }
+  const float* bias = ep.bias ? ep.bias + static_cast<int64_t>(e) * (PAIRS ? 2 * rows : rows) : nullptr;
+  const int first = start[e], count = start[e + 1] - first;
+  for (int64_t row0 = first_row; row0 < rows; row0 += static_cast<int64_t>(gridDim.x) * warps * kRowsPerWarp) {
+    const int64_t row = row0 + sub;
+    const bool live = row < rows;  // (a warp's last rows may be past the end: they only shuffle)
+    const uint8_t* wr = we + (live ? row : 0) * row_bytes;
+    const uint8_t* wu = PAIRS ? wr + rows * row_bytes : wr;
     for (int c0 = 0; c0 < count; c0 += N) {
       int pair[N];
 #pragma unroll
@@ -446,7 +460,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 #pragma unroll
         for (int r = 0; r < N; ++r) acc_up[r] = 0.0f;
       }
-      for (int64_t gu = lane; gu < units; gu += 32) {
+#pragma unroll 2
+      for (int64_t gu = sl; live && gu < units; gu += LPR) {
         const int u = static_cast<int>(gu % kUnits<T>);
         const Unit U = decode<T>(unit_block<T>(wr, gu), u);
         Unit V;
@@ -465,12 +480,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       }
 #pragma unroll
       for (int r = 0; r < N; ++r) {
-        float v = acc[r];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+        float v = acc[r], up = PAIRS ? acc_up[r] : 0.0f;  // (every lane shuffles, live or not)
+        for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+        if constexpr (PAIRS) {
+          for (int o = LPR / 2; o > 0; o >>= 1) up += __shfl_xor_sync(0xffffffff, up, o);
+        }
+        if (!live) continue;
         if (bias) v += bias[row];
         if constexpr (PAIRS) {
-          float up = acc_up[r];
-          for (int o = 16; o > 0; o >>= 1) up += __shfl_xor_sync(0xffffffff, up, o);
           if (bias) up += bias[rows + row];
           if (ep.limit > 0.0f) {  // gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit)
             const float g = fminf(v, ep.limit), u = fminf(fmaxf(up, -ep.limit), ep.limit);
@@ -479,7 +496,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
             v = silu(v) * up;
           }
         }
-        if (lane == 0 && pair[r] >= 0) y[static_cast<int64_t>(pair[r]) * rows + row] = v;
+        if (sl == 0 && pair[r] >= 0) y[static_cast<int64_t>(pair[r]) * rows + row] = v;
       }
     }
   }
@@ -630,15 +647,18 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
   const int n_expert = static_cast<int>(w.dim(0));
   const int64_t most_chosen = std::min<int64_t>(n_expert, x_rows * x_div);  // one expert a pair at most
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
-  const dim3 grid(blocks_for(rows, kMaxWarps), static_cast<unsigned>(most_chosen));
+  // Rows of up to 32 units (in <= 1024) take 8 lanes each, four rows a warp; longer ones a warp.
+  const bool short_rows = in <= 1024;
+  const dim3 grid(blocks_for(rows, kMaxWarps * (short_rows ? 4 : 1)), static_cast<unsigned>(most_chosen));
   return for_block_type(w.dtype(), [&](auto tag) -> Status {
     constexpr DType T = decltype(tag)::value;
-    const cudaError_t e =
-        pairs ? launch_pdl(expert_gemv_kernel<T, 4, true>, grid, dim3(kMaxWarps * 32), 0, st, wp, expert_bytes, rows, q,
-                           d, in, gshift, order, start, n_expert, x_div, y, epilogue)
-              : launch_pdl(expert_gemv_kernel<T, 4, false>, grid, dim3(kMaxWarps * 32), 0, st, wp, expert_bytes, rows,
-                           q, d, in, gshift, order, start, n_expert, x_div, y, epilogue);
-    return cuda_status(e, "expert_gemv_kernel");
+    auto go = [&](auto kernel) {
+      return cuda_status(launch_pdl(kernel, grid, dim3(kMaxWarps * 32), 0, st, wp, expert_bytes, rows, q, d, in, gshift,
+                                    order, start, n_expert, x_div, y, epilogue),
+                         "expert_gemv_kernel");
+    };
+    if (pairs) return short_rows ? go(expert_gemv_kernel<T, 4, true, 8>) : go(expert_gemv_kernel<T, 4, true, 32>);
+    return short_rows ? go(expert_gemv_kernel<T, 4, false, 8>) : go(expert_gemv_kernel<T, 4, false, 32>);
   });
 }
 
