@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +15,12 @@
 namespace combs {
 
 // Persistent workers that wake for each parallel_for; the caller works too and waits for the rest.
+// A decode step is a chain of short parallel_fors (tens of microseconds each on small models), and
+// waking a thread blocked on a condition variable costs about as much (a futex, and on a virtual
+// machine an interrupt to a halted vCPU). So a worker that finishes spins on the generation for
+// up to kSpinFor before it blocks, and the caller spins the same while the workers finish: back
+// to back calls never sleep, an idle pool sleeps after kSpinFor (as OpenMP's and llama.cpp's
+// pools do). park() sends spinning workers to sleep at once, before another pool takes the cores.
 class CpuBackend::ThreadPool {
  public:
   explicit ThreadPool(int num_threads) : num_threads_(num_threads) {
@@ -23,7 +30,7 @@ class CpuBackend::ThreadPool {
   ~ThreadPool() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      stop_.store(true, std::memory_order_release);
     }
     wake_.notify_all();
     for (auto& w : workers_) w.join();
@@ -43,17 +50,39 @@ class CpuBackend::ThreadPool {
       fn_ = &fn;
       n_ = n;
       next_.store(0, std::memory_order_relaxed);
-      active_ = static_cast<int>(workers_.size());
-      ++generation_;
+      active_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+      park_.store(false, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);  // publishes the job to spinning workers
     }
-    wake_.notify_all();
+    wake_.notify_all();  // and to blocked ones
     drain();
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return active_ == 0; });
+    if (!spin_until([this] { return active_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
+    }
     fn_ = nullptr;
   }
 
+  void park() { park_.store(true, std::memory_order_relaxed); }
+
  private:
+  static constexpr std::chrono::microseconds kSpinFor{100};
+
+  // Polls `ready` (with the CPU's pause hint) for up to kSpinFor; whether it became true.
+  template <typename Ready>
+  static bool spin_until(Ready ready) {
+    const auto until = std::chrono::steady_clock::now() + kSpinFor;
+    for (;;) {
+      for (int i = 0; i < 64; ++i) {
+        if (ready()) return true;
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+      if (std::chrono::steady_clock::now() >= until) return ready();
+    }
+  }
+
   void drain() {
     inside_ = true;
     for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*fn_)(i);
@@ -62,16 +91,25 @@ class CpuBackend::ThreadPool {
 
   void worker_loop() {
     uint64_t seen = 0;
+    auto called = [&] {
+      return stop_.load(std::memory_order_acquire) ||
+             generation_.load(std::memory_order_acquire) != seen;
+    };
     for (;;) {
-      {
+      if (!spin_until([&] { return called() || park_.load(std::memory_order_relaxed); }) ||
+          !called()) {
         std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        wake_.wait(lock, called);
       }
+      if (stop_.load(std::memory_order_acquire)) return;
+      seen = generation_.load(std::memory_order_acquire);
       drain();
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--active_ == 0) done_.notify_one();
+      // The caller checks active_ under mu_ before it blocks: notifying under mu_ cannot slip
+      // between its check and its wait.
+      if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(mu_);
+        done_.notify_one();
+      }
     }
   }
 
@@ -82,12 +120,13 @@ class CpuBackend::ThreadPool {
   std::mutex call_mu_;  // one parallel_for at a time
   std::mutex mu_;
   std::condition_variable wake_, done_;
-  const FunctionRef<void(int64_t)>* fn_ = nullptr;
+  const FunctionRef<void(int64_t)>* fn_ = nullptr;  // written under mu_ before generation_ moves
   int64_t n_ = 0;
-  std::atomic<int64_t> next_{0};
-  int active_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  alignas(64) std::atomic<int64_t> next_{0};  // every task's fetch_add: a line of its own
+  alignas(64) std::atomic<int> active_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> park_{false};  // set by park(), cleared by the next run()
 };
 
 thread_local bool CpuBackend::ThreadPool::inside_ = false;
@@ -106,6 +145,8 @@ int CpuBackend::num_threads() const { return pool_->num_threads(); }
 void CpuBackend::parallel_for(int64_t n, FunctionRef<void(int64_t)> fn) {
   pool_->run(n, fn);
 }
+
+void CpuBackend::park_workers() { pool_->park(); }
 
 void* CpuBackend::raw_alloc(size_t bytes) {
   constexpr size_t kAlign = 64;

@@ -52,6 +52,23 @@ std::string_view matmul_isa() { return onednn::available() ? "avx512bf16+onednn"
 
 namespace {
 
+// Rows a parallel_for task takes. Decode (a few tokens) spreads the weight stream over the threads
+// in tasks of about kDecodeTaskBytes: each task costs an atomic on a line the threads share and
+// restarts the weight stream, and at 16 rows a task the 128,256 x 256 output matrix of a small
+// model made 8,016 tasks of 4 KB (64 KB tasks: the tiny MoE's decode 2.5x faster, llama-1b's
+// Q4_K_M +20%; bench/RESULTS.md). At least four tasks a thread stay for balance;
+// multiples of 4 rows keep the kernels' 4-row tiles whole. Prefill takes `prefill_rows` (a
+// task's rows stay in L2 while every token passes).
+constexpr size_t kDecodeTaskBytes = size_t{64} << 10;
+int64_t rows_per_task(int64_t out, size_t row_bytes, int64_t n_tokens, int threads,
+                      int64_t prefill_rows) {
+  if (n_tokens > 4) return prefill_rows;
+  int64_t rows =
+      static_cast<int64_t>((kDecodeTaskBytes + row_bytes - 1) / std::max<size_t>(row_bytes, 1));
+  rows = std::min(rows, out / (4 * std::max(threads, 1)));
+  return std::max<int64_t>(16, (rows + 3) / 4 * 4);
+}
+
 // The block types with int8 dot products on this CPU (AVX-512 VNNI, else AVX2 with FMA and F16C):
 // a row's dot product with activations rounded to 8 bits per 256 (quant_dot.h), and that
 // instruction set's rounding of the activations; none where the CPU has neither. The third
@@ -119,7 +136,7 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
                         const float* bias) {
   const int64_t in = w.dim(1), out = w.dim(0);
   const size_t row_bytes = nbytes_for(w.dtype(), in);
-  const int64_t rows_per_task = 16;
+  const int64_t task_rows = rows_per_task(out, row_bytes, n_tokens, backend.num_threads(), 16);
   if (const QuantDot dot = quant_dot(w.dtype(), in)) {
     const int64_t nb = (in + 255) / 256, count = in / dtype_block_elems(w.dtype());
     thread_local std::vector<BlockQ8Act> xq;  // every token's activations, rounded once per call
@@ -135,8 +152,8 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
       quant_kernels().quantize_act(xt, nb * 256, xq.data() + t * nb);
     }
     const BlockQ8Act* xs = xq.data();
-    backend.parallel_for((out + rows_per_task - 1) / rows_per_task, [&](int64_t task) {
-      for (int64_t r = task * rows_per_task; r < std::min(out, (task + 1) * rows_per_task); ++r) {
+    backend.parallel_for((out + task_rows - 1) / task_rows, [&](int64_t task) {
+      for (int64_t r = task * task_rows; r < std::min(out, (task + 1) * task_rows); ++r) {
         const void* wr = static_cast<const char*>(w.data()) + r * row_bytes;
         for (int64_t t = 0; t < n_tokens; ++t) {
           const float s = dot(wr, xs + t * nb, count);
@@ -146,11 +163,11 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
     });
     return;
   }
-  backend.parallel_for((out + rows_per_task - 1) / rows_per_task, [&](int64_t task) {
+  backend.parallel_for((out + task_rows - 1) / task_rows, [&](int64_t task) {
     thread_local std::vector<float> row;
     if (row.size() < static_cast<size_t>(in)) row.resize(in);
     float* wr = row.data();
-    for (int64_t r = task * rows_per_task; r < std::min(out, (task + 1) * rows_per_task); ++r) {
+    for (int64_t r = task * task_rows; r < std::min(out, (task + 1) * task_rows); ++r) {
       dequantize_row(static_cast<const char*>(w.data()) + r * row_bytes, w.dtype(), wr, in);
       for (int64_t t = 0; t < n_tokens; ++t) {
         const float* xt = x + t * in;
@@ -202,6 +219,7 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
       });
       wb = dst;
     }
+    backend.park_workers();  // oneDNN's OpenMP threads take the cores: ours must not spin on them
     if (onednn::matmul_bf16(k.x_bf16, wb, y, n_tokens, k.out, k.in, backend.num_threads())) {
       if (bias) {
         for (int64_t t = 0; t < n_tokens; ++t)
@@ -211,12 +229,11 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
     }
   }
   if (dequantized) return matmul_dequantized(backend, w, x, n_tokens, y, bias);  // oneDNN declined
-  // Small tasks for decode (spread the weight stream over the threads), larger ones for prefill
-  // (a task's rows stay in L2 while every token passes).
-  const int64_t rows_per_task = n_tokens <= 4 ? 16 : 64;
-  const int64_t n_tasks = (k.out + rows_per_task - 1) / rows_per_task;
+  const int64_t task_rows =
+      rows_per_task(k.out, nbytes_for(w.dtype(), k.in), n_tokens, backend.num_threads(), 64);
+  const int64_t n_tasks = (k.out + task_rows - 1) / task_rows;
   backend.parallel_for(n_tasks, [&](int64_t i) {
-    chosen.kernel(k, i * rows_per_task, std::min(k.out, (i + 1) * rows_per_task));
+    chosen.kernel(k, i * task_rows, std::min(k.out, (i + 1) * task_rows));
   });
 }
 

@@ -51,6 +51,9 @@ class CpuBackend final : public Backend {
   // scheduled, and returns when all are done. fn must not throw. Calls from several threads are
   // serialized; a call from inside fn runs inline on that thread.
   void parallel_for(int64_t n, FunctionRef<void(int64_t)> fn);
+  // Asks the workers, which spin for a moment after each parallel_for, to block now: for a caller
+  // about to hand the cores to another thread pool (oneDNN's OpenMP team).
+  void park_workers();
 
  protected:
   void* raw_alloc(size_t bytes) override;
