@@ -4,6 +4,7 @@
 // run, rollback after); sampled output keeps its distribution (two-sample chi-square over seeds).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -185,14 +186,18 @@ TEST_CASE("drafts right, wrong or half and half give the tokens of no speculatio
     if (error == 1.0) CHECK(g.usage.accepted_tokens == 0);
     if (error == 1.0) CHECK(g.usage.drafted_tokens < 20);  // it stops drafting, probing now and then
     if (error == 1.0) {
-      // The session's next request of the same speculation starts from what it learned: it
-      // probes, no more.
-      // (One token a draft: a probe drafts one; within 20 steps at most two probe.)
+      // The session's next request of the same speculation starts from what it learned, not
+      // from the prior. One token a draft, every one rejected: the acceptance falls from the
+      // prior 0.6 by 0.85 a draft and is below 0.15 after 9 drafts, whichever request drafted
+      // them (how many the first one drafts follows the measured step times: where drafts are
+      // measured dearer it only probes). After that only probes draft, at most two in 20 steps.
+      // A session that forgot would draft up to 9 again.
       const SessionId id = e->create_session().value();
       const Generated first = generate(*e, id, speculative(request(prompt, 30), 1));
       const Generated next = generate(*e, id, speculative(request({}, 20), 1));
+      INFO("first request drafted " << first.usage.drafted_tokens);
       CHECK(first.usage.drafted_tokens > 0);
-      CHECK(next.usage.drafted_tokens <= 2);
+      CHECK(next.usage.drafted_tokens <= std::max<int64_t>(0, 9 - first.usage.drafted_tokens) + 2);
     }
     REQUIRE(e->check_invariants().ok());
   }
