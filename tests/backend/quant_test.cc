@@ -164,11 +164,13 @@ TEST_CASE("the int8 dot products of every format with a kernel equal the exact s
     float (*dot[4])(const void*, const cpu::BlockQ8Act*, int64_t);  // q4_k, q5_k, q6_k, iq4_xs
   };
   using Dot = float (*)(const void*, const cpu::BlockQ8Act*, int64_t);
-  // The 32-element formats, Q2_K and Q3_K: one AVX2 kernel each, for both instruction sets.
+  // The 32-element formats, Q2_K and Q3_K: one AVX2 kernel each, for both instruction sets (MXFP4,
+  // IQ4_NL and Q8_0 have an AVX-512 one too).
   const std::pair<DType, Dot> blocks32[] = {{DType::kQ4_0, cpu::avx2::dot_q4_0},   {DType::kQ4_1, cpu::avx2::dot_q4_1},
                                             {DType::kQ5_0, cpu::avx2::dot_q5_0},   {DType::kQ5_1, cpu::avx2::dot_q5_1},
                                             {DType::kIQ4_NL, cpu::avx2::dot_iq4_nl}, {DType::kMXFP4, cpu::avx2::dot_mxfp4},
-                                            {DType::kQ2_K, cpu::avx2::dot_q2_k},   {DType::kQ3_K, cpu::avx2::dot_q3_k}};
+                                            {DType::kQ2_K, cpu::avx2::dot_q2_k},   {DType::kQ3_K, cpu::avx2::dot_q3_k},
+                                            {DType::kQ8_0, cpu::avx2::dot_q8_0}};
   const Kernels isas[] = {
       {"avx512vnni",
        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"),
@@ -190,6 +192,7 @@ TEST_CASE("the int8 dot products of every format with a kernel equal the exact s
     if (std::string(k.name) == "avx512vnni") {  // its own kernels of the table formats
       kernels.push_back({DType::kMXFP4, cpu::avx512vnni::dot_mxfp4});
       kernels.push_back({DType::kIQ4_NL, cpu::avx512vnni::dot_iq4_nl});
+      kernels.push_back({DType::kQ8_0, cpu::avx512vnni::dot_q8_0});
     }
     for (const auto& [t, dot] : kernels) {
       const QuantFormat& f = *quant_format(t);
@@ -217,6 +220,9 @@ TEST_CASE("the int8 dot products of every format with a kernel equal the exact s
           exact += double(w[i]) * a;
           magnitude += std::abs(double(w[i]) * a);
         }
+        if (std::string(k.name) == "avx512vnni" && (t == DType::kQ4_K || t == DType::kQ5_K)) {
+          cpu::avx512vnni::arrange_act_k4(xq.data(), 4);  // the order those kernels read
+        }
         const float got = dot(row, xq.data(), n / f.block_elems);  // super-blocks, or blocks of 32
         INFO("row " << r << ": " << got << " vs " << exact);
         // Integer sums are exact; the float scales round a few times per super-block.
@@ -237,13 +243,15 @@ TEST_CASE("the 32-element formats' int8 dot products take rows that are not whol
   using Dot = float (*)(const void*, const cpu::BlockQ8Act*, int64_t);
   const std::pair<DType, Dot> kernels[] = {{DType::kQ4_0, cpu::avx2::dot_q4_0},     {DType::kQ4_1, cpu::avx2::dot_q4_1},
                                            {DType::kQ5_0, cpu::avx2::dot_q5_0},     {DType::kQ5_1, cpu::avx2::dot_q5_1},
-                                           {DType::kIQ4_NL, cpu::avx2::dot_iq4_nl}, {DType::kMXFP4, cpu::avx2::dot_mxfp4}};
+                                           {DType::kIQ4_NL, cpu::avx2::dot_iq4_nl}, {DType::kMXFP4, cpu::avx2::dot_mxfp4},
+                                           {DType::kQ8_0, cpu::avx2::dot_q8_0}};
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<std::pair<DType, Dot>> all(std::begin(kernels), std::end(kernels));
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
     all.push_back({DType::kMXFP4, cpu::avx512vnni::dot_mxfp4});  // eight blocks a step, the rest by AVX2
     all.push_back({DType::kIQ4_NL, cpu::avx512vnni::dot_iq4_nl});
+    all.push_back({DType::kQ8_0, cpu::avx512vnni::dot_q8_0});
   }
   for (const auto& [t, dot] : all) {
     const QuantFormat& f = *quant_format(t);

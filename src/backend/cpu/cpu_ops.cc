@@ -54,18 +54,19 @@ namespace {
 
 // Rows a parallel_for task takes. Decode (a few tokens) spreads the weight stream over the threads
 // in tasks of about kDecodeTaskBytes: each task costs an atomic on a line the threads share and
-// restarts the weight stream, and at 16 rows a task the 128,256 x 256 output matrix of a small
-// model made 8,016 tasks of 4 KB (64 KB tasks: the tiny MoE's decode 2.5x faster, llama-1b's
-// Q4_K_M +20%; bench/RESULTS.md). At least four tasks a thread stay for balance;
-// multiples of 4 rows keep the kernels' 4-row tiles whole. Prefill takes `prefill_rows` (a
-// task's rows stay in L2 while every token passes).
-constexpr size_t kDecodeTaskBytes = size_t{64} << 10;
+// restarts the weight stream, whose prefetchers take a while to reach full speed again. At 16 rows
+// a task the 128,256 x 256 output matrix of a small model made 8,016 tasks of 4 KB (64 KB tasks:
+// the tiny MoE's decode 2.5x faster, llama-1b's Q4_K_M +20%); 512 KB tasks gave llama-1b another
+// +19% (Q4_K_M) and +20% (Q8_0) on an AMD EPYC (bench/RESULTS.md). At least two tasks a thread
+// stay for balance; multiples of 4 rows keep the kernels' 4-row tiles whole. Prefill takes
+// `prefill_rows` (a task's rows stay in L2 while every token passes).
+constexpr size_t kDecodeTaskBytes = size_t{512} << 10;
 int64_t rows_per_task(int64_t out, size_t row_bytes, int64_t n_tokens, int threads,
                       int64_t prefill_rows) {
   if (n_tokens > 4) return prefill_rows;
   int64_t rows =
       static_cast<int64_t>((kDecodeTaskBytes + row_bytes - 1) / std::max<size_t>(row_bytes, 1));
-  rows = std::min(rows, out / (4 * std::max(threads, 1)));
+  rows = std::min(rows, out / (2 * std::max(threads, 1)));
   return std::max<int64_t>(16, (rows + 3) / 4 * 4);
 }
 
@@ -79,8 +80,10 @@ using QuantizeAct = void (*)(const float* x, int64_t n, BlockQ8Act* out);
 // AVX2 kernel each, for both.
 struct QuantKernels {
   QuantizeAct quantize_act = nullptr;  // none: no int8 kernels on this CPU
+  // Where set, q4_k and q5_k take the activations arranged by it (quant_dot.h).
+  void (*arrange_k4)(BlockQ8Act* x, int64_t n_blocks) = nullptr;
   QuantDot q4_k = nullptr, q5_k = nullptr, q6_k = nullptr, iq4_xs = nullptr;
-  QuantDot mxfp4 = avx2::dot_mxfp4, iq4_nl = avx2::dot_iq4_nl;
+  QuantDot mxfp4 = avx2::dot_mxfp4, iq4_nl = avx2::dot_iq4_nl, q8_0 = avx2::dot_q8_0;
 };
 const QuantKernels& quant_kernels() {
   static const QuantKernels chosen = []() -> QuantKernels {
@@ -91,11 +94,12 @@ const QuantKernels& quant_kernels() {
     const bool avx2_only = forced && std::string_view(forced) == "avx2";
     if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
-      return {avx512vnni::quantize_act, avx512vnni::dot_q4_k, avx512vnni::dot_q5_k, avx512vnni::dot_q6_k,
-              avx512vnni::dot_iq4_xs, avx512vnni::dot_mxfp4, avx512vnni::dot_iq4_nl};
+      return {avx512vnni::quantize_act, avx512vnni::arrange_act_k4, avx512vnni::dot_q4_k,
+              avx512vnni::dot_q5_k,     avx512vnni::dot_q6_k,       avx512vnni::dot_iq4_xs,
+              avx512vnni::dot_mxfp4,    avx512vnni::dot_iq4_nl,     avx512vnni::dot_q8_0};
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-      return {avx2::quantize_act, avx2::dot_q4_k, avx2::dot_q5_k, avx2::dot_q6_k, avx2::dot_iq4_xs};
+      return {avx2::quantize_act, nullptr, avx2::dot_q4_k, avx2::dot_q5_k, avx2::dot_q6_k, avx2::dot_iq4_xs};
     }
 #endif
     return {};
@@ -120,13 +124,14 @@ QuantDot quant_dot(DType t, int64_t in) {
     case DType::kQ5_1: return avx2::dot_q5_1;
     case DType::kIQ4_NL: return k.iq4_nl;
     case DType::kMXFP4: return k.mxfp4;
+    case DType::kQ8_0: return k.q8_0;
     case DType::kQ2_K: return avx2::dot_q2_k;
     case DType::kQ3_K: return avx2::dot_q3_k;
     default: return nullptr;
   }
 }
 
-// The block types without a kernel of the f32 family (all but q8_0): rows by their int8 dot
+// The block types (Q8_0 too where it has an int8 kernel): rows by their int8 dot
 // products where quant_dot has one, else each task dequantizes its weight rows one at a time
 // (bit-exact, quant.h) and multiplies every token by it in f32. Each output is one row's dot
 // product summed in the same order whatever the number of tokens, so a token's result does not
@@ -150,6 +155,9 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
         xt = padded.data();
       }
       quant_kernels().quantize_act(xt, nb * 256, xq.data() + t * nb);
+    }
+    if (quant_kernels().arrange_k4 && (w.dtype() == DType::kQ4_K || w.dtype() == DType::kQ5_K)) {
+      quant_kernels().arrange_k4(xq.data(), n_tokens * nb);
     }
     const BlockQ8Act* xs = xq.data();
     backend.parallel_for((out + task_rows - 1) / task_rows, [&](int64_t task) {
@@ -191,8 +199,12 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
   const bool use_onednn = policy == MatmulPolicy::kFastest &&
                           (w.dtype() == DType::kBF16 || is_block_quant(w.dtype())) &&
                           n_tokens >= kOneDnnMinTokens && onednn::available();
-  // The block types but q8_0 go to matmul_dequantized unless oneDNN takes the call.
-  const bool dequantized = is_block_quant(w.dtype()) && w.dtype() != DType::kQ8_0;
+  // The block types go to matmul_dequantized unless oneDNN takes the call; Q8_0 does where this CPU
+  // has its int8 kernel (AVX2 or AVX-512 VNNI: about twice the bandwidth of its f32 kernel, and
+  // the activations' rounding of the other types, of llama.cpp and of the CUDA backend), else it
+  // takes its f32 kernel below.
+  const bool dequantized = is_block_quant(w.dtype()) &&
+                           (w.dtype() != DType::kQ8_0 || quant_dot(DType::kQ8_0, k.in) != nullptr);
   if (dequantized && !use_onednn) return matmul_dequantized(backend, w, x, n_tokens, y, bias);
   thread_local std::vector<uint16_t> x_bf16, w_bf16;  // grow to the largest call, then stay
   if ((w.dtype() == DType::kBF16 && chosen.name == "avx512bf16") || use_onednn) {

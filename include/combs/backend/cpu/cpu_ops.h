@@ -17,8 +17,10 @@ namespace combs::cpu {
 enum class MatmulPolicy : uint8_t { kFastest, kBatchInvariant };
 
 // y[t, o] = sum_i w[o, i] * x[t, i] (+ bias[o]) for t < n_tokens. x: [n_tokens, in], y: [n_tokens,
-// out]; w: [out, in] in any dtype (`in` a multiple of its block size). The block types other than
-// q8_0 have no kernel of their own yet: a row is dequantized, then multiplied in f32.
+// out]; w: [out, in] in any dtype (`in` a multiple of its block size). The block types take int8
+// dot products with activations rounded to 8 bits per 256 where the CPU has AVX2 or AVX-512 VNNI
+// (quant_dot.h), else a row is dequantized and multiplied in f32 (Q8_0: its f32 kernel); larger
+// batches under kFastest go to oneDNN in BF16.
 void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
             const float* bias = nullptr, MatmulPolicy policy = MatmulPolicy::kFastest);
 

@@ -21,6 +21,9 @@ namespace avx512vnni {
 // x[0, n) (n a multiple of 256) as n / 256 blocks: d = max|x| / 127, q = nearest(x * (127 / max)).
 void quantize_act(const float* x, int64_t n, BlockQ8Act* out);
 // One row of n / 256 Q4_K (Q5_K, Q6_K, IQ4_XS) super-blocks against n / 256 activation blocks.
+// dot_q4_k and dot_q5_k take the activations arranged by arrange_act_k4 (in place: in each 128,
+// the 32 of group 1 and of group 2 swapped), the others as quantize_act writes them.
+void arrange_act_k4(BlockQ8Act* x, int64_t n_blocks);
 float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q5_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
@@ -28,6 +31,7 @@ float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 // MXFP4 and IQ4_NL: n32 blocks of 32, as the AVX2 kernels below take them (two blocks per vpdpbusd).
 float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32);
 float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32);
+float dot_q8_0(const void* row, const BlockQ8Act* x, int64_t n32);
 }  // namespace avx512vnni
 namespace avx2 {
 void quantize_act(const float* x, int64_t n, BlockQ8Act* out);
@@ -43,6 +47,7 @@ float dot_q5_0(const void* row, const BlockQ8Act* x, int64_t n32);
 float dot_q5_1(const void* row, const BlockQ8Act* x, int64_t n32);
 float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32);
 float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32);
+float dot_q8_0(const void* row, const BlockQ8Act* x, int64_t n32);
 // Q2_K and Q3_K, for both instruction sets too.
 float dot_q2_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q3_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);

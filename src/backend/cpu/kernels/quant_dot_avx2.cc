@@ -133,20 +133,21 @@ float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   return hsum(acc);
 }
 
-// The 32-element formats (quant.cc: Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4): n32 weight blocks, block j
-// against the 32 activations of part j % 8 of activation block j / 8 (a row need not be whole
-// 256s: gpt-oss's 2880), each its 32 levels against the block's 32 activations — vpmaddubsw (unsigned
-// levels, or for the signed tables |level| against sign(level) a), vpmaddwd by ones, one float
-// multiply-add by the block's scale times the activations'; a format's offset (-8, -16, or its f16
-// minimum) times the 32 activations' sum, from the activation block's sums of 16. Used on the
-// AVX-512 machines as well for Q4_0, Q4_1, Q5_0 and Q5_1 (256 bits are enough: one block is 32
-// bytes); MXFP4 and IQ4_NL have an AVX-512 kernel there, which leaves a row's last blocks to this one.
+// The 32-element formats (quant.cc: Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q8_0): n32 weight
+// blocks, block j against the 32 activations of part j % 8 of activation block j / 8 (a row need
+// not be whole 256s: gpt-oss's 2880), each its 32 levels against the block's 32 activations —
+// vpmaddubsw (unsigned levels, or for the signed tables and Q8_0's bytes |level| against
+// sign(level) a), vpmaddwd by ones, one float multiply-add by the block's scale times the
+// activations'; a format's offset (-8, -16, or its f16 minimum) times the 32 activations' sum,
+// from the activation block's sums of 16. Used on the AVX-512 machines as well for Q4_0, Q4_1,
+// Q5_0 and Q5_1 (256 bits are enough: one block is 32 bytes); MXFP4, IQ4_NL and Q8_0 have an
+// AVX-512 kernel there, which leaves a row's last blocks to this one.
 template <DType T>
 float dot32(const void* row, const BlockQ8Act* x, int64_t n32) {
   constexpr int kBytes = static_cast<int>(dtype_block_bytes(T));
   constexpr bool kTable = T == DType::kIQ4_NL || T == DType::kMXFP4;
-  constexpr int kQs = T == DType::kMXFP4 ? 1 : T == DType::kQ4_0 || T == DType::kIQ4_NL ? 2 : T == DType::kQ4_1 ? 4
-                      : T == DType::kQ5_0 ? 6 : 8;
+  constexpr int kQs = T == DType::kMXFP4 ? 1 : T == DType::kQ4_0 || T == DType::kIQ4_NL || T == DType::kQ8_0 ? 2
+                      : T == DType::kQ4_1 ? 4 : T == DType::kQ5_0 ? 6 : 8;
   const uint8_t* b = static_cast<const uint8_t*>(row);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -162,8 +163,13 @@ float dot32(const void* row, const BlockQ8Act* x, int64_t n32) {
   for (int64_t i = 0; i < n32; i += 8, ++x) {
     prefetch_ahead(b, 8 * kBytes);
     for (int j = 0; j < 8 && i + j < n32; ++j, b += kBytes) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs));
-      __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+      __m256i w;
+      if constexpr (T == DType::kQ8_0) {  // 32 signed bytes as they are
+        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kQs));
+      } else {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs));
+        w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+      }
       if constexpr (T == DType::kQ5_0 || T == DType::kQ5_1) {
         uint32_t qh;
         std::memcpy(&qh, b + kQs - 4, 4);
@@ -176,6 +182,8 @@ float dot32(const void* row, const BlockQ8Act* x, int64_t n32) {
       if constexpr (kTable) {
         const __m256i l = _mm256_shuffle_epi8(levels, w);
         p = _mm256_maddubs_epi16(_mm256_abs_epi8(l), _mm256_sign_epi8(a, l));
+      } else if constexpr (T == DType::kQ8_0) {  // |w| (-128 is 128 unsigned) against sign(w) a
+        p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
       } else {
         p = _mm256_maddubs_epi16(w, a);
       }
@@ -258,5 +266,6 @@ float dot_q5_0(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32
 float dot_q5_1(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kQ5_1>(row, x, n32); }
 float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kIQ4_NL>(row, x, n32); }
 float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kMXFP4>(row, x, n32); }
+float dot_q8_0(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32<DType::kQ8_0>(row, x, n32); }
 
 }  // namespace combs::cpu::avx2

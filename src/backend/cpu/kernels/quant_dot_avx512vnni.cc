@@ -35,54 +35,87 @@ void quantize_act(const float* x, int64_t n, BlockQ8Act* out) { quantize_act_blo
 // Q4_K (quant.cc): per super-block d, dmin, eight 6-bit (scale, min) pairs, 4-bit quants; each 64
 // elements are 32 bytes whose low nibbles are group 2k and high nibbles group 2k + 1. A group's
 // weights are d * sc * q - dmin * m: its dot product is d * sc * sum(q * a) - dmin * m * sum(a).
-// Per 64 elements: vpmaddubsw (pairs of q * a, in int16: at most 2 * 15 * 127) then vpmaddwd by the
-// groups' scales (int32), summed over the super-block; the scales and mins are unpacked from their
-// 12 bytes with 32-bit masks. Int32 sums are exact; a super-block's floats are one multiply-add.
-// Q5_K is Q4_K with 32 bytes of fifth bits between the scales and the quants: element l of group g
-// adds 16 where bit g of byte l is set (quant.cc); one template reads both.
+// 64 bytes of quants at a time: their low nibbles are groups 4j and 4j + 2, their high nibbles
+// 4j + 1 and 4j + 3, which is why these kernels take the activations arranged by arrange_act_k4
+// (each 128 in the order of those groups: two loads, no shuffle, per 128 elements). vpmaddubsw
+// (pairs of q * a, in int16: at most 2 * 15 * 127), then vpdpwssd by the groups' scales (int32),
+// summed over the super-block; the scales and mins unpacked from their 12 bytes in one register.
+// Int32 sums are exact; a super-block's floats are one multiply-add. Q5_K is Q4_K with 32 bytes
+// of fifth bits between the scales and the quants: element l of group g adds 16 where bit g of
+// byte l is set (quant.cc); one template reads both.
+void arrange_act_k4(BlockQ8Act* x, int64_t n_blocks) {
+  for (int64_t i = 0; i < n_blocks; ++i) {
+    for (int j = 0; j < 2; ++j) {  // swap the 32 activations of groups 4j + 1 and 4j + 2
+      int8_t* q = x[i].q + 128 * j;
+      const __m256i g1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+      const __m256i g2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32), g2);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64), g1);
+    }
+  }
+}
+
 namespace {
 template <bool kFifthBit>
 float dot_k4(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   constexpr int kBlockBytes = kFifthBit ? 176 : 144, kQuants = kFifthBit ? 48 : 16;
   const uint8_t* b = static_cast<const uint8_t*>(row);
-  const __m256i one = _mm256_set1_epi8(1);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  // int16 lanes 0-15 take group a's scale, 16-31 group b's: (a, b) = (4j, 4j + 2) for the low
+  // nibbles of quants 64j.., (4j + 1, 4j + 3) for the high ones.
   __m512i pick[4];
-  group_pair_indices(pick);
-  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int c = 0; c < 4; ++c) {
+    const int a = 4 * (c / 2) + c % 2;
+    pick[c] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi16(static_cast<short>(a))),
+                                 _mm256_set1_epi16(static_cast<short>(a + 2)), 1);
+  }
+  // int16 lanes 2g and 2g + 1 take min g (lanes 8-15 of the unpacked scales and mins).
+  const __m256i min_pairs = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  const __m128i m6 = _mm_set1_epi32(0x3f3f3f3f), m4 = _mm_set1_epi32(0x0f0f0f0f), m2 = _mm_set1_epi32(0x03030303);
+  const __m128i u2_shift = _mm_setr_epi32(0, 4, 0, 0);
   __m512 acc = _mm512_setzero_ps();
   __m256 acc_min = _mm256_setzero_ps();
   for (int64_t i = 0; i < n_blocks; ++i, b += kBlockBytes, ++x) {
     prefetch_ahead(b, kBlockBytes);
-    const float d = half(b), dmin = half(b + 2);
-    uint32_t u[3];
-    std::memcpy(u, b + 4, 12);
-    // bytes: scales 0-3 | 4-7, mins 0-3 | 4-7 (the layout of k4_scale_min in quant.cc)
-    const uint32_t sc_lo = u[0] & 0x3f3f3f3f, mn_lo = u[1] & 0x3f3f3f3f;
-    const uint32_t sc_hi = (u[2] & 0x0f0f0f0f) | ((u[0] >> 6) & 0x03030303) << 4;
-    const uint32_t mn_hi = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 6) & 0x03030303) << 4;
-    const __m128i sc8 = _mm_cvtsi64_si128(static_cast<int64_t>(uint64_t{sc_hi} << 32 | sc_lo));
-    const __m128i mn8 = _mm_cvtsi64_si128(static_cast<int64_t>(uint64_t{mn_hi} << 32 | mn_lo));
-    const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sc8));
+    // d and dmin times the activations' scale
+    uint32_t dd;
+    std::memcpy(&dd, b, 4);
+    const __m128 d2 = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd))), _mm_set1_ps(x->d));
+    // 32-bit words u0 u1 u2 (the layout of k4_scale_min in quant.cc): scales 0-3 = u0 & 0x3f..,
+    // mins 0-3 = u1 & 0x3f..; scales 4-7 = u2 & 0x0f.. | (u0 >> 6 & 0x03..) << 4, mins 4-7 the same
+    // of u2 >> 4 and u1.
+    const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i lo = _mm_and_si128(u, m6);
+    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(u, 0xAA), u2_shift), m4),
+                                    _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(u, 6), m2), 4));
+    const __m256i scmn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi32(lo, hi));  // int16: scales 0-7, mins 0-7
+    const __m512i sc16 = _mm512_castsi256_si512(scmn);
     __m512i isum = _mm512_setzero_si512();
     const uint8_t* qs = b + kQuants;
-    [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    for (int k = 0; k < 4; ++k) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * k));
-      __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      if constexpr (kFifthBit) {  // bits 2k and 2k + 1 of each byte, as 16
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 1), one), 4));
-      }
-      const __m512i w = _mm512_inserti64x4(_mm512_zextsi256_si512(lo), hi, 1);
-      const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512(x->q + 64 * k));
-      isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[k], sc16)));
+    [[maybe_unused]] __m512i qh;
+    if constexpr (kFifthBit) {  // bits 4j, 4j + 1 of each byte for the first 32 elements, 4j + 2, + 3 for the last
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      qh = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
     }
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(x->d * d), acc);
+    for (int j = 0; j < 2; ++j) {
+      const __m512i q = _mm512_loadu_si512(qs + 64 * j);
+      __m512i lo4 = _mm512_and_si512(q, low4), hi4 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+      if constexpr (kFifthBit) {  // bit 4j (low nibbles) and 4j + 1 (high) of each byte, as 16
+        const __m512i l5 = j == 0 ? _mm512_slli_epi16(qh, 4) : qh;
+        const __m512i h5 = j == 0 ? _mm512_slli_epi16(qh, 3) : _mm512_srli_epi16(qh, 1);
+        lo4 = _mm512_or_si512(lo4, _mm512_and_si512(l5, bit4));
+        hi4 = _mm512_or_si512(hi4, _mm512_and_si512(h5, bit4));
+      }
+      const __m512i plo = _mm512_maddubs_epi16(lo4, _mm512_loadu_si512(x->q + 128 * j));
+      const __m512i phi = _mm512_maddubs_epi16(hi4, _mm512_loadu_si512(x->q + 128 * j + 64));
+      isum = _mm512_dpwssd_epi32(isum, plo, _mm512_permutexvar_epi16(pick[2 * j], sc16));
+      isum = _mm512_dpwssd_epi32(isum, phi, _mm512_permutexvar_epi16(pick[2 * j + 1], sc16));
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_broadcastss_ps(d2), acc);
     // sum over groups of m_g * (sums[2g] + sums[2g + 1])
-    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mn8, pairs));
-    const __m256i msum = _mm256_madd_epi16(m16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums)));
-    acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(x->d * dmin), acc_min);
+    const __m256i msum = _mm256_madd_epi16(_mm256_permutexvar_epi16(min_pairs, scmn),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums)));
+    acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_broadcastss_ps(_mm_movehdup_ps(d2)), acc_min);
   }
   __m256 m = acc_min;
   m = _mm256_add_ps(m, _mm256_permute2f128_ps(m, m, 1));
@@ -251,5 +284,50 @@ float dot32_levels(const void* row, const BlockQ8Act* x, int64_t n32) {
 
 float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_levels<DType::kMXFP4>(row, x, n32); }
 float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_levels<DType::kIQ4_NL>(row, x, n32); }
+
+// Q8_0 (quant.cc): blocks of an f16 scale and 32 signed bytes. The bytes flipped in their sign bit
+// are w + 128 unsigned, so one vpdpbusd multiplies 64 of them (two blocks) by the signed
+// activations; the int32 sums start at -128 times each 16 activations' sum, which leaves the exact
+// sums of w * a. One float multiply-add per two blocks by their scales times the activations'.
+// Eight blocks (one block of activations) a step; a row's last n32 % 8 blocks go to the AVX2 kernel.
+float dot_q8_0(const void* row, const BlockQ8Act* x, int64_t n32) {
+  constexpr int kBytes = 34;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // Pair k (blocks 2k, 2k + 1) in natural order: int32 lanes 4g..4g+3 sum the activations' 16-part
+  // 4k + g; lanes 0-7 take block 2k's scale, 8-15 block 2k + 1's.
+  __m512i sum_pick[4], scale_pick[4];
+  for (int k = 0; k < 4; ++k) {
+    sum_pick[k] = _mm512_setr_epi32(4 * k, 0, 0, 0, 4 * k + 1, 0, 0, 0, 4 * k + 2, 0, 0, 0, 4 * k + 3, 0, 0, 0);
+    const int e = 2 * k, o = 2 * k + 1;
+    scale_pick[k] = _mm512_setr_epi32(e, e, e, e, e, e, e, e, o, o, o, o, o, o, o, o);
+  }
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  const int64_t full = n32 / 8;
+  for (int64_t g = 0; g < full; ++g, ++x, b += 8 * kBytes) {
+    prefetch_ahead(b, 8 * kBytes);
+    alignas(16) uint16_t h[8];
+    for (int j = 0; j < 8; ++j) std::memcpy(&h[j], b + j * kBytes, 2);
+    const __m512 d16 = _mm512_zextps256_ps512(
+        _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))), _mm256_set1_ps(x->d)));
+    const __m512i shifted_sums = _mm512_slli_epi32(
+        _mm512_sub_epi32(_mm512_setzero_si512(),
+                         _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums)))),
+        7);
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* q0 = b + 2 * k * kBytes + 2;
+      const __m512i w = _mm512_xor_si512(
+          _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0))),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + kBytes)), 1),
+          flip);
+      const __m512i start = _mm512_maskz_permutexvar_epi32(0x1111, sum_pick[k], shifted_sums);
+      const __m512i sums = _mm512_dpbusd_epi32(start, w, _mm512_loadu_si512(x->q + 64 * k));
+      acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(scale_pick[k], d16), acc[k]);
+    }
+  }
+  float total = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  if (n32 % 8 != 0) total += avx2::dot_q8_0(b, x, n32 % 8);
+  return total;
+}
 
 }  // namespace combs::cpu::avx512vnni
