@@ -56,9 +56,10 @@ class CpuBackend::ThreadPool {
     }
     wake_.notify_all();  // and to blocked ones
     drain();
-    if (!spin_until([this] { return active_.load(std::memory_order_acquire) == 0; })) {
+    auto finished = [this] { return active_.load(std::memory_order_acquire) == 0; };
+    if (!spin_until(finished)) {
       std::unique_lock<std::mutex> lock(mu_);
-      done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
+      done_.wait(lock, finished);
     }
     fn_ = nullptr;
   }

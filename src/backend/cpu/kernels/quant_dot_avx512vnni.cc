@@ -211,34 +211,45 @@ float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// MXFP4 and IQ4_NL (quant.cc): blocks of 32 four-bit indices into a signed table of 16 levels
-// (MXFP4: the doubled E2M1 values 0..+-12 under a power-of-two e8m0 scale; IQ4_NL: -127..113 under
-// an f16 scale), a block's low nibbles elements 0-15 and high nibbles 16-31. The levels are
-// shifted by K (12, 127) into unsigned bytes so that one vpdpbusd multiplies 64 of them (two
-// blocks) by the signed activations; the int32 sums start at -K times each 16 activations' sum
-// (the activation block's sums), so they are the exact sums of level * activation. One float
-// multiply-add per two blocks by their scales times the activations'. Eight blocks (one block of
-// activations) a step; a row's last n32 % 8 blocks go to the AVX2 kernel.
+// The 32-element formats with an AVX-512 kernel (quant.cc), each block an 8-bit scale or f16 scale
+// and 32 weights: MXFP4 and IQ4_NL store four-bit indices into a signed table of 16 levels (MXFP4:
+// the doubled E2M1 values 0..+-12 under a power-of-two e8m0 scale; IQ4_NL: -127..113 under an f16
+// scale), a block's low nibbles elements 0-15 and high nibbles 16-31; Q8_0 stores 32 signed bytes
+// under an f16 scale. The weights are shifted by K (12, 127, 128) into unsigned bytes (the levels
+// by a shifted table, Q8_0's bytes by flipping their sign bit) so that one vpdpbusd multiplies 64
+// of them (two blocks) by the signed activations; the int32 sums start at -K times each 16
+// activations' sum (the activation block's sums), so they are the exact sums of weight *
+// activation. One float multiply-add per two blocks by their scales times the activations'.
+// Eight blocks (one block of activations) a step; a row's last n32 % 8 blocks go to the AVX2
+// kernel.
 namespace {
 template <DType T>
-float dot32_levels(const void* row, const BlockQ8Act* x, int64_t n32) {
-  static_assert(T == DType::kMXFP4 || T == DType::kIQ4_NL);
-  constexpr bool kMx = T == DType::kMXFP4;
-  constexpr int kBytes = kMx ? 17 : 18, kQs = kMx ? 1 : 2, kShift = kMx ? 12 : 127;
+float dot32_vnni(const void* row, const BlockQ8Act* x, int64_t n32) {
+  static_assert(T == DType::kMXFP4 || T == DType::kIQ4_NL || T == DType::kQ8_0);
+  constexpr bool kMx = T == DType::kMXFP4, kQ8 = T == DType::kQ8_0;
+  constexpr int kBytes = kMx ? 17 : kQ8 ? 34 : 18, kQs = kMx ? 1 : 2, kShift = kMx ? 12 : kQ8 ? 128 : 127;
   alignas(16) static constexpr uint8_t kLevels[16] = {
       kMx ? 12 : 0,   kMx ? 13 : 23,  kMx ? 14 : 44,  kMx ? 15 : 62,  kMx ? 16 : 78,  kMx ? 18 : 92,
       kMx ? 20 : 105, kMx ? 24 : 117, kMx ? 12 : 128, kMx ? 11 : 140, kMx ? 10 : 152, kMx ? 9 : 165,
       kMx ? 8 : 180,  kMx ? 6 : 196,  kMx ? 4 : 216,  kMx ? 0 : 240};
   const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kLevels)));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  // Pair k (blocks 2k, 2k + 1) puts its int32 lanes in four groups of 4: block 2k's elements 0-15,
-  // block 2k + 1's 0-15, block 2k's 16-31, block 2k + 1's 16-31 (the nibbles as loaded). Each
-  // group's first lane starts at -K times its 16 activations' sum, and its scale is its block's.
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // Pair k (blocks 2k, 2k + 1) puts its int32 lanes in four groups of 4. The levels, as their
+  // nibbles are loaded: block 2k's elements 0-15, block 2k + 1's 0-15, block 2k's 16-31, block
+  // 2k + 1's 16-31; Q8_0's bytes in their order: block 2k's 0-15, 16-31, block 2k + 1's 0-15,
+  // 16-31. Each group's first lane starts at -K times its 16 activations' sum, and its scale is
+  // its block's.
   __m512i sum_pick[4], scale_pick[4];
   for (int k = 0; k < 4; ++k) {
-    sum_pick[k] = _mm512_setr_epi32(4 * k, 0, 0, 0, 4 * k + 2, 0, 0, 0, 4 * k + 1, 0, 0, 0, 4 * k + 3, 0, 0, 0);
-    const int e = 2 * k, o = 2 * k + 1;
-    scale_pick[k] = _mm512_setr_epi32(e, e, e, e, o, o, o, o, e, e, e, e, o, o, o, o);
+    const int s = 4 * k, e = 2 * k, o = 2 * k + 1;
+    if constexpr (kQ8) {
+      sum_pick[k] = _mm512_setr_epi32(s, 0, 0, 0, s + 1, 0, 0, 0, s + 2, 0, 0, 0, s + 3, 0, 0, 0);
+      scale_pick[k] = _mm512_setr_epi32(e, e, e, e, e, e, e, e, o, o, o, o, o, o, o, o);
+    } else {
+      sum_pick[k] = _mm512_setr_epi32(s, 0, 0, 0, s + 2, 0, 0, 0, s + 1, 0, 0, 0, s + 3, 0, 0, 0);
+      scale_pick[k] = _mm512_setr_epi32(e, e, e, e, o, o, o, o, e, e, e, e, o, o, o, o);
+    }
   }
   const uint8_t* b = static_cast<const uint8_t*>(row);
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};  // one chain per pair
@@ -265,69 +276,34 @@ float dot32_levels(const void* row, const BlockQ8Act* x, int64_t n32) {
         _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums))), _mm512_set1_epi32(-kShift));
     for (int k = 0; k < 4; ++k) {
       const uint8_t* q0 = b + 2 * k * kBytes + kQs;
-      const __m256i q = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + kBytes)),
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0)));
-      const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      const __m512i w = _mm512_shuffle_epi8(levels, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
-      const __m512i a = _mm512_loadu_si512(x->q + 64 * k);
-      const __m512i a_ordered = _mm512_shuffle_i64x2(a, a, _MM_SHUFFLE(3, 1, 2, 0));  // 16-byte parts 0, 2, 1, 3
+      __m512i w, a = _mm512_loadu_si512(x->q + 64 * k);
+      if constexpr (kQ8) {
+        w = _mm512_xor_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0))),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + kBytes)), 1),
+            flip);
+      } else {
+        const __m256i q = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + kBytes)),
+                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0)));
+        const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        w = _mm512_shuffle_epi8(levels, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+        a = _mm512_shuffle_i64x2(a, a, _MM_SHUFFLE(3, 1, 2, 0));  // 16-byte parts 0, 2, 1, 3
+      }
       const __m512i start = _mm512_maskz_permutexvar_epi32(0x1111, sum_pick[k], shifted_sums);
-      const __m512i sums = _mm512_dpbusd_epi32(start, w, a_ordered);
+      const __m512i sums = _mm512_dpbusd_epi32(start, w, a);
       acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(scale_pick[k], d16), acc[k]);
     }
   }
   float total = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-  if (n32 % 8 != 0) total += kMx ? avx2::dot_mxfp4(b, x, n32 % 8) : avx2::dot_iq4_nl(b, x, n32 % 8);
+  if (n32 % 8 != 0) {
+    total += kMx ? avx2::dot_mxfp4(b, x, n32 % 8) : kQ8 ? avx2::dot_q8_0(b, x, n32 % 8) : avx2::dot_iq4_nl(b, x, n32 % 8);
+  }
   return total;
 }
 }  // namespace
 
-float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_levels<DType::kMXFP4>(row, x, n32); }
-float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_levels<DType::kIQ4_NL>(row, x, n32); }
-
-// Q8_0 (quant.cc): blocks of an f16 scale and 32 signed bytes. The bytes flipped in their sign bit
-// are w + 128 unsigned, so one vpdpbusd multiplies 64 of them (two blocks) by the signed
-// activations; the int32 sums start at -128 times each 16 activations' sum, which leaves the exact
-// sums of w * a. One float multiply-add per two blocks by their scales times the activations'.
-// Eight blocks (one block of activations) a step; a row's last n32 % 8 blocks go to the AVX2 kernel.
-float dot_q8_0(const void* row, const BlockQ8Act* x, int64_t n32) {
-  constexpr int kBytes = 34;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  // Pair k (blocks 2k, 2k + 1) in natural order: int32 lanes 4g..4g+3 sum the activations' 16-part
-  // 4k + g; lanes 0-7 take block 2k's scale, 8-15 block 2k + 1's.
-  __m512i sum_pick[4], scale_pick[4];
-  for (int k = 0; k < 4; ++k) {
-    sum_pick[k] = _mm512_setr_epi32(4 * k, 0, 0, 0, 4 * k + 1, 0, 0, 0, 4 * k + 2, 0, 0, 0, 4 * k + 3, 0, 0, 0);
-    const int e = 2 * k, o = 2 * k + 1;
-    scale_pick[k] = _mm512_setr_epi32(e, e, e, e, e, e, e, e, o, o, o, o, o, o, o, o);
-  }
-  const uint8_t* b = static_cast<const uint8_t*>(row);
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  const int64_t full = n32 / 8;
-  for (int64_t g = 0; g < full; ++g, ++x, b += 8 * kBytes) {
-    prefetch_ahead(b, 8 * kBytes);
-    alignas(16) uint16_t h[8];
-    for (int j = 0; j < 8; ++j) std::memcpy(&h[j], b + j * kBytes, 2);
-    const __m512 d16 = _mm512_zextps256_ps512(
-        _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))), _mm256_set1_ps(x->d)));
-    const __m512i shifted_sums = _mm512_slli_epi32(
-        _mm512_sub_epi32(_mm512_setzero_si512(),
-                         _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums)))),
-        7);
-    for (int k = 0; k < 4; ++k) {
-      const uint8_t* q0 = b + 2 * k * kBytes + 2;
-      const __m512i w = _mm512_xor_si512(
-          _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0))),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + kBytes)), 1),
-          flip);
-      const __m512i start = _mm512_maskz_permutexvar_epi32(0x1111, sum_pick[k], shifted_sums);
-      const __m512i sums = _mm512_dpbusd_epi32(start, w, _mm512_loadu_si512(x->q + 64 * k));
-      acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(scale_pick[k], d16), acc[k]);
-    }
-  }
-  float total = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-  if (n32 % 8 != 0) total += avx2::dot_q8_0(b, x, n32 % 8);
-  return total;
-}
+float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_vnni<DType::kMXFP4>(row, x, n32); }
+float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_vnni<DType::kIQ4_NL>(row, x, n32); }
+float dot_q8_0(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_vnni<DType::kQ8_0>(row, x, n32); }
 
 }  // namespace combs::cpu::avx512vnni
