@@ -319,33 +319,40 @@ constexpr size_t kMaxStageBytes = 200u << 10;  // its shared memory, at most
 // Staged bytes of one row (from the row's start rounded down to 16 to its end, rounded up).
 __host__ __device__ inline int64_t stage_bytes(int64_t row_bytes) { return (row_bytes + 15 + 15) / 16 * 16; }
 
-// outs (+)= w x for up to N rows of x (quant_matmul.h). Persistent warps walk the weight rows
-// (PAIRS: a gate row and its up row) with a stride; each row is copied whole into the warp's
-// shared memory by coalesced 16-byte cp.async (the bandwidth-bound part: the row's bytes read
-// once, straight), the next row's copy in flight while this one is decoded; the first is
-// requested before the wait for the kernel that wrote x. Then the lanes take the row's units, 32
-// apart: each unit's 32 levels against the 32 int8 activations of each x row (from L1/L2).
-template <DType T, int N, bool PAIRS>
+// outs (+)= w x for up to N rows of x (quant_matmul.h). Persistent blocks walk the weight rows
+// (PAIRS: a gate row and its up row), kMaxWarps / split rows at a time: each row is cut into
+// `split` segments of whole blocks, a warp each (long rows: more warps in flight and shorter
+// chains per warp), and the segments' sums are added in a fixed order (deterministic, and the
+// same whatever n is). Each warp copies its segment whole into its shared memory by coalesced
+// 16-byte cp.async (the bandwidth-bound part: the bytes read once, straight), the next row's
+// segment in flight while this one is decoded; the first is requested before the wait for the
+// kernel that wrote x. Then the lanes take the segment's units, 32 apart: each unit's 32 levels
+// against the 32 int8 activations of each x row (from L1/L2).
+template <DType T, int N, bool PAIRS, bool kSplit>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     quant_gemv_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                      GemvOut outs, int n, int64_t in, int gshift) {
+                      GemvOut outs, int n, int64_t in, int gshift, int split_arg, int64_t staged) {
+  const int split = kSplit ? split_arg : 1;  // (kSplit false: the whole-row kernel, fewer registers)
   extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float partial[2][kMaxWarps][PAIRS ? 2 * N : N];  // the segments' sums, by iteration parity
   constexpr int kParts = PAIRS ? 2 : 1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
-  const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>, groups = in >> (5 + gshift);
-  const int64_t staged = stage_bytes(row_bytes);
+  const int64_t units = in / 32, nb = units / kUnits<T>, row_bytes = nb * kBlockBytes<T>, groups = in >> (5 + gshift);
+  const int seg = warp % split, per_block = warps / split;
+  const int64_t b0 = nb * seg / split, b1 = nb * (seg + 1) / split;  // this warp's blocks of each row
+  const int64_t seg_bytes = (b1 - b0) * kBlockBytes<T>;
   uint8_t* buffers = smem + static_cast<int64_t>(warp) * 2 * kParts * staged;  // [2][kParts][staged]
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * warps;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * warps + warp;
-  // Row `row`'s parts into buffer `slot`, one commit group (empty past the last row).
+  const int64_t row_groups = (rows + per_block - 1) / per_block;
+  auto row_of = [&](int64_t group) { return group * per_block + warp / split; };
+  // The segment of row `row`'s parts into buffer `slot`, one commit group (empty past the last row).
   auto stage = [&](int64_t row, int slot) {
     if (row < rows) {
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
-        const uint8_t* src = w + (row + p * rows) * row_bytes;
+        const uint8_t* src = w + (row + p * rows) * row_bytes + b0 * kBlockBytes<T>;
         const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t{15});
-        const int64_t end = (src - base) + row_bytes;
+        const int64_t end = (src - base) + seg_bytes;
         uint8_t* dst = buffers + (slot * kParts + p) * staged;
         for (int64_t c = lane * 16; c < end; c += 32 * 16) {
           cp_async16_part(smem_addr(dst + c), base + c, static_cast<int>(end - c < 16 ? end - c : 16));
@@ -355,16 +362,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     cp_async_commit();
   };
   pdl_launch_dependents();
-  stage(first, 0);
+  stage(row_of(blockIdx.x), 0);
   pdl_wait();
   int slot = 0;
-  for (int64_t row = first; row < rows; row += stride, slot ^= 1) {
-    stage(row + stride, slot ^ 1);
+  for (int64_t group = blockIdx.x; group < row_groups; group += gridDim.x, slot ^= 1) {
+    const int64_t row = row_of(group);
+    stage(row_of(group + gridDim.x), slot ^ 1);
     cp_async_wait<1>();  // this row's group
     __syncwarp();
-    const int64_t head = reinterpret_cast<uintptr_t>(w + row * row_bytes) & 15;
-    const uint8_t* wr = buffers + slot * kParts * staged + head;
-    const uint8_t* wu = PAIRS ? buffers + (slot * kParts + 1) * staged + (reinterpret_cast<uintptr_t>(w + (row + rows) * row_bytes) & 15) : wr;
     float acc[N], acc_up[PAIRS ? N : 1];
 #pragma unroll
     for (int r = 0; r < N; ++r) acc[r] = 0.0f;
@@ -372,36 +377,71 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 #pragma unroll
       for (int r = 0; r < N; ++r) acc_up[r] = 0.0f;
     }
-    for (int64_t gu = lane; gu < units; gu += 32) {
-      const int u = static_cast<int>(gu % kUnits<T>);
-      const Unit U = decode<T>(unit_block<T>(wr, gu), u);
-      Unit V;
-      if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, gu), u);
+    if (row < rows) {
+      // The staged segment's first block (wr) and, for pairs, the up row's (wu).
+      const uint8_t* wr = buffers + slot * kParts * staged + (reinterpret_cast<uintptr_t>(w + row * row_bytes + b0 * kBlockBytes<T>) & 15);
+      const uint8_t* wu = PAIRS ? buffers + (slot * kParts + 1) * staged +
+                                      (reinterpret_cast<uintptr_t>(w + (row + rows) * row_bytes + b0 * kBlockBytes<T>) & 15)
+                                : wr;
+      for (int64_t su = lane; su < (b1 - b0) * kUnits<T>; su += 32) {  // su: unit of the segment
+        const int64_t gu = b0 * kUnits<T> + su;
+        const int u = static_cast<int>(su % kUnits<T>);
+        const Unit U = decode<T>(unit_block<T>(wr, su), u);
+        Unit V;
+        if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, su), u);
 #pragma unroll
-      for (int r = 0; r < N; ++r) {
-        if (r >= n) break;
-        const int4* xp = reinterpret_cast<const int4*>(xq + r * in + gu * 32);
-        const int4 a = __ldg(xp), b = __ldg(xp + 1);
-        const int xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        const float s = __ldg(xd + r * groups + (gu >> gshift));
-        acc[r] += s * unit_dot<T>(U, xv);
-        if constexpr (PAIRS) acc_up[r] += s * unit_dot<T>(V, xv);
+        for (int r = 0; r < N; ++r) {
+          if (r >= n) break;
+          const int4* xp = reinterpret_cast<const int4*>(xq + r * in + gu * 32);
+          const int4 a = __ldg(xp), b = __ldg(xp + 1);
+          const int xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+          const float sc = __ldg(xd + r * groups + (gu >> gshift));
+          acc[r] += sc * unit_dot<T>(U, xv);
+          if constexpr (PAIRS) acc_up[r] += sc * unit_dot<T>(V, xv);
+        }
       }
     }
     __syncwarp();  // every lane is done with this buffer before it is staged into again
-    // Sum over the warp, then lane 0 writes.
-    const GemvRow to = gemv_row(outs, row);
+    // Sum over the warp; then (split > 1) the segments' sums in order, by the row's first warp.
 #pragma unroll
     for (int r = 0; r < N; ++r) {
-      float v = acc[r];
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+      for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffff, acc[r], o);
       if constexpr (PAIRS) {
-        float up = acc_up[r];
-        for (int o = 16; o > 0; o >>= 1) up += __shfl_xor_sync(0xffffffff, up, o);
-        if (lane == 0 && r < n) outs.y[0][r * rows + row] = silu(v) * up;
-      } else if (lane == 0 && r < n) {
-        float* dst = to.y + r * to.rows + to.index;
-        *dst = (outs.accumulate ? *dst : 0.0f) + v + (to.bias ? to.bias[to.index] : 0.0f);
+        for (int o = 16; o > 0; o >>= 1) acc_up[r] += __shfl_xor_sync(0xffffffff, acc_up[r], o);
+      }
+    }
+    if (split > 1) {
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < N; ++r) {
+          partial[slot][warp][r] = acc[r];
+          if constexpr (PAIRS) partial[slot][warp][N + r] = acc_up[r];
+        }
+      }
+      __syncthreads();
+      if (seg == 0) {
+#pragma unroll
+        for (int r = 0; r < N; ++r) {
+          acc[r] = partial[slot][warp][r];
+          if constexpr (PAIRS) acc_up[r] = partial[slot][warp][N + r];
+          for (int k = 1; k < split; ++k) {
+            acc[r] += partial[slot][warp + k][r];
+            if constexpr (PAIRS) acc_up[r] += partial[slot][warp + k][N + r];
+          }
+        }
+      }
+    }
+    if (seg == 0 && lane == 0 && row < rows) {
+      const GemvRow to = gemv_row(outs, row);
+#pragma unroll
+      for (int r = 0; r < N; ++r) {
+        if (r >= n) break;
+        if constexpr (PAIRS) {
+          outs.y[0][r * rows + row] = silu(acc[r]) * acc_up[r];
+        } else {
+          float* dst = to.y + r * to.rows + to.index;
+          *dst = (outs.accumulate ? *dst : 0.0f) + acc[r] + (to.bias ? to.bias[to.index] : 0.0f);
+        }
       }
     }
   }
@@ -557,30 +597,73 @@ Status check_block_weight(const Tensor& w, const char* op) {
 
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
+// Staged bytes of a warp's segment of a row cut into `split` (its largest: whole blocks).
+int64_t segment_stage_bytes(DType t, int64_t in, int split) {
+  const int64_t nb = in / static_cast<int64_t>(dtype_block_elems(t));
+  return stage_bytes((nb + split - 1) / split * static_cast<int64_t>(dtype_block_bytes(t)));
+}
+
+// Warps a row of the decode kernel: 1, 2 or 4. Long rows are cut into segments of at most
+// kSegmentBytes (the longer a warp's segment, the fewer warps fit and the longer each warp's
+// chain: llama-8b's down rows of 14,336 ran at 0.37 of the copy bandwidth whole, 0.44-0.50 in
+// four); and rows too few to give every resident warp one are cut further, down to segments of
+// kMinSegmentBlocks blocks (a 1,024-row V of 4,096: 5.0 us whole, 3.9 in two; shorter rows lose:
+// llama-1b's Q/K of 2,048, 3.1 us whole, 3.75 in two). Measured by bench/gpu/qgemv.cu on the H200.
+constexpr int64_t kSegmentBytes = 4096, kMinSegmentBlocks = 8;
+int gemv_split(int64_t row_bytes, int64_t blocks, int64_t rows, int64_t resident_warps) {
+  int split = row_bytes <= kSegmentBytes ? 1 : row_bytes <= 2 * kSegmentBytes ? 2 : 4;
+  while (split < kMaxWarps && rows * split * 2 <= resident_warps && blocks / (split * 2) >= kMinSegmentBlocks) split *= 2;
+  return split;
+}
+
 // One instantiation of the decode kernel and its launch: persistent blocks, as many as stay
 // resident with this much shared memory (by registers: the kernel's own occupancy, found once).
 template <DType T, int N, bool PAIRS>
 struct GemvVariant {
-  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const GemvOut& outs, int n,
-                       int64_t in, int gshift, int64_t rows, int warps, size_t smem) {
-    static const int by_registers = [] {
-      cudaFuncSetAttribute(quant_gemv_kernel<T, N, PAIRS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  template <bool kSplit>
+  static int resident_blocks() {  // per multiprocessor, by registers
+    static const int per_sm = [] {
+      cudaFuncSetAttribute(quant_gemv_kernel<T, N, PAIRS, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(kMaxStageBytes));
-      int per_sm = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_gemv_kernel<T, N, PAIRS>, kMaxWarps * 32, 0);
+      int blocks = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, quant_gemv_kernel<T, N, PAIRS, kSplit>, kMaxWarps * 32, 0);
       cudaGetLastError();
-      return std::max(1, per_sm);
+      return std::max(1, blocks);
     }();
+    return per_sm;
+  }
+  // split: warps a row (0: gemv_split's choice).
+  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const GemvOut& outs, int n,
+                       int64_t in, int gshift, int64_t rows, int split) {
     static const int sms = [] {
       int device = 0, count = 0;
       cudaGetDevice(&device);
       cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
       return std::max(1, count);
     }();
-    const int by_smem = static_cast<int>(std::max<size_t>(1, (size_t{228} << 10) / (smem + 1024)));
-    const int64_t wanted = (rows + warps - 1) / warps;
-    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(wanted, int64_t{sms} * std::min(by_registers, by_smem))));
-    launch_pdl(quant_gemv_kernel<T, N, PAIRS>, grid, dim3(warps * 32), smem, st, w, q, d, outs, n, in, gshift);
+    // Blocks a multiprocessor holds: by its shared memory (two staged segments per warp), by registers.
+    auto smem_of = [&](int s) { return static_cast<size_t>(kMaxWarps * 2 * (PAIRS ? 2 : 1) * segment_stage_bytes(T, in, s)); };
+    auto by_smem = [&](int s) { return static_cast<int>(std::max<size_t>(1, (size_t{228} << 10) / (smem_of(s) + 1024))); };
+    if (split == 0) {
+      const int64_t resident = int64_t{sms} * std::min(resident_blocks<false>(), by_smem(1)) * kMaxWarps;
+      split = gemv_split(static_cast<int64_t>(nbytes_for(T, in)), in / static_cast<int64_t>(dtype_block_elems(T)), rows, resident);
+    }
+    const int64_t staged = segment_stage_bytes(T, in, split);
+    const size_t smem = smem_of(split);
+    if (smem > kMaxStageBytes) {
+      return invalid_argument_error("cuda quant_gemv: rows of " + std::to_string(in) + " do not fit shared memory");
+    }
+    const int by_registers = split > 1 ? resident_blocks<true>() : resident_blocks<false>();
+    const int per_block = kMaxWarps / split;
+    const int64_t wanted = (rows + per_block - 1) / per_block;
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(wanted, int64_t{sms} * std::min(by_registers, by_smem(split)))));
+    if (split > 1) {
+      launch_pdl(quant_gemv_kernel<T, N, PAIRS, true>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, outs, n, in, gshift,
+                 split, staged);
+    } else {
+      launch_pdl(quant_gemv_kernel<T, N, PAIRS, false>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, outs, n, in,
+                 gshift, 1, staged);
+    }
     return cuda_status(cudaGetLastError(), "quant_gemv_kernel");
   }
 };
@@ -607,15 +690,10 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(n, in));
   const int gshift = activation_group(in) == 256 ? 3 : 0;
   const int64_t rows = outs.end[outs.count - 1];
-  // Shared memory: two staged rows (two pairs) per warp; fewer warps where rows are long.
-  const size_t per_warp = 2 * (pairs ? 2 : 1) * static_cast<size_t>(stage_bytes(static_cast<int64_t>(nbytes_for(w.dtype(), in))));
-  const int warps = static_cast<int>(std::min<size_t>(kMaxWarps, kMaxStageBytes / per_warp));
-  if (warps < 1) return invalid_argument_error("cuda quant_gemv: rows of " + std::to_string(in) + " do not fit shared memory");
-  const size_t smem = per_warp * warps;
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
   return for_block_type(w.dtype(), [&](auto tag) -> Status {
     constexpr DType T = decltype(tag)::value;
-    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, outs, n, in, gshift, rows, warps, smem); };
+    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, outs, n, in, gshift, rows, 0); };
     if (pairs) {
       if (n <= 1) return go(GemvVariant<T, 1, true>{});
       if (n <= 2) return go(GemvVariant<T, 2, true>{});

@@ -1,0 +1,175 @@
+// Microbenchmark of the block-quantized decode kernels (src/backend/cuda/quant_matmul.cu, compiled
+// into this program so that its private kernels can be launched side by side): for the matrices of
+// a llama-8b / llama-1b Q4_K_M decode step, each kernel's time per call and the weight bytes it
+// reads per second, against the device copy bandwidth measured in the same run; and the largest
+// difference between the variants' outputs. Each call reads a different copy of the weights
+// (enough copies to pass 400 MB), so that L2 (50 MB) holds none of them.
+//
+// Build (needs libcombs_core.a from a CUDA build, e.g. build/portable):
+//   nvcc -O3 -std=c++20 --use_fast_math -arch=sm_90 -Iinclude -Isrc bench/gpu/qgemv.cu \
+//     build/portable/libcombs_core.a -o qgemv
+// Run: ./qgemv [REPS]   (tab-separated: case, variant, us per call, GB/s, fraction of copy, max diff
+// to the first variant)
+#include "../../src/backend/cuda/quant_matmul.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+using namespace combs;
+using namespace combs::cuda;
+
+namespace {
+
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+struct Case {
+  const char* name;
+  DType type;
+  int64_t rows, in;  // rows: of the output (pairs: gate rows; the weight has twice as many)
+  bool pairs;
+};
+
+// Random blocks with finite f16 scales (d and dmin small, so that sums stay finite).
+std::vector<uint8_t> random_blocks(DType t, int64_t blocks, std::mt19937& rng) {
+  const int64_t bb = static_cast<int64_t>(dtype_block_bytes(t));
+  std::vector<uint8_t> v(static_cast<size_t>(blocks * bb));
+  for (auto& b : v) b = static_cast<uint8_t>(rng());
+  std::uniform_real_distribution<float> scale(1e-4f, 2e-3f);
+  for (int64_t i = 0; i < blocks; ++i) {
+    uint8_t* b = v.data() + i * bb;
+    auto put = [&](int at) {
+      const __half h = __float2half(scale(rng));
+      std::memcpy(b + at, &h, 2);
+    };
+    if (t == DType::kQ6_K) {
+      put(208);
+    } else {
+      put(0), put(2);
+    }
+  }
+  return v;
+}
+
+// Device copy bandwidth (read + write counted as bytes read: the figure the bound uses).
+double copy_gbs(size_t bytes) {
+  void *a, *b;
+  CHECK(cudaMalloc(&a, bytes));
+  CHECK(cudaMalloc(&b, bytes));
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  cudaEventRecord(e0);
+  for (int i = 0; i < 10; ++i) cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+  cudaEventRecord(e1);
+  cudaEventSynchronize(e1);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaFree(a), cudaFree(b);
+  return 2.0 * bytes * 10 / (ms * 1e-3) / 1e9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 50;
+  const double copy = copy_gbs(size_t{1} << 30);
+  std::printf("copy\t%.0f GB/s\n", copy);
+  const Case cases[] = {
+      {"8b.qk.q4_k", DType::kQ4_K, 5120, 4096, false},     {"8b.v.q6_k", DType::kQ6_K, 1024, 4096, false},
+      {"8b.o.q4_k", DType::kQ4_K, 4096, 4096, false},      {"8b.gate_up.q4_k", DType::kQ4_K, 14336, 4096, true},
+      {"8b.down.q4_k", DType::kQ4_K, 4096, 14336, false},  {"8b.down.q6_k", DType::kQ6_K, 4096, 14336, false},
+      {"8b.output.q6_k", DType::kQ6_K, 128256, 4096, false}, {"1b.gate_up.q4_k", DType::kQ4_K, 8192, 2048, true},
+      {"1b.qk.q4_k", DType::kQ4_K, 2560, 2048, false},     {"1b.o.q4_k", DType::kQ4_K, 2048, 2048, false},
+      {"1b.v.q6_k", DType::kQ6_K, 512, 2048, false},       {"1b.down.q4_k", DType::kQ4_K, 2048, 8192, false},
+      {"1b.down.q6_k", DType::kQ6_K, 2048, 8192, false},    {"1b.output.q6_k", DType::kQ6_K, 128256, 2048, false},
+  };
+  std::mt19937 rng(7);
+  cudaStream_t st;
+  CHECK(cudaStreamCreate(&st));
+  for (const Case& c : cases) {
+    const int64_t wrows = c.pairs ? 2 * c.rows : c.rows;
+    const int64_t row_bytes = static_cast<int64_t>(nbytes_for(c.type, c.in));
+    const int64_t bytes = wrows * row_bytes;
+    const int copies = static_cast<int>(std::max<int64_t>(1, (int64_t{400} << 20) / bytes + 1));
+    const std::vector<uint8_t> host = random_blocks(c.type, bytes / static_cast<int64_t>(dtype_block_bytes(c.type)), rng);
+    uint8_t* w;
+    CHECK(cudaMalloc(&w, static_cast<size_t>(bytes) * copies));
+    for (int i = 0; i < copies; ++i) CHECK(cudaMemcpy(w + i * bytes, host.data(), bytes, cudaMemcpyHostToDevice));
+    std::vector<float> xh(static_cast<size_t>(c.in));
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (float& v : xh) v = nd(rng);
+    float *x, *y;
+    void* xq;
+    CHECK(cudaMalloc(&x, c.in * 4));
+    CHECK(cudaMalloc(&y, wrows * 4));
+    CHECK(cudaMalloc(&xq, activation_bytes(1, c.in)));
+    CHECK(cudaMemcpy(x, xh.data(), c.in * 4, cudaMemcpyHostToDevice));
+    if (!quantize_activations(st, x, 1, c.in, nullptr, 0.0f, xq).ok()) return 1;
+    const int8_t* q = static_cast<const int8_t*>(xq);
+    const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(1, c.in));
+    GemvOut outs{};
+    outs.y[0] = y, outs.end[0] = c.rows, outs.count = 1;
+    // The variants: rows cut into 1, 2, 4 segments, and the kernel's own choice.
+    struct Variant {
+      const char* name;
+      int split;
+    };
+    std::vector<Variant> variants = {{"split/1", 1}, {"split/2", 2}, {"split/4", 4}, {"auto", 0}};
+    auto launch = [&](const Variant& v, const uint8_t* wp) {
+      auto go = [&](auto k) { return decltype(k)::launch(st, wp, q, d, outs, 1, c.in, 3, c.rows, v.split); };
+      if (c.type == DType::kQ4_K) return c.pairs ? go(GemvVariant<DType::kQ4_K, 1, true>{}) : go(GemvVariant<DType::kQ4_K, 1, false>{});
+      return c.pairs ? go(GemvVariant<DType::kQ6_K, 1, true>{}) : go(GemvVariant<DType::kQ6_K, 1, false>{});
+    };
+    std::vector<float> ya(static_cast<size_t>(c.rows)), yb(static_cast<size_t>(c.rows));
+    std::vector<double> diffs;
+    double scale = 0;
+    for (size_t vi = 0; vi < variants.size(); ++vi) {
+      CHECK(cudaMemset(y, 0xFF, wrows * 4));  // NaN: every row must be written
+      if (!launch(variants[vi], w).ok()) return 1;
+      CHECK(cudaMemcpy(vi == 0 ? ya.data() : yb.data(), y, c.rows * 4, cudaMemcpyDeviceToHost));
+      double diff = 0;
+      for (int64_t i = 0; vi > 0 && i < c.rows; ++i) diff = std::max(diff, static_cast<double>(std::fabs(ya[i] - yb[i])));
+      for (int64_t i = 0; vi == 0 && i < c.rows; ++i) scale = std::max(scale, static_cast<double>(std::fabs(ya[i])));
+      diffs.push_back(diff);
+    }
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+    for (int round = 0; round < 3; ++round) {
+      for (size_t vi = 0; vi < variants.size(); ++vi) {
+        auto run = [&](int i) { return launch(variants[vi], w + (i % copies) * bytes); };
+        for (int i = 0; i < 3; ++i) (void)run(i);
+        cudaEventRecord(e0, st);
+        for (int i = 0; i < reps; ++i) (void)run(i);
+        cudaEventRecord(e1, st);
+        CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        const double us = ms * 1e3 / reps, gbs = bytes / (us * 1e-6) / 1e9;
+        std::printf("%s\t%s\t%.2f us\t%.0f GB/s\t%.2f\tdiff %.2e of %.2e\n", c.name, variants[vi].name, us, gbs, gbs / copy,
+                    diffs[vi], scale);
+      }
+    }
+    cudaFree(w), cudaFree(x), cudaFree(y), cudaFree(xq);
+  }
+  auto regs = [](const char* name, const void* f) {
+    cudaFuncAttributes a{};
+    cudaFuncGetAttributes(&a, f);
+    std::printf("regs\t%s\t%d\tlocal %zu\n", name, a.numRegs, a.localSizeBytes);
+  };
+  regs("q4_k", reinterpret_cast<const void*>(quant_gemv_kernel<DType::kQ4_K, 1, false, false>));
+  regs("q4_k split", reinterpret_cast<const void*>(quant_gemv_kernel<DType::kQ4_K, 1, false, true>));
+  regs("q4_k pairs", reinterpret_cast<const void*>(quant_gemv_kernel<DType::kQ4_K, 1, true, false>));
+  regs("q6_k", reinterpret_cast<const void*>(quant_gemv_kernel<DType::kQ6_K, 1, false, false>));
+  regs("q6_k split", reinterpret_cast<const void*>(quant_gemv_kernel<DType::kQ6_K, 1, false, true>));
+  return 0;
+}
