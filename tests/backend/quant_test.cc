@@ -3,6 +3,7 @@
 // on blocks llama-quantize made and on random blocks; sizes of malformed rows are refused.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -15,6 +16,7 @@
 
 #include "combs/backend/dtype.h"
 #include "combs/backend/quant.h"
+#include "kernels/dequant_bf16.h"
 #include "kernels/quant_dot.h"
 #include "support/temp_dir.h"
 
@@ -120,6 +122,50 @@ TEST_CASE("every block format dequantizes bit-exactly as the numpy reference on 
   for (const QuantFormat& f : quant_formats()) {
     INFO(f.name);
     check_bit_exact(f, random_blocks(f, f.block_elems == 256 ? 64 : 512, seed++));
+  }
+}
+
+TEST_CASE("the AVX-512 dequantizers to BF16 give the numpy reference's values rounded to nearest even",
+          "[backend][quant]") {
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))) {
+    WARN("no AVX-512 on this CPU: its dequantizers to BF16 are not tested");
+    return;
+  }
+  using Fn = void (*)(const void*, uint16_t*, int64_t);
+  const std::pair<std::string_view, Fn> kernels[] = {{"Q4_K", cpu::avx512::dequant_bf16_q4_k},
+                                                     {"Q5_K", cpu::avx512::dequant_bf16_q5_k},
+                                                     {"Q6_K", cpu::avx512::dequant_bf16_q6_k},
+                                                     {"Q8_0", cpu::avx512::dequant_bf16_q8_0}};
+  // The reference's f32 to bf16: nearest, ties to even (no NaN in these blocks).
+  auto bf16 = [](float v) {
+    uint32_t b;
+    std::memcpy(&b, &v, 4);
+    const uint32_t lower = b & 0xFFFF, upper = b >> 16;
+    return static_cast<uint16_t>(upper + (lower > 0x8000 || (lower == 0x8000 && (upper & 1))));
+  };
+  uint32_t seed = 11;
+  for (const QuantFormat& f : quant_formats()) {
+    const auto it = std::find_if(std::begin(kernels), std::end(kernels), [&](const auto& k) { return k.first == f.name; });
+    if (it == std::end(kernels)) continue;
+    for (const bool from_llama : {true, false}) {
+      INFO(f.name << (from_llama ? " llama-quantize's blocks" : " random blocks"));
+      const std::vector<uint8_t> blocks =
+          from_llama ? read_bytes(std::string(COMBS_TEST_DATA_DIR) + "/quant/" + std::string(f.name) + ".bin")
+                     : random_blocks(f, f.block_elems == 256 ? 64 : 512, seed++);
+      REQUIRE(!blocks.empty());
+      const std::vector<float> want = reference(f, blocks);
+      const int64_t nb = static_cast<int64_t>(blocks.size()) / f.block_bytes;
+      std::vector<uint16_t> got(static_cast<size_t>(nb * f.block_elems) + 16, 0x5a5a);  // poisoned, a guard after
+      it->second(blocks.data(), got.data(), nb);
+      for (size_t i = got.size() - 16; i < got.size(); ++i) REQUIRE(got[i] == 0x5a5a);
+      REQUIRE(want.size() == got.size() - 16);
+      size_t mismatches = 0, first = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (got[i] != bf16(want[i]) && mismatches++ == 0) first = i;
+      }
+      INFO(mismatches << " of " << want.size() << " differ; first at " << first);
+      CHECK(mismatches == 0);
+    }
   }
 }
 

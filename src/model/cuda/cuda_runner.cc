@@ -531,6 +531,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, add, norm_w.data_as<float>(), h, dt, total, e, c.rms_eps));
       return matmul_split(b, wt, h, total, outs, /*rounded=*/dt != DType::kF32);
     };
+    const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
     // The layer's experts on h (its FFN norm's output), their sum into x (accumulate) or delta.
     auto experts = [&](const Impl::Layer& w, bool accumulate) -> Status {
       cuda::ExpertsFfn f{.gate_up = &w.gate_up_exps,
@@ -544,7 +545,6 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
                          .router_bias = bias(w.router_b)};
       if (c.activation == Activation::kSwigluOai) f.swiglu_alpha = kSwigluOaiAlpha, f.swiglu_limit = kSwigluOaiLimit;
       if (c.shared_expert) {
-        const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
         COMBS_RETURN_IF_ERROR(matmul_split(b, w.w_gate_up, h, total, gate_up, /*rounded=*/false));
         COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(),
                                                   I.up.data_as<float>(), total,
@@ -562,7 +562,6 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       const float* bqkv = bias(w.bqkv);
       const cuda::MatmulOut qkv[] = {{q, nq * hd, bqkv}, {k, nkv * hd, bqkv ? bqkv + nq * hd : nullptr},
                                      {v, nkv * hd, bqkv ? bqkv + (nq + nkv) * hd : nullptr}};
-      const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
       if (fused_attention) {
         COMBS_RETURN_IF_ERROR(matmul_split(b, w.wqkv, x, total, qkv, false, w.attn_norm.data_as<float>(), c.rms_eps));
       } else {
