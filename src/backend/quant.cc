@@ -155,19 +155,6 @@ void dq_q3_k(const void* src, float* y, int64_t nb) {
   }
 }
 
-// The eight (6-bit scale, 6-bit min) pairs of Q4_K/Q5_K in 12 bytes: pairs 0..3 are the low 6
-// bits of bytes j and j + 4; pairs 4..7 take their low 4 bits from byte j + 4's nibbles and their
-// top 2 from the top bits of bytes j - 4 and j.
-inline void k4_scale_min(int j, const uint8_t* q, int* sc, int* mn) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *mn = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | (q[j - 4] >> 6) << 4;
-    *mn = (q[j + 4] >> 4) | (q[j] >> 6) << 4;
-  }
-}
-
 // Q4_K, 256 in 144: f16 d, f16 dmin, 12 bytes of scales/mins, 128 bytes of nibbles. Each 64
 // elements are 32 bytes: the low nibbles (scale pair 2k), then the high nibbles (pair 2k + 1).
 // Value (d * scale) * q - (dmin * min).

@@ -47,6 +47,19 @@ using QuantizeFn = void (*)(const float* x, void* blocks, int64_t n_blocks);
 // The writer of a block type; nullptr for the element types.
 QuantizeFn quantizer(DType t);
 
+// The (6-bit scale, 6-bit min) pair j (0..7) of a Q4_K/Q5_K super-block's 12 scale bytes q:
+// pairs 0..3 are the low 6 bits of bytes j and j + 4; pairs 4..7 take their low 4 bits from byte
+// j + 4's nibbles and their top 2 from the top bits of bytes j - 4 and j.
+inline void k4_scale_min(int j, const uint8_t* q, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *mn = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | (q[j - 4] >> 6) << 4;
+    *mn = (q[j + 4] >> 4) | (q[j] >> 6) << 4;
+  }
+}
+
 // ggml's name of any type id it has defined ("IQ2_XXS", "Q4_0_4_4 (removed)", ...), for errors;
 // "ggml type N" for an id it never defined.
 std::string ggml_type_name(uint32_t ggml_type);

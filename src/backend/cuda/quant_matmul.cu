@@ -233,6 +233,19 @@ __device__ __forceinline__ float unit_dot(const Unit& U, const int (&xv)[8]) {
   return r;
 }
 
+// Unit gu (32 elements) of row xr of quantize_activations' x: its int8 levels, four to an int,
+// and its group's scale (gshift: log2 of the units a group).
+struct UnitX {
+  int q[8];
+  float d;
+};
+__device__ __forceinline__ UnitX unit_x(const int8_t* __restrict__ xq, const float* __restrict__ xd, int64_t xr,
+                                        int64_t in, int64_t groups, int64_t gu, int gshift) {
+  const int4* p = reinterpret_cast<const int4*>(xq + xr * in + gu * 32);
+  const int4 a = __ldg(p), b = __ldg(p + 1);
+  return {{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, __ldg(xd + xr * groups + (gu >> gshift))};
+}
+
 // Element e of a unit, as quant.cc computes it.
 __device__ __forceinline__ float unit_value(const Unit& U, int e) {
   const int q = static_cast<int8_t>(U.q[e / 4] >> (8 * (e % 4)));
@@ -345,12 +358,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   uint8_t* buffers = smem + static_cast<int64_t>(warp) * 2 * kParts * staged;  // [2][kParts][staged]
   const int64_t row_groups = (rows + per_block - 1) / per_block;
   auto row_of = [&](int64_t group) { return group * per_block + warp / split; };
+  // The first byte of this warp's segment of row `row`'s part p (p 1: the up row).
+  auto segment = [&](int64_t row, int p) { return w + (row + p * rows) * row_bytes + b0 * kBlockBytes<T>; };
   // The segment of row `row`'s parts into buffer `slot`, one commit group (empty past the last row).
   auto stage = [&](int64_t row, int slot) {
     if (row < rows) {
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
-        const uint8_t* src = w + (row + p * rows) * row_bytes + b0 * kBlockBytes<T>;
+        const uint8_t* src = segment(row, p);
         const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t{15});
         const int64_t end = (src - base) + seg_bytes;
         uint8_t* dst = buffers + (slot * kParts + p) * staged;
@@ -378,11 +393,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       for (int r = 0; r < N; ++r) acc_up[r] = 0.0f;
     }
     if (row < rows) {
-      // The staged segment's first block (wr) and, for pairs, the up row's (wu).
-      const uint8_t* wr = buffers + slot * kParts * staged + (reinterpret_cast<uintptr_t>(w + row * row_bytes + b0 * kBlockBytes<T>) & 15);
-      const uint8_t* wu = PAIRS ? buffers + (slot * kParts + 1) * staged +
-                                      (reinterpret_cast<uintptr_t>(w + (row + rows) * row_bytes + b0 * kBlockBytes<T>) & 15)
-                                : wr;
+      // The staged segment's first block (wr) and, for pairs, the up row's (wu): a staged copy
+      // starts at its source rounded down to 16.
+      auto staged_at = [&](int p) {
+        return buffers + (slot * kParts + p) * staged + (reinterpret_cast<uintptr_t>(segment(row, p)) & 15);
+      };
+      const uint8_t* wr = staged_at(0);
+      const uint8_t* wu = PAIRS ? staged_at(1) : wr;
       for (int64_t su = lane; su < (b1 - b0) * kUnits<T>; su += 32) {  // su: unit of the segment
         const int64_t gu = b0 * kUnits<T> + su;
         const int u = static_cast<int>(su % kUnits<T>);
@@ -392,12 +409,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 #pragma unroll
         for (int r = 0; r < N; ++r) {
           if (r >= n) break;
-          const int4* xp = reinterpret_cast<const int4*>(xq + r * in + gu * 32);
-          const int4 a = __ldg(xp), b = __ldg(xp + 1);
-          const int xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-          const float sc = __ldg(xd + r * groups + (gu >> gshift));
-          acc[r] += sc * unit_dot<T>(U, xv);
-          if constexpr (PAIRS) acc_up[r] += sc * unit_dot<T>(V, xv);
+          const UnitX x = unit_x(xq, xd, r, in, groups, gu, gshift);
+          acc[r] += x.d * unit_dot<T>(U, x.q);
+          if constexpr (PAIRS) acc_up[r] += x.d * unit_dot<T>(V, x.q);
         }
       }
     }
@@ -509,13 +523,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 #pragma unroll
         for (int r = 0; r < N; ++r) {
           if (pair[r] < 0) break;
-          const int64_t xr = pair[r] / x_div;
-          const int4* xp = reinterpret_cast<const int4*>(xq + xr * in + gu * 32);
-          const int4 a = __ldg(xp), b = __ldg(xp + 1);
-          const int xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-          const float sc = __ldg(xd + xr * groups + (gu >> gshift));
-          acc[r] += sc * unit_dot<T>(U, xv);
-          if constexpr (PAIRS) acc_up[r] += sc * unit_dot<T>(V, xv);
+          const UnitX x = unit_x(xq, xd, pair[r] / x_div, in, groups, gu, gshift);
+          acc[r] += x.d * unit_dot<T>(U, x.q);
+          if constexpr (PAIRS) acc_up[r] += x.d * unit_dot<T>(V, x.q);
         }
       }
 #pragma unroll

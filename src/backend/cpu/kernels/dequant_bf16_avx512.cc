@@ -7,6 +7,8 @@
 
 #include <cstring>
 
+#include "combs/backend/quant.h"
+
 namespace combs::cpu::avx512 {
 namespace {
 
@@ -37,17 +39,6 @@ inline void group_dm(uint16_t* y, __m256i q, float d, float m) {
   const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
   store_bf16(y, _mm512_sub_ps(_mm512_mul_ps(vd, u8_to_f32(_mm256_castsi256_si128(q))), vm));
   store_bf16(y + 16, _mm512_sub_ps(_mm512_mul_ps(vd, u8_to_f32(_mm256_extracti128_si256(q, 1))), vm));
-}
-
-// quant.cc's k4_scale_min.
-inline void k4_scale_min(int j, const uint8_t* q, int* sc, int* mn) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *mn = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | (q[j - 4] >> 6) << 4;
-    *mn = (q[j + 4] >> 4) | (q[j] >> 6) << 4;
-  }
 }
 
 template <bool kFifthBit>

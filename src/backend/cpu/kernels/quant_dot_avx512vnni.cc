@@ -81,7 +81,7 @@ float dot_k4(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
     uint32_t dd;
     std::memcpy(&dd, b, 4);
     const __m128 d2 = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd))), _mm_set1_ps(x->d));
-    // 32-bit words u0 u1 u2 (the layout of k4_scale_min in quant.cc): scales 0-3 = u0 & 0x3f..,
+    // 32-bit words u0 u1 u2 (the layout of quant.h's k4_scale_min): scales 0-3 = u0 & 0x3f..,
     // mins 0-3 = u1 & 0x3f..; scales 4-7 = u2 & 0x0f.. | (u0 >> 6 & 0x03..) << 4, mins 4-7 the same
     // of u2 >> 4 and u1.
     const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
