@@ -7,15 +7,20 @@
 //
 // Build (needs libcombs_core.a from a CUDA build, e.g. build/portable):
 //   nvcc -O3 -std=c++20 --use_fast_math -arch=sm_90 -Iinclude -Isrc bench/gpu/qgemv.cu \
-//     build/portable/libcombs_core.a -o qgemv
+//     build/portable/libcombs_core.a -lcublas -o qgemv
 // Run: ./qgemv [REPS]   (tab-separated: case, variant, us per call, GB/s, fraction of copy, max diff
 // to the first variant)
+//      ./qgemv REPS mma N   the batch kernel (quant_mma) for N rows of x on the same matrices: us per
+// call, the weights' GB/s and fraction of copy, and TFLOPS
 #include "../../src/backend/cuda/quant_matmul.cu"
+
+#include <cublas_v2.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace combs;
@@ -78,13 +83,7 @@ double copy_gbs(size_t bytes) {
   return 2.0 * bytes * 10 / (ms * 1e-3) / 1e9;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const int reps = argc > 1 ? std::atoi(argv[1]) : 50;
-  const double copy = copy_gbs(size_t{1} << 30);
-  std::printf("copy\t%.0f GB/s\n", copy);
-  const Case cases[] = {
+constexpr Case kCases[] = {
       {"8b.qk.q4_k", DType::kQ4_K, 5120, 4096, false},     {"8b.v.q6_k", DType::kQ6_K, 1024, 4096, false},
       {"8b.o.q4_k", DType::kQ4_K, 4096, 4096, false},      {"8b.gate_up.q4_k", DType::kQ4_K, 14336, 4096, true},
       {"8b.down.q4_k", DType::kQ4_K, 4096, 14336, false},  {"8b.down.q6_k", DType::kQ6_K, 4096, 14336, false},
@@ -92,7 +91,97 @@ int main(int argc, char** argv) {
       {"1b.qk.q4_k", DType::kQ4_K, 2560, 2048, false},     {"1b.o.q4_k", DType::kQ4_K, 2048, 2048, false},
       {"1b.v.q6_k", DType::kQ6_K, 512, 2048, false},       {"1b.down.q4_k", DType::kQ4_K, 2048, 8192, false},
       {"1b.down.q6_k", DType::kQ6_K, 2048, 8192, false},    {"1b.output.q6_k", DType::kQ6_K, 128256, 2048, false},
-  };
+};
+
+// Microseconds a call of run(i) takes on st: 3 calls to warm, then the mean of reps.
+template <typename F>
+double time_us(cudaStream_t st, int reps, F&& run) {
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  for (int i = 0; i < 3; ++i) (void)run(i);
+  cudaEventRecord(e0, st);
+  for (int i = 0; i < reps; ++i) (void)run(i);
+  cudaEventRecord(e1, st);
+  CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  return ms * 1e3 / reps;
+}
+
+// quant_mma for n rows of x on each case's whole weight (pairs: both halves as one matrix).
+int mma_main(int reps, int n, double copy) {
+  std::mt19937 rng(7);
+  cudaStream_t st;
+  CHECK(cudaStreamCreate(&st));
+  for (const Case& c : kCases) {
+    const int64_t wrows = c.pairs ? 2 * c.rows : c.rows;
+    const int64_t bytes = wrows * static_cast<int64_t>(nbytes_for(c.type, c.in));
+    const int copies = static_cast<int>(std::max<int64_t>(1, (int64_t{400} << 20) / bytes + 1));
+    const std::vector<uint8_t> host = random_blocks(c.type, bytes / static_cast<int64_t>(dtype_block_bytes(c.type)), rng);
+    uint8_t* w;
+    CHECK(cudaMalloc(&w, static_cast<size_t>(bytes) * copies));
+    for (int i = 0; i < copies; ++i) CHECK(cudaMemcpy(w + i * bytes, host.data(), bytes, cudaMemcpyHostToDevice));
+    std::vector<__nv_bfloat16> xh(static_cast<size_t>(n * c.in));
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (auto& v : xh) v = __float2bfloat16(nd(rng));
+    __nv_bfloat16* x;
+    float* y;
+    CHECK(cudaMalloc(&x, xh.size() * 2));
+    CHECK(cudaMalloc(&y, n * wrows * 4));
+    CHECK(cudaMemcpy(x, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
+    GemvOut outs{};
+    outs.y[0] = y, outs.end[0] = wrows, outs.count = 1;
+    void* split;
+    const size_t split_bytes = quant_mma_scratch_bytes(Tensor::wrap(w, Shape{wrows, c.in}, c.type), n);
+    CHECK(cudaMalloc(&split, split_bytes));
+    CHECK(cudaMemset(split, 0, split_bytes));
+    auto run = [&](int i) {
+      const Tensor t = Tensor::wrap(w + (i % copies) * bytes, Shape{wrows, c.in}, c.type);
+      return quant_mma(st, t, x, n, outs, split);
+    };
+    if (!run(0).ok()) return 1;
+    // The path it replaces (cuda_ops.cu's quant_gemm): rows dequantized to BF16 a 64 MB tile at a
+    // time, one cuBLAS GEMM a tile.
+    const int64_t tile_rows = std::min<int64_t>(wrows, (int64_t{64} << 20) / (c.in * 2));
+    __nv_bfloat16* tile;
+    CHECK(cudaMalloc(&tile, tile_rows * c.in * 2));
+    cublasHandle_t handle;
+    cublasCreate(&handle);
+    cublasSetStream(handle, st);
+    auto run_tiles = [&](int i) {
+      const Tensor t = Tensor::wrap(w + (i % copies) * bytes, Shape{wrows, c.in}, c.type);
+      const float one = 1.0f, zero = 0.0f;
+      for (int64_t r0 = 0; r0 < wrows; r0 += tile_rows) {
+        const int64_t m = std::min(tile_rows, wrows - r0);
+        if (!dequantize_rows_bf16(st, t, r0, m, tile).ok()) return false;
+        cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m), n, static_cast<int>(c.in), &one, tile, CUDA_R_16BF,
+                     static_cast<int>(c.in), x, CUDA_R_16BF, static_cast<int>(c.in), &zero, y + r0, CUDA_R_32F,
+                     static_cast<int>(wrows), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      }
+      return true;
+    };
+    for (int round = 0; round < 3; ++round) {
+      const double us = time_us(st, reps, run), gbs = bytes / (us * 1e-6) / 1e9;
+      std::printf("%s\tmma n %d\t%.2f us\t%.0f GB/s\t%.2f\t%.0f TFLOPS\n", c.name, n, us, gbs, gbs / copy,
+                  2.0 * n * wrows * c.in / (us * 1e-6) / 1e12);
+      const double tus = time_us(st, reps, run_tiles), tgbs = bytes / (tus * 1e-6) / 1e9;
+      std::printf("%s\ttiles n %d\t%.2f us\t%.0f GB/s\t%.2f\tmma / tiles %.2f\n", c.name, n, tus, tgbs, tgbs / copy, us / tus);
+    }
+    cublasDestroy(handle);
+    cudaFree(w), cudaFree(x), cudaFree(y), cudaFree(split), cudaFree(tile);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 50;
+  const double copy = copy_gbs(size_t{1} << 30);
+  std::printf("copy\t%.0f GB/s\n", copy);
+  if (argc > 3 && std::string(argv[2]) == "mma") return mma_main(reps, std::atoi(argv[3]), copy);
+  const auto& cases = kCases;
   std::mt19937 rng(7);
   cudaStream_t st;
   CHECK(cudaStreamCreate(&st));
@@ -142,19 +231,10 @@ int main(int argc, char** argv) {
       for (int64_t i = 0; vi == 0 && i < c.rows; ++i) scale = std::max(scale, static_cast<double>(std::fabs(ya[i])));
       diffs.push_back(diff);
     }
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0), cudaEventCreate(&e1);
     for (int round = 0; round < 3; ++round) {
       for (size_t vi = 0; vi < variants.size(); ++vi) {
-        auto run = [&](int i) { return launch(variants[vi], w + (i % copies) * bytes); };
-        for (int i = 0; i < 3; ++i) (void)run(i);
-        cudaEventRecord(e0, st);
-        for (int i = 0; i < reps; ++i) (void)run(i);
-        cudaEventRecord(e1, st);
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        cudaEventElapsedTime(&ms, e0, e1);
-        const double us = ms * 1e3 / reps, gbs = bytes / (us * 1e-6) / 1e9;
+        const double us = time_us(st, reps, [&](int i) { return launch(variants[vi], w + (i % copies) * bytes); });
+        const double gbs = bytes / (us * 1e-6) / 1e9;
         std::printf("%s\t%s\t%.2f us\t%.0f GB/s\t%.2f\tdiff %.2e of %.2e\n", c.name, variants[vi].name, us, gbs, gbs / copy,
                     diffs[vi], scale);
       }

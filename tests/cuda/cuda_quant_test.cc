@@ -105,14 +105,16 @@ TEST_CASE("cuda block-quantized matmul of every format against float64 with deri
   if (!gpu) return;
   std::mt19937 rng(3);
   for (const QuantFormat& f : quant_formats()) {
-    for (const int64_t in : {int64_t{512}, int64_t{96}}) {
+    for (const int64_t in : {int64_t{512}, int64_t{96}, int64_t{288}}) {
       if (in % f.block_elems != 0) continue;
       const int64_t out = 70;
       const std::vector<uint8_t> wb = weight_bytes(f, out, in);
       std::vector<float> w(static_cast<size_t>(out * in));
       cpu::dequantize_row(wb.data(), f.dtype, w.data(), out * in);
       const Tensor wd = upload_bytes(*gpu, wb, Shape{out, in}, f.dtype);
-      for (const int64_t n : {1, 3, 8, 9, 40}) {
+      // 1-8: decode; 9-32 (and up to 64 for rows of 4,096): the tensor-core kernel on the blocks;
+      // the rest: BF16 tiles and cuBLAS.
+      for (const int64_t n : {1, 3, 8, 9, 17, 40, 64, 65}) {
         INFO(f.name << " in " << in << " n " << n);
         const auto x = random_floats(rng, static_cast<size_t>(n * in));
         const auto bias = random_floats(rng, static_cast<size_t>(out));
@@ -263,6 +265,70 @@ TEST_CASE("cuda block-quantized embedding equals the cpu's values and fused proj
   }
 }
 
+TEST_CASE("cuda batches of 9 to 64 rows of x: split outputs with biases and the residual accumulated, every format",
+          "[cuda][quant]") {
+  // The tensor-core kernel's epilogue: rows of three outputs (a Q/K/V stack) not whole 64-row
+  // tiles, each output with its bias; and y += W x. The products: BF16 weights and x, f32 sums.
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(29);
+  for (const QuantFormat& f : quant_formats()) {
+    const int64_t in = 4096, rows[3] = {70, 33, 27}, out = 130;  // (rows of 4,096: the tensor-core kernel up to 64 rows of x)
+    const std::vector<uint8_t> wb = weight_bytes(f, out, in);
+    std::vector<float> w(static_cast<size_t>(out * in));
+    cpu::dequantize_row(wb.data(), f.dtype, w.data(), out * in);
+    for (auto& v : w) v = to_bf16_and_back(v);
+    const Tensor wd = upload_bytes(*gpu, wb, Shape{out, in}, f.dtype);
+    for (const int64_t n : {int64_t{12}, int64_t{33}, int64_t{64}}) {
+      INFO(f.name << " n " << n);
+      const auto x = random_floats(rng, static_cast<size_t>(n * in)), bias = random_floats(rng, out),
+                 y0 = random_floats(rng, static_cast<size_t>(n * out));
+      auto ref = [&](int64_t o, int64_t t, double* tol) {
+        double s = 0, mag = 0;
+        for (int64_t i = 0; i < in; ++i) {
+          const double p = double(w[o * in + i]) * to_bf16_and_back(x[t * in + i]);
+          s += p, mag += std::abs(p);
+        }
+        *tol = 1e-5 * mag + 1e-6;
+        return s;
+      };
+      const Tensor xd = upload(*gpu, x, Shape{n, in}), bd = upload(*gpu, bias, Shape{out});
+      std::vector<Tensor> yd;
+      for (int p = 0; p < 3; ++p) {
+        yd.push_back(upload(*gpu, std::vector<float>(static_cast<size_t>(n * rows[p]), std::nanf("")), Shape{n, rows[p]}));
+      }
+      const cuda::MatmulOut outs[] = {{yd[0].data_as<float>(), rows[0], bd.data_as<float>()},
+                                      {yd[1].data_as<float>(), rows[1], bd.data_as<float>() + rows[0]},
+                                      {yd[2].data_as<float>(), rows[2], bd.data_as<float>() + rows[0] + rows[1]}};
+      REQUIRE(cuda::matmul_split(*gpu, wd, xd.data_as<float>(), n, outs).ok());
+      int64_t row0 = 0;
+      for (int p = 0; p < 3; ++p) {
+        const std::vector<float> got = download(*gpu, yd[p]);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t o = 0; o < rows[p]; ++o) {
+            double tol;
+            const double want = bias[row0 + o] + ref(row0 + o, t, &tol);
+            INFO("part " << p << " token " << t << " row " << o);
+            REQUIRE(std::abs(got[t * rows[p] + o] - want) <= tol + 1e-6 * std::abs(want));
+          }
+        }
+        row0 += rows[p];
+      }
+      const Tensor acc = upload(*gpu, y0, Shape{n, out});
+      REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, acc.data_as<float>(), nullptr, /*accumulate=*/true).ok());
+      const std::vector<float> got = download(*gpu, acc);
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t o = 0; o < out; ++o) {
+          double tol;
+          const double want = y0[t * out + o] + ref(o, t, &tol);
+          INFO("accumulated token " << t << " row " << o);
+          REQUIRE(std::abs(got[t * out + o] - want) <= tol + 1e-6 * std::abs(want));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda projections stacked in parts of two formats round x once and equal the parts run alone", "[cuda][quant]") {
   // A Q4_K_M layer's Q/K (Q4_K) and V (Q6_K): matmul_split_parts rounds x to 8 bits once for both;
   // the outputs are bit for bit those of each part on its own (the same rounding, the same kernel).
@@ -316,7 +382,7 @@ TEST_CASE("cuda block-quantized projections at a real model's shapes follow floa
       cpu::dequantize_row(wb.data() + o * row_bytes, c.dt, r.data(), c.in);
       return r;
     };
-    for (const int64_t n : {int64_t{1}, int64_t{8}, int64_t{40}}) {
+    for (const int64_t n : {int64_t{1}, int64_t{8}, int64_t{40}, int64_t{64}, int64_t{100}}) {
       if (c.pairs && n > 8) continue;
       INFO(f.name << " [" << c.out << ", " << c.in << "] n " << n << (c.pairs ? " gate/up" : ""));
       const auto x = random_floats(rng, static_cast<size_t>(n * c.in));

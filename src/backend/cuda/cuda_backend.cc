@@ -98,6 +98,7 @@ StatusOr<void*> CudaBackend::scratch(size_t bytes, int slot) {
       return cuda::cuda_status(e, "cudaMalloc(scratch)");
     }
     impl_->scratch_bytes[slot] = bytes;
+    COMBS_CUDA_RETURN_IF_ERROR(cudaMemset(impl_->scratch[slot], 0, bytes));
   }
   return impl_->scratch[slot];
 }

@@ -642,6 +642,15 @@ Status quant_matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   }
   if (gemv_fits(w, n)) return quant_decode(b, w, x, n, gemv_out(outs, accumulate, norm_weight, eps), false);
   if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
+  // The weights read once, widened in shared memory: for up to 32 rows of x every llama-1b/8b
+  // matrix took 0.46-0.96 the time of the tiles below; for 33-64 rows only rows of 4,096 and more
+  // won (0.56-0.98; llama-1b's rows of 2,048: 1.10-1.29). bench/gpu/qgemv.cu, H200.
+  if (n <= kQuantMmaMaxRows && (n <= 32 || w.dim(1) >= 4096)) {
+    COMBS_ASSIGN_OR_RETURN(const void* xs, rounded_copy(b, x, n * w.dim(1), DType::kBF16));
+    COMBS_ASSIGN_OR_RETURN(void* split, b.scratch(quant_mma_scratch_bytes(w, static_cast<int>(n)), CudaBackend::kMmaSplitSlot));
+    return quant_mma(stream_of(b), w, static_cast<const __nv_bfloat16*>(xs), static_cast<int>(n),
+                     gemv_out(outs, accumulate, nullptr, 0.0f), split);
+  }
   return quant_gemm(b, w, x, n, outs, accumulate);
 }
 

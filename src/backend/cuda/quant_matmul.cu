@@ -14,6 +14,7 @@
 #include "combs/backend/dtype.h"
 #include "cuda_check.h"
 #include "async_copy.h"
+#include "mma.h"
 #include "pdl.h"
 
 namespace combs::cuda {
@@ -330,7 +331,7 @@ constexpr int kMaxWarps = 4;                    // warps per block of the decode
 constexpr size_t kMaxStageBytes = 200u << 10;  // its shared memory, at most
 
 // Staged bytes of one row (from the row's start rounded down to 16 to its end, rounded up).
-__host__ __device__ inline int64_t stage_bytes(int64_t row_bytes) { return (row_bytes + 15 + 15) / 16 * 16; }
+__host__ __device__ constexpr int64_t stage_bytes(int64_t row_bytes) { return (row_bytes + 15 + 15) / 16 * 16; }
 
 // outs (+)= w x for up to N rows of x (quant_matmul.h). Persistent blocks walk the weight rows
 // (PAIRS: a gate row and its up row), kMaxWarps / split rows at a time: each row is cut into
@@ -582,6 +583,208 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ w, int64_t row_byt
   }
 }
 
+// Batches of kQuantGemvMaxRows < n <= kQuantMmaMaxRows rows of x (quant_mma): tensor cores on the
+// blocks. A block of kMmaWarps warps takes kMmaRows weight rows (a warp 16 of them) and all n rows
+// of x, and walks its share of the rows' chunks of kMmaChunk elements (a K-quant super-block, or
+// eight 32-element blocks): the chunk's blocks of its rows and the chunk of every x row (BF16) are
+// copied into shared memory by cp.async (the next chunk's blocks in flight while this one is used;
+// the first requested before the wait for the kernel that wrote x), the blocks are widened to BF16
+// in shared memory (the values dequantize_rows_bf16 gives: the products of the tile GEMM this
+// replaces, without the tile in global memory), and mma.sync m16n8k16 sums them in f32 (fragments
+// by ldmatrix).
+// Rows too few to fill the device are cut along k into `splits` ranges of chunks (blockIdx.y):
+// each block writes its partial sums to `partial`, and the last of a row tile's blocks to finish
+// (a counter per tile, left at zero again) adds them in split order and writes the outputs: the
+// same sums whichever block finishes last.
+constexpr int kMmaWarps = 4, kMmaRows = 16 * kMmaWarps, kMmaChunk = 256, kMmaChunkUnits = kMmaChunk / 32;
+
+template <DType T>
+constexpr int kMmaChunkBytes = kMmaChunk / static_cast<int>(dtype_block_elems(T)) * kBlockBytes<T>;
+
+// BF16 tiles in shared memory ([rows][kMmaChunk], 512 bytes a row) have their 16-byte pieces
+// XOR-swizzled by row, so that ldmatrix (8 rows, one piece) touches every bank once. (The
+// widening's stores, 8 lanes on one row's 8 units, still meet 4 to a bank: lanes on 8 rows would
+// store without conflicts but read the blocks' scale bytes 8 to a bank.)
+__device__ __forceinline__ int swizzle_of(int row) { return (row & 1) << 2 | (row >> 1 & 3); }
+__device__ __forceinline__ int swizzled(int row, int piece) { return row * 32 + (piece ^ swizzle_of(row)); }
+
+// The kernel's shared memory: staged blocks [2][kMmaRows][stage_bytes(chunk)], x [8 NT][kMmaChunk]
+// and the widened tile [kMmaRows][kMmaChunk] (BF16; at most 102 KB: two blocks a multiprocessor).
+__host__ __device__ constexpr int64_t mma_smem_bytes(int64_t chunk_bytes, int nt) {
+  return 2 * kMmaRows * stage_bytes(chunk_bytes) + (8 * nt + kMmaRows) * kMmaChunk * 2;
+}
+
+template <DType T, int NT>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    quant_mma_kernel(const uint8_t* __restrict__ w, const __nv_bfloat16* __restrict__ x, GemvOut outs, int n, int64_t in,
+                     float* __restrict__ partial, int* __restrict__ arrived) {
+  constexpr int kStaged = static_cast<int>(stage_bytes(kMmaChunkBytes<T>)), kXRows = 8 * NT, kThreads = kMmaWarps * 32;
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* wbuf = smem;
+  uint4* xbuf = reinterpret_cast<uint4*>(smem + 2 * kMmaRows * kStaged);  // 16-byte pieces, swizzled
+  uint4* tile = xbuf + kXRows * (kMmaChunk / 8);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>;
+  const int chunks = static_cast<int>((units + kMmaChunkUnits - 1) / kMmaChunkUnits), splits = gridDim.y;
+  const int c_begin = chunks * blockIdx.y / splits, c_end = chunks * (blockIdx.y + 1) / splits;
+  auto chunk_units = [&](int c) {
+    const int64_t left = units - int64_t{c} * kMmaChunkUnits;
+    return static_cast<int>(left < kMmaChunkUnits ? left : kMmaChunkUnits);
+  };
+  // Chunk c of the block's row r in global memory (a chunk's units are whole blocks).
+  auto source = [&](int r, int c) { return w + (row0 + r) * row_bytes + int64_t{c} * kMmaChunkBytes<T>; };
+  auto stage_w = [&](int c, int slot) {
+    const int bytes = chunk_units(c) / kUnits<T> * kBlockBytes<T>;
+    constexpr int kPieces = kStaged / 16;
+#pragma unroll 4
+    for (int i = tid; i < kMmaRows * kPieces; i += kThreads) {
+      const int r = i / kPieces, p = i % kPieces;
+      if (row0 + r >= rows) continue;
+      const uint8_t* src = source(r, c);
+      const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t{15});
+      const int end = static_cast<int>(src - base) + bytes;
+      if (p * 16 < end) cp_async16_part(smem_addr(wbuf + (slot * kMmaRows + r) * kStaged + p * 16), base + p * 16, min(16, end - p * 16));
+    }
+  };
+  auto stage_x = [&](int c) {
+    const int pieces = chunk_units(c) * 4;  // 16 bytes: 8 values
+    const __nv_bfloat16* src = x + int64_t{c} * kMmaChunk;
+#pragma unroll 4
+    for (int i = tid; i < kXRows * 32; i += kThreads) {
+      const int r = i / 32, p = i % 32;
+      if (p >= pieces) continue;
+      const bool live = r < n;
+      cp_async16(smem_addr(xbuf + swizzled(r, p)), src + (live ? r * in + p * 8 : 0), live);
+    }
+  };
+  // Unit j of the chunk of row r (staged), widened into the tile.
+  auto widen = [&](int r, int j, const uint8_t* staged) {
+    if (row0 + r >= rows) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile[swizzled(r, 4 * j + e)] = make_uint4(0, 0, 0, 0);
+      return;
+    }
+    const Unit U = decode<T>(staged + (j / kUnits<T>) * kBlockBytes<T>, j % kUnits<T>);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      uint32_t p[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(unit_value(U, 8 * e + 2 * k), unit_value(U, 8 * e + 2 * k + 1));
+        p[k] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      tile[swizzled(r, 4 * j + e)] = make_uint4(p[0], p[1], p[2], p[3]);
+    }
+  };
+  // The groups in flight, oldest first: w(c), x(c), w(c + 1); x has one buffer (the next chunk's
+  // x is asked for once the products of this one are done, and arrives during the next widening).
+  pdl_launch_dependents();
+  if (c_begin < c_end) stage_w(c_begin, 0);
+  cp_async_commit();
+  pdl_wait();
+  if (c_begin < c_end) stage_x(c_begin);
+  cp_async_commit();
+  float acc[NT][4] = {};
+  // ldmatrix.x4 addresses, a lane a row of one 8x8 matrix: A's four (rows 0-7 / 8-15 of the warp's
+  // 16, k 0-7 / 8-15 of a step) make a[0..3]; x's four (n-tiles nt / nt + 1, k 0-7 / 8-15) make
+  // b0, b1 of both.
+  const int a_row = warp * 16 + (lane & 7) + (lane >> 3 & 1) * 8, a_piece = lane >> 4;
+  const int b_row = (lane & 7) + (lane >> 4) * 8, b_piece = lane >> 3 & 1;
+  const int a_xor = swizzle_of(a_row), b_xor = swizzle_of(b_row);
+  const uint32_t a_base = smem_addr(tile) + a_row * kMmaChunk * 2, b_base = smem_addr(xbuf) + b_row * kMmaChunk * 2;
+  for (int c = c_begin; c < c_end; ++c) {
+    const int slot = (c - c_begin) & 1, cu = chunk_units(c);
+    if (c + 1 < c_end) stage_w(c + 1, slot ^ 1);
+    cp_async_commit();
+    cp_async_wait<2>();  // w(c)
+    __syncthreads();
+    // Widen: consecutive threads take a row's consecutive units (their scales are the same bytes;
+    // lanes on different rows' scales would meet in a few banks).
+    const uint8_t* staged0 = wbuf + slot * kMmaRows * kStaged;
+    auto staged_row = [&](int r) { return staged0 + r * kStaged + (reinterpret_cast<uintptr_t>(source(r, c)) & 15); };
+    if (cu == kMmaChunkUnits) {
+#pragma unroll
+      for (int i = tid; i < kMmaRows * kMmaChunkUnits; i += kThreads) {
+        widen(i / kMmaChunkUnits, i % kMmaChunkUnits, staged_row(i / kMmaChunkUnits));
+      }
+    } else {
+      for (int i = tid; i < kMmaRows * cu; i += kThreads) widen(i / cu, i % cu, staged_row(i / cu));
+    }
+    cp_async_wait<1>();  // x(c)
+    __syncthreads();
+    for (int j = 0; j < cu; ++j) {
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        const int piece = 4 * j + 2 * step;
+        uint32_t a[4];
+        ldmatrix_x4(a, a_base + (((piece + a_piece) ^ a_xor) << 4));
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+          uint32_t b[4];  // b0, b1 of n-tile nt, then of nt + 1
+          ldmatrix_x4(b, b_base + nt * 8 * kMmaChunk * 2 + (((piece + b_piece) ^ b_xor) << 4));
+          mma16816<__nv_bfloat16>(acc[nt], a, b[0], b[1]);
+          mma16816<__nv_bfloat16>(acc[nt + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with x and the tile before they are written again
+    if (c + 1 < c_end) stage_x(c + 1);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+  if (splits > 1) {
+    // This block's sums to its slice of `partial` ([tile][split][kMmaRows][8 NT]); the last to arrive adds them.
+    float* mine = partial + (static_cast<int64_t>(blockIdx.x) * splits + blockIdx.y) * kMmaRows * kXRows;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<float2*>(mine + (warp * 16 + g + 8 * h) * kXRows + nt * 8 + 2 * t) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (tid == 0) last = atomicAdd(arrived + blockIdx.x, 1) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* all = partial + static_cast<int64_t>(blockIdx.x) * splits * kMmaRows * kXRows;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float2 s = make_float2(0.0f, 0.0f);
+        for (int k = 0; k < splits; ++k) {
+          const float2 v = __ldcg(reinterpret_cast<const float2*>(all + (k * kMmaRows + warp * 16 + g + 8 * h) * kXRows + nt * 8 + 2 * t));
+          s.x += v.x, s.y += v.y;
+        }
+        acc[nt][2 * h] = s.x, acc[nt][2 * h + 1] = s.y;
+      }
+    }
+    if (tid == 0) arrived[blockIdx.x] = 0;  // for the next call
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row0 + warp * 16 + g + 8 * h;
+    if (row >= rows) continue;
+    const GemvRow to = gemv_row(outs, row);
+    const float bias = to.bias ? to.bias[to.index] : 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = nt * 8 + 2 * t + e;
+        if (col >= n) continue;
+        float* dst = to.y + col * to.rows + to.index;
+        *dst = (outs.accumulate ? *dst : 0.0f) + acc[nt][2 * h + e] + bias;
+      }
+    }
+  }
+}
+
 // f(std::integral_constant<DType, T>) for w's block type T.
 template <typename F>
 Status for_block_type(DType t, F&& f) {
@@ -678,6 +881,87 @@ struct GemvVariant {
   }
 };
 
+int device_sms() {
+  static const int sms = [] {
+    int device = 0, count = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    return std::max(1, count);
+  }();
+  return sms;
+}
+
+// The batch kernel's row tiles; its split scratch: a counter per tile (256 bytes aligned), then the
+// partial sums.
+int64_t mma_tiles(int64_t rows) { return (rows + kMmaRows - 1) / kMmaRows; }
+size_t mma_counter_bytes(int64_t rows) { return static_cast<size_t>((mma_tiles(rows) * 4 + 255) / 256 * 256); }
+constexpr int kMaxMmaSplits = 16;
+
+// One instantiation of the batch kernel and its launch (its shared memory allowed past 48 KB once).
+template <DType T, int NT>
+struct MmaVariant {
+  static size_t smem() {
+    static const size_t bytes = [] {
+      const auto b = static_cast<size_t>(mma_smem_bytes(kMmaChunkBytes<T>, NT));
+      cudaFuncSetAttribute(quant_mma_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(b));
+      return b;
+    }();
+    return bytes;
+  }
+  // Blocks resident on the device at once.
+  static int64_t slots() {
+    static const int64_t n = [] {
+      int per_sm = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_mma_kernel<T, NT>, kMmaWarps * 32, smem());
+      cudaGetLastError();
+      return int64_t{std::max(1, per_sm)} * device_sms();
+    }();
+    return n;
+  }
+  // Ranges of chunks each row tile is cut into: the fewest that bring the waves of blocks times
+  // the time a block takes to their least (a tile's blocks run at about the same speed: 448 tiles
+  // on 396 resident blocks take two waves of 16 chunks, 1,792 quarters five waves of 4). A cut
+  // block also writes its partial sums and the last reads them all: counted as NT / 4 chunks
+  // (measured on the H200 with bench/gpu/qgemv.cu: llama-8b's 2,004 output tiles lost 17% in
+  // quarters at NT 8).
+  static int splits(int64_t rows, int64_t in) {
+    const int64_t tiles = mma_tiles(rows), chunks = (in / 32 + kMmaChunkUnits - 1) / kMmaChunkUnits;
+    int best = 1;
+    double best_cost = 1e300;
+    for (int s = 1; s <= kMaxMmaSplits && s <= std::max<int64_t>(1, chunks / 2); ++s) {
+      const double per_block = static_cast<double>((chunks + s - 1) / s) + (s > 1 ? NT / 4.0 : 0.0);
+      const double cost = static_cast<double>((tiles * s + slots() - 1) / slots()) * per_block;
+      if (cost < best_cost) best = s, best_cost = cost;
+    }
+    return best;
+  }
+  static size_t scratch_bytes(int64_t rows, int64_t in) {
+    const int s = splits(rows, in);
+    return mma_counter_bytes(rows) + (s > 1 ? static_cast<size_t>(mma_tiles(rows) * s * kMmaRows * 8 * NT) * 4 : 0);
+  }
+  static Status launch(cudaStream_t st, const uint8_t* w, const __nv_bfloat16* xs, const GemvOut& outs, int n, int64_t in,
+                       void* scratch) {
+    const int64_t rows = outs.end[outs.count - 1];
+    const dim3 grid(static_cast<unsigned>(mma_tiles(rows)), static_cast<unsigned>(splits(rows, in)));
+    int* arrived = static_cast<int*>(scratch);
+    float* partial = reinterpret_cast<float*>(static_cast<uint8_t*>(scratch) + mma_counter_bytes(rows));
+    return cuda_status(launch_pdl(quant_mma_kernel<T, NT>, grid, dim3(kMmaWarps * 32), smem(), st, w, xs, outs, n, in, partial,
+                                  arrived),
+                       "quant_mma_kernel");
+  }
+};
+
+// f(MmaVariant<T, NT>{}) for w's type and n's NT.
+template <typename F>
+Status for_mma_variant(DType t, int n, F&& f) {
+  return for_block_type(t, [&](auto tag) -> Status {
+    constexpr DType T = decltype(tag)::value;
+    if (n <= 16) return f(MmaVariant<T, 2>{});
+    if (n <= 32) return f(MmaVariant<T, 4>{});
+    return f(MmaVariant<T, 8>{});
+  });
+}
+
 }  // namespace
 
 Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t in, const float* norm_w, float eps,
@@ -715,6 +999,23 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
     if (n <= 4) return go(GemvVariant<T, 4, false>{});
     return go(GemvVariant<T, 8, false>{});
   });
+}
+
+size_t quant_mma_scratch_bytes(const Tensor& w, int n) {
+  size_t bytes = 0;
+  const Status s = for_mma_variant(w.dtype(), n, [&](auto variant) {
+    bytes = decltype(variant)::scratch_bytes(w.dim(0), w.dim(1));
+    return ok_status();
+  });
+  return s.ok() ? bytes : 0;
+}
+
+Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int n, const GemvOut& outs, void* scratch) {
+  COMBS_RETURN_IF_ERROR(check_block_weight(w, "cuda quant_mma"));
+  if (n < 1 || n > kQuantMmaMaxRows) return invalid_argument_error("cuda quant_mma: 1 to 64 rows of x");
+  if (outs.end[outs.count - 1] != w.dim(0)) return invalid_argument_error("cuda quant_mma: the outputs' rows are not the weight's");
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data());
+  return for_mma_variant(w.dtype(), n, [&](auto variant) { return decltype(variant)::launch(st, wp, xs, outs, n, w.dim(1), scratch); });
 }
 
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,

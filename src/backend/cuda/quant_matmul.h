@@ -8,8 +8,11 @@
 // group of 256, or of 32 where the row is not whole groups of 256), then each warp reads one weight
 // row's blocks once and sums int8 products (dp4a) per 16 weights, scaled by the blocks' scales:
 // the bandwidth of the quantized bytes, and the CPU's rounding of x.
-// Larger batches: rows of the weights dequantized (exactly, as quant.cc does) to BF16 in a scratch
-// tile of at most kQuantTileBytes, one cuBLAS GEMM per tile.
+// Batches up to kQuantMmaMaxRows (quant_mma): x rounded to BF16, the blocks widened to BF16 in
+// shared memory a chunk at a time (exactly, as quant.cc does) and multiplied on tensor cores: the
+// weights read once, as decode reads them.
+// Larger batches (prefill): rows of the weights dequantized to BF16 in a scratch tile of at most
+// kQuantTileBytes, one cuBLAS GEMM per tile.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,6 +27,7 @@
 namespace combs::cuda {
 
 constexpr int kQuantGemvMaxRows = 8;
+constexpr int kQuantMmaMaxRows = 64;
 constexpr size_t kQuantTileBytes = size_t{64} << 20;
 
 // The activations' group: 256 where `in` is whole groups of 256, else 32 (every block row is whole
@@ -46,6 +50,13 @@ Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t 
 // n <= kQuantGemvMaxRows. pairs: w holds gate rows then up rows; y[0] [n, rows / 2] =
 // silu(gate) * up in f32.
 Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const GemvOut& outs, bool pairs);
+
+// outs (+)= w x for w a block-quantized device tensor [rows, in] and xs [n, in] BF16 (x rounded),
+// n <= kQuantMmaMaxRows: the products of the BF16 dequantized weights with xs, summed in f32.
+// scratch: quant_mma_scratch_bytes(w, n) of device memory, zero-filled before its first use (the
+// kernel leaves its counters at zero).
+size_t quant_mma_scratch_bytes(const Tensor& w, int n);
+Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int n, const GemvOut& outs, void* scratch);
 
 // The chosen experts' products for a mixture of experts: w [n_expert, out, in] (block type) on the
 // device, xq quantize_activations' x_rows rows; the (token, slot) pairs grouped by expert (order:

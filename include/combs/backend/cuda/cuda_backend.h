@@ -41,9 +41,9 @@ class CudaBackend final : public Backend {
   void* stream() const;         // cudaStream_t
   void* cublas() const;         // cublasHandle_t
   // Device scratch of at least `bytes`, reused between calls on the stream (grows, never shrinks),
-  // one buffer per user that may hold its data across the others' calls (the slots below). Growing
-  // waits for the stream (the old buffer may be in use), so it fails while the stream is being
-  // captured into a CUDA graph.
+  // one buffer per user that may hold its data across the others' calls (the slots below); zeros
+  // when new. Growing waits for the stream (the old buffer may be in use), so it fails while the
+  // stream is being captured into a CUDA graph.
   static constexpr int kOpsSlot = 0;            // the ops' transient buffers (x rounded for a GEMM, ...)
   static constexpr int kAttentionMetaSlot = 1;  // a step's attention metadata, valid for all its layers (upload())
   static constexpr int kAttentionSlot = 2;      // attention partial results
@@ -51,7 +51,8 @@ class CudaBackend final : public Backend {
   static constexpr int kWeightTileSlot = 4;     // block-quantized weights dequantized for a GEMM, a tile at a time
   static constexpr int kCopySlot = 5;           // copy_chunks()'s list of addresses (upload())
   static constexpr int kSampleWorkSlot = 6;     // sample_rows()'s histograms, partial sums and barrier
-  static constexpr int kScratchSlots = 7;
+  static constexpr int kMmaSplitSlot = 7;       // the block-quantized batch matmul's k-split sums and counters
+  static constexpr int kScratchSlots = 8;
   StatusOr<void*> scratch(size_t bytes, int slot = 0);
   // Bumped whenever a scratch buffer moves: launches captured before hold stale pointers.
   uint64_t scratch_generation() const;
