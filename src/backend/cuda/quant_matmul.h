@@ -1,6 +1,6 @@
 // Block-quantized weights on the GPU (ggml's formats, combs/backend/quant.h): the weights stay in
-// their blocks in device memory and are widened only in registers (decode) or in a bounded scratch
-// tile (larger batches). Private to the CUDA backend: cuda_ops.cu's matmuls and embedding call these
+// their blocks in device memory and are widened only in registers (decode), in shared memory
+// (batches up to 64 rows) or in a bounded scratch tile (larger batches). Private to the CUDA backend: cuda_ops.cu's matmuls and embedding call these
 // for every block type.
 //
 // Decode (n <= kQuantGemvMaxRows rows of x): x is first rounded to 8 bits (quantize_activations),
@@ -10,7 +10,8 @@
 // the bandwidth of the quantized bytes, and the CPU's rounding of x.
 // Batches up to kQuantMmaMaxRows (quant_mma): x rounded to BF16, the blocks widened to BF16 in
 // shared memory a chunk at a time (exactly, as quant.cc does) and multiplied on tensor cores: the
-// weights read once, as decode reads them.
+// weights read once, as decode reads them (cuda_ops.cu routes 33-64 rows of short weight rows to
+// the tiles, which were faster there).
 // Larger batches (prefill): rows of the weights dequantized to BF16 in a scratch tile of at most
 // kQuantTileBytes, one cuBLAS GEMM per tile.
 #pragma once
