@@ -829,6 +829,17 @@ int gemv_split(int64_t row_bytes, int64_t blocks, int64_t rows, int64_t resident
   return split;
 }
 
+// Multiprocessors of the device (found once).
+int device_sms() {
+  static const int sms = [] {
+    int device = 0, count = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    return std::max(1, count);
+  }();
+  return sms;
+}
+
 // One instantiation of the decode kernel and its launch: persistent blocks, as many as stay
 // resident with this much shared memory (by registers: the kernel's own occupancy, found once).
 template <DType T, int N, bool PAIRS>
@@ -848,12 +859,7 @@ struct GemvVariant {
   // split: warps a row (0: gemv_split's choice).
   static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const GemvOut& outs, int n,
                        int64_t in, int gshift, int64_t rows, int split) {
-    static const int sms = [] {
-      int device = 0, count = 0;
-      cudaGetDevice(&device);
-      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-      return std::max(1, count);
-    }();
+    const int sms = device_sms();
     // Blocks a multiprocessor holds: by its shared memory (two staged segments per warp), by registers.
     auto smem_of = [&](int s) { return static_cast<size_t>(kMaxWarps * 2 * (PAIRS ? 2 : 1) * segment_stage_bytes(T, in, s)); };
     auto by_smem = [&](int s) { return static_cast<int>(std::max<size_t>(1, (size_t{228} << 10) / (smem_of(s) + 1024))); };
@@ -880,16 +886,6 @@ struct GemvVariant {
     return cuda_status(cudaGetLastError(), "quant_gemv_kernel");
   }
 };
-
-int device_sms() {
-  static const int sms = [] {
-    int device = 0, count = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    return std::max(1, count);
-  }();
-  return sms;
-}
 
 // The batch kernel's row tiles; its split scratch: a counter per tile (256 bytes aligned), then the
 // partial sums.
