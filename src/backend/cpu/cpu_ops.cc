@@ -14,6 +14,7 @@
 #include "kernels/matmul_kernels.h"
 #include "kernels/dequant_bf16.h"
 #include "kernels/quant_dot.h"
+#include "kernels/quant_gemm.h"
 #include "onednn_matmul.h"
 #include "vec_math.h"
 
@@ -213,6 +214,54 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
   });
 }
 
+// Prefill of the block types quant_gemm.h takes, on AVX-512 VNNI: int8 products of the quants
+// with the activations rounded to 8 bits per 256 (as decode rounds them), 64 products an
+// instruction where oneDNN's BF16 GEMM does 32, and no BF16 copy of the weights. Off with
+// COMBS_QUANT_GEMM=off (oneDNN then takes these calls: for A/B measurements).
+bool quant_gemm_usable(DType t, int64_t in) {
+  static const bool on = [] {
+#if defined(__x86_64__)
+    const char* v = std::getenv("COMBS_QUANT_GEMM");
+    if (v && std::string_view(v) == "off") return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+  }();
+  return on && avx512vnni::gemm_supports(t) && in % 256 == 0;
+}
+
+// The activations rounded and transposed once (tiles of 16 tokens), then tasks of rows: each
+// unpacks its rows (about 256 KB of them, so they stay in L2 while every token passes) and
+// multiplies every tile by them.
+void matmul_quant_gemm(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
+                       const float* bias) {
+  using avx512vnni::ActTile;
+  using avx512vnni::PackedBlock;
+  const int64_t in = w.dim(1), out = w.dim(0), nb = in / 256, tiles = (n_tokens + 15) / 16;
+  thread_local std::vector<BlockQ8Act> xq;
+  thread_local std::vector<ActTile> xt;
+  if (xq.size() < static_cast<size_t>(n_tokens * nb)) xq.resize(n_tokens * nb);
+  if (xt.size() < static_cast<size_t>(tiles * nb)) xt.resize(tiles * nb);
+  BlockQ8Act* xqp = xq.data();
+  ActTile* xtp = xt.data();
+  backend.parallel_for(n_tokens, [&](int64_t t) { quant_kernels().quantize_act(x + t * in, in, xqp + t * nb); });
+  backend.parallel_for(tiles, [&](int64_t i) { avx512vnni::pack_act_tile(xqp, n_tokens, nb, i, xtp + i * nb); });
+  const size_t row_bytes = nbytes_for(w.dtype(), in);
+  int64_t task_rows = static_cast<int64_t>((size_t{256} << 10) / (nb * sizeof(PackedBlock)));
+  task_rows = std::min(task_rows, (out + 2 * backend.num_threads() - 1) / (2 * backend.num_threads()));
+  task_rows = std::clamp<int64_t>(task_rows / 4 * 4, 4, 64);
+  backend.parallel_for((out + task_rows - 1) / task_rows, [&](int64_t task) {
+    const int64_t r0 = task * task_rows, rows = std::min(task_rows, out - r0);
+    thread_local std::vector<PackedBlock> wp;
+    if (wp.size() < static_cast<size_t>((rows + 3) / 4 * 4 * nb)) wp.resize((rows + 3) / 4 * 4 * nb);
+    avx512vnni::pack_rows(w.dtype(), static_cast<const char*>(w.data()) + r0 * row_bytes, row_bytes, rows, in, wp.data());
+    avx512vnni::gemm(w.dtype(), wp.data(), rows, xtp, tiles, n_tokens, nb, y + r0, out, bias ? bias + r0 : nullptr);
+  });
+}
+
 }  // namespace
 
 void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_tokens, float* y,
@@ -230,6 +279,9 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
   // takes its f32 kernel below.
   const bool dequantized = is_block_quant(w.dtype()) &&
                            (w.dtype() != DType::kQ8_0 || quant_dot(DType::kQ8_0, k.in) != nullptr);
+  if (policy == MatmulPolicy::kFastest && n_tokens >= kOneDnnMinTokens && quant_gemm_usable(w.dtype(), k.in)) {
+    return matmul_quant_gemm(backend, w, x, n_tokens, y, bias);
+  }
   if (dequantized && !use_onednn) return matmul_dequantized(backend, w, x, n_tokens, y, bias);
   thread_local std::vector<uint16_t> x_bf16, w_bf16;  // grow to the largest call, then stay
   if ((w.dtype() == DType::kBF16 && chosen.name == "avx512bf16") || use_onednn) {

@@ -30,7 +30,27 @@ inline void group_pair_indices(__m512i pick[4]) {
 
 }  // namespace
 
-void quantize_act(const float* x, int64_t n, BlockQ8Act* out) { quantize_act_blocks(x, n, out); }
+// quantize_act_blocks (quant_dot_isa.h) 16 at a time, the same values: the same max, product and
+// clamp, and vcvtps2dq rounds to nearest even as nearbyint does in the default rounding mode.
+// Prefill rounds every token's activations before each product (~7% of a prompt's time scalar).
+void quantize_act(const float* x, int64_t n, BlockQ8Act* out) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < n / 256; ++b, x += 256, ++out) {
+    __m512 m = _mm512_setzero_ps();
+    // |x| first: vmaxps returns its second operand where one is NaN, as std::max skips a NaN |x|
+    for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(x + i)), m);
+    const float amax = _mm512_reduce_max_ps(m);
+    out->d = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    for (int j = 0; j < 16; ++j) {
+      const __m512i q = _mm512_min_epi32(
+          _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * j), inv)), lo), hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out->q + 16 * j), _mm512_cvtepi32_epi8(q));
+      out->sums[j] = static_cast<int16_t>(_mm512_reduce_add_epi32(q));
+    }
+  }
+}
 
 // Q4_K (quant.cc): per super-block d, dmin, eight 6-bit (scale, min) pairs, 4-bit quants; each 64
 // elements are 32 bytes whose low nibbles are group 2k and high nibbles group 2k + 1. A group's
