@@ -439,6 +439,39 @@ TEST_CASE("the int8 prefill products equal the exact sums over the rounded activ
           }
         }
         CHECK(std::isnan(y[n * ldy]));
+        // Q4_K, Q5_K, Q6_K: the decode kernels' numbers, bit for bit (the runner's batch-invariant
+        // policy relies on it).
+        if (cpu::avx512vnni::gemm_matches_decode(t)) {
+          using Dot = float (*)(const void*, const cpu::BlockQ8Act*, int64_t);
+          const Dot dot = t == DType::kQ4_K   ? cpu::avx512vnni::dot_q4_k
+                          : t == DType::kQ5_K ? cpu::avx512vnni::dot_q5_k
+                                              : cpu::avx512vnni::dot_q6_k;
+          std::vector<cpu::BlockQ8Act> arranged = xq;
+          if (t != DType::kQ6_K) cpu::avx512vnni::arrange_act_k4(arranged.data(), n * nb);
+          size_t differ = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t r = 0; r < out; ++r) {
+              const float d = dot(w.data() + r * row_bytes, arranged.data() + i * nb, nb) + bias[r];
+              differ += std::memcmp(&d, &y[i * ldy + r], 4) != 0;
+            }
+          }
+          CHECK(differ == 0);
+          // Four rows a call: the same bits again.
+          using Dot4 = void (*)(const void*, size_t, const cpu::BlockQ8Act*, int64_t, float*);
+          const Dot4 dot4 = t == DType::kQ4_K   ? cpu::avx512vnni::dot4_q4_k
+                            : t == DType::kQ5_K ? cpu::avx512vnni::dot4_q5_k
+                                                : cpu::avx512vnni::dot4_q6_k;
+          size_t differ4 = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            float d4[4];
+            dot4(w.data() + row_bytes, row_bytes, arranged.data() + i * nb, nb, d4);  // rows 1-4
+            for (int j = 0; j < 4; ++j) {
+              const float d = d4[j] + bias[1 + j];
+              differ4 += std::memcmp(&d, &y[i * ldy + 1 + j], 4) != 0;
+            }
+          }
+          CHECK(differ4 == 0);
+        }
         // Each token alone: the same bits.
         size_t differ = 0;
         for (int64_t i = 0; i < n; ++i) {

@@ -78,6 +78,7 @@ int64_t rows_per_task(int64_t out, size_t row_bytes, int64_t n_tokens, int threa
 // argument counts the format's blocks: of 256 elements, or of 32 for the 32-element formats.
 using QuantDot = float (*)(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 using QuantizeAct = void (*)(const float* x, int64_t n, BlockQ8Act* out);
+using QuantDot4 = void (*)(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]);
 // The kernels that differ by instruction set; the other 32-element formats, Q2_K and Q3_K have one
 // AVX2 kernel each, for both.
 struct QuantKernels {
@@ -86,6 +87,8 @@ struct QuantKernels {
   void (*arrange_k4)(BlockQ8Act* x, int64_t n_blocks) = nullptr;
   QuantDot q4_k = nullptr, q5_k = nullptr, q6_k = nullptr, iq4_xs = nullptr;
   QuantDot mxfp4 = avx2::dot_mxfp4, iq4_nl = avx2::dot_iq4_nl, q8_0 = avx2::dot_q8_0;
+  // Four rows a call, where the instruction set has them (the same numbers as four calls).
+  QuantDot4 q4_k4 = nullptr, q5_k4 = nullptr, q6_k4 = nullptr;
 };
 const QuantKernels& quant_kernels() {
   static const QuantKernels chosen = []() -> QuantKernels {
@@ -98,7 +101,8 @@ const QuantKernels& quant_kernels() {
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
       return {avx512vnni::quantize_act, avx512vnni::arrange_act_k4, avx512vnni::dot_q4_k,
               avx512vnni::dot_q5_k,     avx512vnni::dot_q6_k,       avx512vnni::dot_iq4_xs,
-              avx512vnni::dot_mxfp4,    avx512vnni::dot_iq4_nl,     avx512vnni::dot_q8_0};
+              avx512vnni::dot_mxfp4,    avx512vnni::dot_iq4_nl,     avx512vnni::dot_q8_0,
+              avx512vnni::dot4_q4_k,    avx512vnni::dot4_q5_k,      avx512vnni::dot4_q6_k};
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
       return {avx2::quantize_act, nullptr, avx2::dot_q4_k, avx2::dot_q5_k, avx2::dot_q6_k, avx2::dot_iq4_xs};
@@ -186,8 +190,23 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
       quant_kernels().arrange_k4(xq.data(), n_tokens * nb);
     }
     const BlockQ8Act* xs = xq.data();
+    const QuantKernels& qk = quant_kernels();
+    const QuantDot4 dot4 = w.dtype() == DType::kQ4_K   ? qk.q4_k4
+                           : w.dtype() == DType::kQ5_K ? qk.q5_k4
+                           : w.dtype() == DType::kQ6_K ? qk.q6_k4
+                                                       : nullptr;
     backend.parallel_for((out + task_rows - 1) / task_rows, [&](int64_t task) {
-      for (int64_t r = task * task_rows; r < std::min(out, (task + 1) * task_rows); ++r) {
+      const int64_t end = std::min(out, (task + 1) * task_rows);
+      int64_t r = task * task_rows;
+      for (; dot4 && r + 4 <= end; r += 4) {
+        const void* wr = static_cast<const char*>(w.data()) + r * row_bytes;
+        for (int64_t t = 0; t < n_tokens; ++t) {
+          float s[4];
+          dot4(wr, row_bytes, xs + t * nb, count, s);
+          for (int j = 0; j < 4; ++j) y[t * out + r + j] = bias ? s[j] + bias[r + j] : s[j];
+        }
+      }
+      for (; r < end; ++r) {
         const void* wr = static_cast<const char*>(w.data()) + r * row_bytes;
         for (int64_t t = 0; t < n_tokens; ++t) {
           const float s = dot(wr, xs + t * nb, count);
@@ -216,9 +235,16 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
 
 // Prefill of the block types quant_gemm.h takes, on AVX-512 VNNI: int8 products of the quants
 // with the activations rounded to 8 bits per 256 (as decode rounds them), 64 products an
-// instruction where oneDNN's BF16 GEMM does 32, and no BF16 copy of the weights. Off with
-// COMBS_QUANT_GEMM=off (oneDNN then takes these calls: for A/B measurements).
-bool quant_gemm_usable(DType t, int64_t in) {
+// instruction where oneDNN's BF16 GEMM does 32, and no BF16 copy of the weights. Under
+// kBatchInvariant only the types whose products equal the decode kernels' (Q4_K, Q5_K, Q6_K, with
+// the AVX-512 decode kernels chosen): a token's numbers then do not depend on which path its step
+// took. Off with COMBS_QUANT_GEMM=off (oneDNN, or the decode kernels, then take these calls: for
+// A/B measurements).
+bool quant_gemm_usable(DType t, int64_t in, MatmulPolicy policy) {
+  if (policy == MatmulPolicy::kBatchInvariant &&
+      !(avx512vnni::gemm_matches_decode(t) && quant_kernels().q4_k == avx512vnni::dot_q4_k)) {
+    return false;
+  }
   static const bool on = [] {
 #if defined(__x86_64__)
     const char* v = std::getenv("COMBS_QUANT_GEMM");
@@ -279,7 +305,7 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
   // takes its f32 kernel below.
   const bool dequantized = is_block_quant(w.dtype()) &&
                            (w.dtype() != DType::kQ8_0 || quant_dot(DType::kQ8_0, k.in) != nullptr);
-  if (policy == MatmulPolicy::kFastest && n_tokens >= kOneDnnMinTokens && quant_gemm_usable(w.dtype(), k.in)) {
+  if (n_tokens >= kOneDnnMinTokens && quant_gemm_usable(w.dtype(), k.in, policy)) {
     return matmul_quant_gemm(backend, w, x, n_tokens, y, bias);
   }
   if (dequantized && !use_onednn) return matmul_dequantized(backend, w, x, n_tokens, y, bias);

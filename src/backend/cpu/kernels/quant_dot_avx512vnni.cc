@@ -34,12 +34,11 @@ inline void group_pair_indices(__m512i pick[4]) {
 // clamp, and vcvtps2dq rounds to nearest even as nearbyint does in the default rounding mode.
 // Prefill rounds every token's activations before each product (~7% of a prompt's time scalar).
 void quantize_act(const float* x, int64_t n, BlockQ8Act* out) {
-  const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   for (int64_t b = 0; b < n / 256; ++b, x += 256, ++out) {
     __m512 m = _mm512_setzero_ps();
     // |x| first: vmaxps returns its second operand where one is NaN, as std::max skips a NaN |x|
-    for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(x + i)), m);
+    for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), m);
     const float amax = _mm512_reduce_max_ps(m);
     out->d = amax / 127.0f;
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
@@ -76,27 +75,35 @@ void arrange_act_k4(BlockQ8Act* x, int64_t n_blocks) {
 }
 
 namespace {
+// A super-block's exact integer totals (before any float): isum's lanes add up to I = sum_g sc_g
+// * sum(q * a) over its groups, msum's to M = sum_g m_g * (sums[2g] + sums[2g + 1]); d2 = (xd d,
+// xd dmin). quant_gemm.h's float steps follow: acc += I * (xd d), acc -= M * (xd dmin).
+struct K4Block {
+  __m512i isum;
+  __m256i msum;
+  __m128 d2;
+};
 template <bool kFifthBit>
-float dot_k4(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
-  constexpr int kBlockBytes = kFifthBit ? 176 : 144, kQuants = kFifthBit ? 48 : 16;
-  const uint8_t* b = static_cast<const uint8_t*>(row);
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+struct K4 {
+  static constexpr int kBlockBytes = kFifthBit ? 176 : 144, kQuants = kFifthBit ? 48 : 16;
+  __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   // int16 lanes 0-15 take group a's scale, 16-31 group b's: (a, b) = (4j, 4j + 2) for the low
   // nibbles of quants 64j.., (4j + 1, 4j + 3) for the high ones.
   __m512i pick[4];
-  for (int c = 0; c < 4; ++c) {
-    const int a = 4 * (c / 2) + c % 2;
-    pick[c] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi16(static_cast<short>(a))),
-                                 _mm256_set1_epi16(static_cast<short>(a + 2)), 1);
-  }
   // int16 lanes 2g and 2g + 1 take min g (lanes 8-15 of the unpacked scales and mins).
-  const __m256i min_pairs = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-  const __m128i m6 = _mm_set1_epi32(0x3f3f3f3f), m4 = _mm_set1_epi32(0x0f0f0f0f), m2 = _mm_set1_epi32(0x03030303);
-  const __m128i u2_shift = _mm_setr_epi32(0, 4, 0, 0);
-  __m512 acc = _mm512_setzero_ps();
-  __m256 acc_min = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n_blocks; ++i, b += kBlockBytes, ++x) {
-    prefetch_ahead(b, kBlockBytes);
+  __m256i min_pairs = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  __m128i m6 = _mm_set1_epi32(0x3f3f3f3f), m4 = _mm_set1_epi32(0x0f0f0f0f), m2 = _mm_set1_epi32(0x03030303);
+  __m128i u2_shift = _mm_setr_epi32(0, 4, 0, 0);
+  K4() {
+    for (int c = 0; c < 4; ++c) {
+      const int a = 4 * (c / 2) + c % 2;
+      pick[c] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi16(static_cast<short>(a))),
+                                   _mm256_set1_epi16(static_cast<short>(a + 2)), 1);
+    }
+  }
+  // ahead: where the stream is read next, kBlockBytes of it requested now.
+  K4Block block(const uint8_t* b, const BlockQ8Act* x, const uint8_t* ahead) const {
+    for (int off = 0; off < kBlockBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead) + off, _MM_HINT_T0);
     // d and dmin times the activations' scale
     uint32_t dd;
     std::memcpy(&dd, b, 4);
@@ -131,44 +138,94 @@ float dot_k4(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
       isum = _mm512_dpwssd_epi32(isum, plo, _mm512_permutexvar_epi16(pick[2 * j], sc16));
       isum = _mm512_dpwssd_epi32(isum, phi, _mm512_permutexvar_epi16(pick[2 * j + 1], sc16));
     }
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_broadcastss_ps(d2), acc);
-    // sum over groups of m_g * (sums[2g] + sums[2g + 1])
     const __m256i msum = _mm256_madd_epi16(_mm256_permutexvar_epi16(min_pairs, scmn),
                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums)));
-    acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_broadcastss_ps(_mm_movehdup_ps(d2)), acc_min);
+    return {isum, msum, d2};
   }
-  __m256 m = acc_min;
-  m = _mm256_add_ps(m, _mm256_permute2f128_ps(m, m, 1));
-  m = _mm256_hadd_ps(m, m);
-  m = _mm256_hadd_ps(m, m);
-  return _mm512_reduce_add_ps(acc) - _mm256_cvtss_f32(m);
+};
+
+// The eight int32 lanes of the two halves of v added.
+inline __m256i halves(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+// The totals of four vectors of eight int32, as four lanes.
+inline __m128i totals4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));  // a b c d 0-3 | 4-7
+  return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+template <bool kFifthBit>
+float dot_k4(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  const K4<kFifthBit> k;
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t i = 0; i < n_blocks; ++i, b += k.kBlockBytes, ++x) {
+    const K4Block r = k.block(b, x, b + 2048);
+    // lanes I 0+2, M 0+2, I 1+3, M 1+3 | the same of 4-7; then I 0-3, M 0-3 | I 4-7, M 4-7
+    const __m256i i8 = halves(r.isum);
+    __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi32(i8, r.msum), _mm256_unpackhi_epi32(i8, r.msum));
+    h = _mm256_add_epi32(h, _mm256_shuffle_epi32(h, 0x4E));
+    const __m128 im = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    acc = _mm_fmadd_ss(im, r.d2, acc);
+    acc = _mm_fnmadd_ss(_mm_movehdup_ps(im), _mm_movehdup_ps(r.d2), acc);
+  }
+  return _mm_cvtss_f32(acc);
+}
+
+// Four rows at once: one reduction of the four rows' totals per super-block, the float steps on
+// four lanes (each lane the single-row kernel's numbers).
+template <bool kFifthBit>
+void dot4_k4(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
+  const K4<kFifthBit> k;
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t i = 0; i < n_blocks; ++i, b += k.kBlockBytes, ++x) {
+    // The four rows are one stream of 4 row_bytes: the same super-block of the next four rows
+    // is requested while this one is computed.
+    const uint8_t* next = b + 4 * row_bytes;
+    const K4Block r0 = k.block(b, x, next), r1 = k.block(b + row_bytes, x, next + row_bytes),
+                  r2 = k.block(b + 2 * row_bytes, x, next + 2 * row_bytes),
+                  r3 = k.block(b + 3 * row_bytes, x, next + 3 * row_bytes);
+    const __m128 fi = _mm_cvtepi32_ps(totals4(halves(r0.isum), halves(r1.isum), halves(r2.isum), halves(r3.isum)));
+    const __m128 fm = _mm_cvtepi32_ps(totals4(r0.msum, r1.msum, r2.msum, r3.msum));
+    const __m128 t01 = _mm_unpacklo_ps(r0.d2, r1.d2), t23 = _mm_unpacklo_ps(r2.d2, r3.d2);  // d d dmin dmin
+    acc = _mm_fmadd_ps(fi, _mm_movelh_ps(t01, t23), acc);
+    acc = _mm_fnmadd_ps(fm, _mm_movehl_ps(t23, t01), acc);
+  }
+  _mm_storeu_ps(out, acc);
 }
 }  // namespace
 
 float dot_q4_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k4<false>(row, x, n_blocks); }
 float dot_q5_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_k4<true>(row, x, n_blocks); }
+void dot4_q4_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
+  dot4_k4<false>(row, row_bytes, x, n_blocks, out);
+}
+void dot4_q5_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
+  dot4_k4<true>(row, row_bytes, x, n_blocks, out);
+}
 
 // Q6_K (quant.cc): per half of 128 elements 64 bytes of low nibbles and 32 of 2-bit high parts;
 // element l + 32 s has nibble s / 2 of low byte l + 32 (s % 2) and bits 2s of high byte l, minus
 // 32, scale sc[l / 16 + 2 s] of the half's eight. The dot product is d * sum_j sc_j * (sum(q_u * a)
 // - 32 * sum(a)) over the sixteen 16-element groups j, q_u = q + 32 in [0, 63]: vpmaddubsw of q_u
 // and a (at most 2 * 63 * 127 in int16), vpmaddwd by the groups' int8 scales widened to int16.
-float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
-  const uint8_t* b = static_cast<const uint8_t*>(row);
-  const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
+namespace {
+struct Q6K {
+  __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
   // int16 lanes 8j..8j+7 (j = 0..3) take scale 4c + j of the sixteen, for c = 0..3.
   __m512i pick[4];
-  for (int c = 0; c < 4; ++c) {
-    alignas(64) int16_t idx[32];
-    for (int l = 0; l < 32; ++l) idx[l] = static_cast<int16_t>(4 * c + l / 8);
-    pick[c] = _mm512_load_si512(idx);
+  Q6K() {
+    for (int c = 0; c < 4; ++c) {
+      alignas(64) int16_t idx[32];
+      for (int l = 0; l < 32; ++l) idx[l] = static_cast<int16_t>(4 * c + l / 8);
+      pick[c] = _mm512_load_si512(idx);
+    }
   }
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n_blocks; ++i, b += 210, ++x) {
-    prefetch_ahead(b, 210);
+  // A super-block's exact integer total, in lanes: I - M = sum_j sc_j * (sum(q_u * a) - 32 sums_j).
+  // ahead: where the stream is read next, 210 bytes of it requested now.
+  __m512i block(const uint8_t* b, const BlockQ8Act* x, const uint8_t* ahead) const {
+    for (int off = 0; off < 210; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead) + off, _MM_HINT_T0);
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     const __m512i scales = _mm512_zextsi256_si512(sc16);
-    const float d = half(b + 208);
     // 32 * sum_j sc_j * sums_j, subtracted from lanes 0-7
     const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums)));
     __m512i isum = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5)));
@@ -188,9 +245,40 @@ float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
       isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p01, _mm512_permutexvar_epi16(pick[2 * h], scales)));
       isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p23, _mm512_permutexvar_epi16(pick[2 * h + 1], scales)));
     }
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(x->d * d), acc);
+    return isum;
   }
-  return _mm512_reduce_add_ps(acc);
+};
+}  // namespace
+
+float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  const Q6K k;
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t i = 0; i < n_blocks; ++i, b += 210, ++x) {
+    // The super-block's integer total, then quant_gemm.h's float step: acc += (I - M) * (xd d).
+    const __m256i i8 = halves(k.block(b, x, b + 2048));
+    const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(i8), _mm256_extracti128_si256(i8, 1));
+    const __m128i i2 = _mm_add_epi32(i4, _mm_unpackhi_epi64(i4, i4));
+    const __m128i i1 = _mm_add_epi32(i2, _mm_shuffle_epi32(i2, 1));
+    acc = _mm_fmadd_ss(_mm_cvtepi32_ps(i1), _mm_set_ss(x->d * half(b + 208)), acc);
+  }
+  return _mm_cvtss_f32(acc);
+}
+
+void dot4_q6_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
+  const Q6K k;
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t i = 0; i < n_blocks; ++i, b += 210, ++x) {
+    const uint8_t* next = b + 4 * row_bytes;  // as dot4_k4
+    const __m128i t = totals4(halves(k.block(b, x, next)), halves(k.block(b + row_bytes, x, next + row_bytes)),
+                              halves(k.block(b + 2 * row_bytes, x, next + 2 * row_bytes)),
+                              halves(k.block(b + 3 * row_bytes, x, next + 3 * row_bytes)));
+    const __m128 d = _mm_setr_ps(half(b + 208), half(b + row_bytes + 208), half(b + 2 * row_bytes + 208),
+                                 half(b + 3 * row_bytes + 208));
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(t), _mm_mul_ps(_mm_set1_ps(x->d), d), acc);
+  }
+  _mm_storeu_ps(out, acc);
 }
 
 // IQ4_XS (quant.cc): per super-block d, 2 + 4 bits of eight 6-bit group scales (minus 32), and per

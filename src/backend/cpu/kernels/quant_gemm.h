@@ -12,8 +12,12 @@
 // super-block (the K-quants, whose group scales are integers applied by vpmulld).
 //
 // Each output is one token's lane through the same instructions whatever the other tokens are:
-// the product is batch-invariant in itself, though its float rounding differs from the decode
-// kernels' (quant_dot.h), which is why the runner's batch-invariant policy does not use it.
+// the product is batch-invariant in itself. For Q4_K, Q5_K and Q6_K it also equals the AVX-512
+// decode kernels' (quant_dot.h) bit for bit: both sum each super-block exactly in integers, then
+// take the same float steps per super-block, acc += I * (xd d) and acc -= M * (xd dmin) (Q6_K: acc
+// += (I - M) * (xd d)), so prefill and decode give a token the same numbers and the runner's
+// batch-invariant policy uses these products too (gemm_matches_decode). Q8_0's decode kernel
+// rounds per pair of blocks: its products differ in the last bits.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +52,8 @@ struct ActTile {
 
 // The types these kernels take (whole super-blocks of 256 per row).
 bool gemm_supports(DType t);
+// The types whose products equal the AVX-512 VNNI decode kernels' bit for bit.
+bool gemm_matches_decode(DType t);
 // n_rows rows (rows of row_bytes, k elements, k a multiple of 256) unpacked into out[n_rows][k / 256].
 void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int64_t k, PackedBlock* out);
 // Tokens [16 * tile, 16 * tile + 16) of x (n_tokens tokens of nb blocks each, as quantize_act writes

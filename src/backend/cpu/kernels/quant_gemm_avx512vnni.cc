@@ -235,6 +235,8 @@ bool gemm_supports(DType t) {
   return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kQ8_0;
 }
 
+bool gemm_matches_decode(DType t) { return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K; }
+
 void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int64_t k, PackedBlock* out) {
   const int64_t nb = k / 256;
   const int64_t block_bytes = t == DType::kQ8_0 ? 8 * 34 : static_cast<int64_t>(row_bytes) / nb;
