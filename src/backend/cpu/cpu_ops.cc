@@ -46,9 +46,10 @@ const Isa& isa() {
 
 }  // namespace
 
-// From this many tokens on, BF16 products go to oneDNN where it is built in (measured: faster from
-// a few dozen tokens; decode stays on combs' streaming kernel).
-constexpr int64_t kOneDnnMinTokens = 16;
+// From this many tokens on, products take the prefill paths: BF16 (and the block types without an
+// int8 GEMM) to oneDNN where it is built in (measured: faster from a few dozen tokens), the block
+// types of quant_gemm.h to it (one tile of 16 tokens); decode stays on the streaming kernels.
+constexpr int64_t kPrefillMinTokens = 16;
 
 std::string_view matmul_isa() { return onednn::available() ? "avx512bf16+onednn" : isa().name; }
 
@@ -298,14 +299,14 @@ void matmul(CpuBackend& backend, const Tensor& w, const float* x, int64_t n_toke
   // first (a pass over the weights, repaid many times over by the faster products).
   const bool use_onednn = policy == MatmulPolicy::kFastest &&
                           (w.dtype() == DType::kBF16 || is_block_quant(w.dtype())) &&
-                          n_tokens >= kOneDnnMinTokens && onednn::available();
+                          n_tokens >= kPrefillMinTokens && onednn::available();
   // The block types go to matmul_dequantized unless oneDNN takes the call; Q8_0 does where this CPU
   // has its int8 kernel (AVX2 or AVX-512 VNNI: about twice the bandwidth of its f32 kernel, and
   // the activations' rounding of the other types, of llama.cpp and of the CUDA backend), else it
   // takes its f32 kernel below.
   const bool dequantized = is_block_quant(w.dtype()) &&
                            (w.dtype() != DType::kQ8_0 || quant_dot(DType::kQ8_0, k.in) != nullptr);
-  if (n_tokens >= kOneDnnMinTokens && quant_gemm_usable(w.dtype(), k.in, policy)) {
+  if (n_tokens >= kPrefillMinTokens && quant_gemm_usable(w.dtype(), k.in, policy)) {
     return matmul_quant_gemm(backend, w, x, n_tokens, y, bias);
   }
   if (dequantized && !use_onednn) return matmul_dequantized(backend, w, x, n_tokens, y, bias);
