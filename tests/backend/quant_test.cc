@@ -392,7 +392,7 @@ TEST_CASE("the int8 prefill products equal the exact sums over the rounded activ
   }
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (DType t : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kQ8_0}) {
+  for (DType t : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_XS, DType::kQ8_0}) {
     const QuantFormat& f = *quant_format(t);
     REQUIRE(cpu::avx512vnni::gemm_supports(t));
     for (int64_t in : {256, 768}) {
@@ -439,15 +439,16 @@ TEST_CASE("the int8 prefill products equal the exact sums over the rounded activ
           }
         }
         CHECK(std::isnan(y[n * ldy]));
-        // Q4_K, Q5_K, Q6_K: the decode kernels' numbers, bit for bit (the runner's batch-invariant
+        // Q4_K, Q5_K, Q6_K, IQ4_XS: the decode kernels' numbers, bit for bit (the runner's batch-invariant
         // policy relies on it).
         if (cpu::avx512vnni::gemm_matches_decode(t)) {
           using Dot = float (*)(const void*, const cpu::BlockQ8Act*, int64_t);
           const Dot dot = t == DType::kQ4_K   ? cpu::avx512vnni::dot_q4_k
                           : t == DType::kQ5_K ? cpu::avx512vnni::dot_q5_k
-                                              : cpu::avx512vnni::dot_q6_k;
+                          : t == DType::kQ6_K ? cpu::avx512vnni::dot_q6_k
+                                              : cpu::avx512vnni::dot_iq4_xs;
           std::vector<cpu::BlockQ8Act> arranged = xq;
-          if (t != DType::kQ6_K) cpu::avx512vnni::arrange_act_k4(arranged.data(), n * nb);
+          if (t == DType::kQ4_K || t == DType::kQ5_K) cpu::avx512vnni::arrange_act_k4(arranged.data(), n * nb);
           size_t differ = 0;
           for (int64_t i = 0; i < n; ++i) {
             for (int64_t r = 0; r < out; ++r) {
@@ -460,7 +461,8 @@ TEST_CASE("the int8 prefill products equal the exact sums over the rounded activ
           using Dot4 = void (*)(const void*, size_t, const cpu::BlockQ8Act*, int64_t, float*);
           const Dot4 dot4 = t == DType::kQ4_K   ? cpu::avx512vnni::dot4_q4_k
                             : t == DType::kQ5_K ? cpu::avx512vnni::dot4_q5_k
-                                                : cpu::avx512vnni::dot4_q6_k;
+                            : t == DType::kQ6_K ? cpu::avx512vnni::dot4_q6_k
+                                                : cpu::avx512vnni::dot4_iq4_xs;
           size_t differ4 = 0;
           for (int64_t i = 0; i < n; ++i) {
             float d4[4];

@@ -89,7 +89,7 @@ struct QuantKernels {
   QuantDot q4_k = nullptr, q5_k = nullptr, q6_k = nullptr, iq4_xs = nullptr;
   QuantDot mxfp4 = avx2::dot_mxfp4, iq4_nl = avx2::dot_iq4_nl, q8_0 = avx2::dot_q8_0;
   // Four rows a call, where the instruction set has them (the same numbers as four calls).
-  QuantDot4 q4_k4 = nullptr, q5_k4 = nullptr, q6_k4 = nullptr;
+  QuantDot4 q4_k4 = nullptr, q5_k4 = nullptr, q6_k4 = nullptr, iq4_xs4 = nullptr;
 };
 const QuantKernels& quant_kernels() {
   static const QuantKernels chosen = []() -> QuantKernels {
@@ -103,7 +103,8 @@ const QuantKernels& quant_kernels() {
       return {avx512vnni::quantize_act, avx512vnni::arrange_act_k4, avx512vnni::dot_q4_k,
               avx512vnni::dot_q5_k,     avx512vnni::dot_q6_k,       avx512vnni::dot_iq4_xs,
               avx512vnni::dot_mxfp4,    avx512vnni::dot_iq4_nl,     avx512vnni::dot_q8_0,
-              avx512vnni::dot4_q4_k,    avx512vnni::dot4_q5_k,      avx512vnni::dot4_q6_k};
+              avx512vnni::dot4_q4_k,    avx512vnni::dot4_q5_k,      avx512vnni::dot4_q6_k,
+              avx512vnni::dot4_iq4_xs};
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
       return {avx2::quantize_act, nullptr, avx2::dot_q4_k, avx2::dot_q5_k, avx2::dot_q6_k, avx2::dot_iq4_xs};
@@ -195,6 +196,7 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
     const QuantDot4 dot4 = w.dtype() == DType::kQ4_K   ? qk.q4_k4
                            : w.dtype() == DType::kQ5_K ? qk.q5_k4
                            : w.dtype() == DType::kQ6_K ? qk.q6_k4
+                           : w.dtype() == DType::kIQ4_XS ? qk.iq4_xs4
                                                        : nullptr;
     backend.parallel_for((out + task_rows - 1) / task_rows, [&](int64_t task) {
       const int64_t end = std::min(out, (task + 1) * task_rows);
@@ -237,8 +239,8 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
 // Prefill of the block types quant_gemm.h takes, on AVX-512 VNNI: int8 products of the quants
 // with the activations rounded to 8 bits per 256 (as decode rounds them), 64 products an
 // instruction where oneDNN's BF16 GEMM does 32, and no BF16 copy of the weights. Under
-// kBatchInvariant only the types whose products equal the decode kernels' (Q4_K, Q5_K, Q6_K, with
-// the AVX-512 decode kernels chosen): a token's numbers then do not depend on which path its step
+// kBatchInvariant only the types whose products equal the decode kernels' (Q4_K, Q5_K, Q6_K,
+// IQ4_XS, with the AVX-512 decode kernels chosen): a token's numbers then do not depend on which path its step
 // took. Off with COMBS_QUANT_GEMM=off (oneDNN, or the decode kernels, then take these calls: for
 // A/B measurements).
 bool quant_gemm_usable(DType t, int64_t in, MatmulPolicy policy) {

@@ -30,10 +30,12 @@ float dot_q5_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks);
 // Four rows (row, row + row_bytes, ...) against the same activations: out[i] is, bit for bit, what
-// dot_q*_k gives row i (and what quant_gemm.h's products give), for a quarter of the reductions.
+// dot_q*_k / dot_iq4_xs gives row i (and what quant_gemm.h's products give), for a quarter of the
+// reductions.
 void dot4_q4_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]);
 void dot4_q5_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]);
 void dot4_q6_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]);
+void dot4_iq4_xs(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]);
 // MXFP4 and IQ4_NL: n32 blocks of 32, as the AVX2 kernels below take them (two blocks per vpdpbusd).
 float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32);
 float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32);

@@ -286,17 +286,16 @@ void dot4_q6_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n
 // nibbles 16-31. The indices become signed levels by a byte shuffle of the table; their signs move
 // onto the activations (|w| * sign(w) a) for vpmaddubsw (at most 2 * 127 * 127 in int16), then
 // vpmaddwd by the groups' scales.
-float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
-  const uint8_t* b = static_cast<const uint8_t*>(row);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m512i levels = _mm512_broadcast_i32x4(
+namespace {
+struct IQ4XS {
+  __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m512i levels = _mm512_broadcast_i32x4(
       _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
   __m512i pick[4];
-  group_pair_indices(pick);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n_blocks; ++i, b += 136, ++x) {
-    prefetch_ahead(b, 136);
-    const float d = half(b);
+  IQ4XS() { group_pair_indices(pick); }
+  // A super-block's exact integer total I = sum_g ls_g * sum(level * a), in lanes.
+  __m512i block(const uint8_t* b, const BlockQ8Act* x, const uint8_t* ahead) const {
+    for (int off = 0; off < 136; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead) + off, _MM_HINT_T0);
     const int scales_h = b[2] | b[3] << 8;
     alignas(16) int16_t ls[8];
     for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>((((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | ((scales_h >> (2 * g)) & 3) << 4) - 32);
@@ -314,9 +313,39 @@ float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
       const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(w), sa);
       isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[k], sc16)));
     }
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(x->d * d), acc);
+    return isum;
   }
-  return _mm512_reduce_add_ps(acc);
+};
+}  // namespace
+
+float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  const IQ4XS k;
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t i = 0; i < n_blocks; ++i, b += 136, ++x) {
+    // The super-block's integer total, then quant_gemm.h's float step: acc += I * (xd d).
+    const __m256i i8 = halves(k.block(b, x, b + 2048));
+    const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(i8), _mm256_extracti128_si256(i8, 1));
+    const __m128i i2 = _mm_add_epi32(i4, _mm_unpackhi_epi64(i4, i4));
+    const __m128i i1 = _mm_add_epi32(i2, _mm_shuffle_epi32(i2, 1));
+    acc = _mm_fmadd_ss(_mm_cvtepi32_ps(i1), _mm_set_ss(x->d * half(b)), acc);
+  }
+  return _mm_cvtss_f32(acc);
+}
+
+void dot4_iq4_xs(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
+  const IQ4XS k;
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t i = 0; i < n_blocks; ++i, b += 136, ++x) {
+    const uint8_t* next = b + 4 * row_bytes;  // as dot4_k4
+    const __m128i t = totals4(halves(k.block(b, x, next)), halves(k.block(b + row_bytes, x, next + row_bytes)),
+                              halves(k.block(b + 2 * row_bytes, x, next + 2 * row_bytes)),
+                              halves(k.block(b + 3 * row_bytes, x, next + 3 * row_bytes)));
+    const __m128 d = _mm_setr_ps(half(b), half(b + row_bytes), half(b + 2 * row_bytes), half(b + 3 * row_bytes));
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(t), _mm_mul_ps(_mm_set1_ps(x->d), d), acc);
+  }
+  _mm_storeu_ps(out, acc);
 }
 
 // The 32-element formats with an AVX-512 kernel (quant.cc), each block an 8-bit scale or f16 scale

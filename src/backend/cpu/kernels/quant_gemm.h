@@ -12,10 +12,10 @@
 // super-block (the K-quants, whose group scales are integers applied by vpmulld).
 //
 // Each output is one token's lane through the same instructions whatever the other tokens are:
-// the product is batch-invariant in itself. For Q4_K, Q5_K and Q6_K it also equals the AVX-512
+// the product is batch-invariant in itself. For Q4_K, Q5_K, Q6_K and IQ4_XS it also equals the AVX-512
 // decode kernels' (quant_dot.h) bit for bit: both sum each super-block exactly in integers, then
 // take the same float steps per super-block, acc += I * (xd d) and acc -= M * (xd dmin) (Q6_K: acc
-// += (I - M) * (xd d)), so prefill and decode give a token the same numbers and the runner's
+// += (I - M) * (xd d); IQ4_XS: acc += I * (xd d)), so prefill and decode give a token the same numbers and the runner's
 // batch-invariant policy uses these products too (gemm_matches_decode). Q8_0's decode kernel
 // rounds per pair of blocks: its products differ in the last bits.
 #pragma once
@@ -29,10 +29,11 @@ namespace combs::cpu::avx512vnni {
 
 // 256 elements of one weight row, unpacked. K-quants: value = d * sc[g] * q - dmin * m, where the
 // minimum part m of 16-element subgroup j is mm's int16 j (pairs packed per int32 as the
-// activations' sums); Q6_K's -32 offset is its minimum part (m = 32 sc, dmin = d). Q8_0: value =
+// activations' sums); Q6_K's -32 offset is its minimum part (m = 32 sc, dmin = d); IQ4_XS has
+// none (its levels are the quants, signed). Q8_0: value =
 // dg[b] * q for 32-element block b.
 struct PackedBlock {
-  int8_t q[256];      // quants: 0..63 for the K-quants, signed for Q8_0
+  int8_t q[256];      // quants: 0..63 for the K-quants, signed for IQ4_XS and Q8_0
   int32_t corr[16];   // -128 * (sum of the group's quants): the start of its sum
   int32_t sc[16];     // integer scale of each group (K-quants)
   int32_t mm[8];      // int16 pairs: minimum parts of subgroups 2p and 2p + 1 (K-quants)

@@ -99,6 +99,29 @@ void pack_q6_k(const uint8_t* b, PackedBlock* p) {
   }
 }
 
+// IQ4_XS (quant.cc): eight groups of 32 with 6-bit scales (minus 32), the nibbles indices into the
+// IQ4 levels (-127..113: signed bytes as they are); no minimum parts.
+void pack_iq4_xs(const uint8_t* b, PackedBlock* p) {
+  const __m128i levels = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  const __m128i low4 = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(static_cast<char>(0x80));
+  p->d = half(b);
+  p->dmin = 0.0f;
+  const int scales_h = b[2] | b[3] << 8;
+  for (int g = 0; g < 8; ++g) {
+    p->sc[g] = (((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | ((scales_h >> (2 * g)) & 3) << 4) - 32;
+    p->mm[g] = 0;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * g));
+    const __m128i lo = _mm_shuffle_epi8(levels, _mm_and_si128(q, low4));  // elements 0-15
+    const __m128i hi = _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(q, 4), low4));  // 16-31
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p->q + 32 * g), lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p->q + 32 * g + 16), hi);
+    // the signed sum: of the bytes plus 128, minus 32 * 128
+    const __m128i s = _mm_add_epi64(_mm_sad_epu8(_mm_xor_si128(lo, flip), _mm_setzero_si128()),
+                                    _mm_sad_epu8(_mm_xor_si128(hi, flip), _mm_setzero_si128()));
+    p->corr[g] = -128 * (_mm_cvtsi128_si32(s) + _mm_extract_epi32(s, 2) - 32 * 128);
+  }
+}
+
 // Q8_0: eight blocks of 32 signed quants, each with its f16 scale.
 void pack_q8_0(const uint8_t* b, PackedBlock* p) {
   for (int k = 0; k < 8; ++k, b += 34) {
@@ -224,6 +247,7 @@ Tile4 tile_kernel(DType t) {
     case DType::kQ4_K:
     case DType::kQ5_K: return kquant_4rows<T, 32, false>;
     case DType::kQ6_K: return kquant_4rows<T, 16, true>;
+    case DType::kIQ4_XS: return kquant_4rows<T, 32, true>;  // minimum parts all 0
     case DType::kQ8_0: return q8_0_4rows<T>;
     default: return nullptr;
   }
@@ -232,10 +256,12 @@ Tile4 tile_kernel(DType t) {
 }  // namespace
 
 bool gemm_supports(DType t) {
-  return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kQ8_0;
+  return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kIQ4_XS || t == DType::kQ8_0;
 }
 
-bool gemm_matches_decode(DType t) { return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K; }
+bool gemm_matches_decode(DType t) {
+  return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kIQ4_XS;
+}
 
 void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int64_t k, PackedBlock* out) {
   const int64_t nb = k / 256;
@@ -248,6 +274,7 @@ void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int6
         case DType::kQ4_K: pack_k45<false>(b, p); break;
         case DType::kQ5_K: pack_k45<true>(b, p); break;
         case DType::kQ6_K: pack_q6_k(b, p); break;
+        case DType::kIQ4_XS: pack_iq4_xs(b, p); break;
         case DType::kQ8_0: pack_q8_0(b, p); break;
         default: break;
       }
