@@ -210,6 +210,8 @@ void dot4_q5_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n
 // and a (at most 2 * 63 * 127 in int16), vpmaddwd by the groups' int8 scales widened to int16.
 namespace {
 struct Q6K {
+  static constexpr int kBytes = 210;
+  static float scale(const uint8_t* b) { return half(b + 208); }
   __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
   // int16 lanes 8j..8j+7 (j = 0..3) take scale 4c + j of the sixteen, for c = 0..3.
   __m512i pick[4];
@@ -250,37 +252,6 @@ struct Q6K {
 };
 }  // namespace
 
-float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
-  const Q6K k;
-  const uint8_t* b = static_cast<const uint8_t*>(row);
-  __m128 acc = _mm_setzero_ps();
-  for (int64_t i = 0; i < n_blocks; ++i, b += 210, ++x) {
-    // The super-block's integer total, then quant_gemm.h's float step: acc += (I - M) * (xd d).
-    const __m256i i8 = halves(k.block(b, x, b + 2048));
-    const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(i8), _mm256_extracti128_si256(i8, 1));
-    const __m128i i2 = _mm_add_epi32(i4, _mm_unpackhi_epi64(i4, i4));
-    const __m128i i1 = _mm_add_epi32(i2, _mm_shuffle_epi32(i2, 1));
-    acc = _mm_fmadd_ss(_mm_cvtepi32_ps(i1), _mm_set_ss(x->d * half(b + 208)), acc);
-  }
-  return _mm_cvtss_f32(acc);
-}
-
-void dot4_q6_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
-  const Q6K k;
-  const uint8_t* b = static_cast<const uint8_t*>(row);
-  __m128 acc = _mm_setzero_ps();
-  for (int64_t i = 0; i < n_blocks; ++i, b += 210, ++x) {
-    const uint8_t* next = b + 4 * row_bytes;  // as dot4_k4
-    const __m128i t = totals4(halves(k.block(b, x, next)), halves(k.block(b + row_bytes, x, next + row_bytes)),
-                              halves(k.block(b + 2 * row_bytes, x, next + 2 * row_bytes)),
-                              halves(k.block(b + 3 * row_bytes, x, next + 3 * row_bytes)));
-    const __m128 d = _mm_setr_ps(half(b + 208), half(b + row_bytes + 208), half(b + 2 * row_bytes + 208),
-                                 half(b + 3 * row_bytes + 208));
-    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(t), _mm_mul_ps(_mm_set1_ps(x->d), d), acc);
-  }
-  _mm_storeu_ps(out, acc);
-}
-
 // IQ4_XS (quant.cc): per super-block d, 2 + 4 bits of eight 6-bit group scales (minus 32), and per
 // 32-element group 16 bytes of indices into the IQ4 levels: low nibbles are elements 0-15, high
 // nibbles 16-31. The indices become signed levels by a byte shuffle of the table; their signs move
@@ -288,6 +259,8 @@ void dot4_q6_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n
 // vpmaddwd by the groups' scales.
 namespace {
 struct IQ4XS {
+  static constexpr int kBytes = 136;
+  static float scale(const uint8_t* b) { return half(b); }
   __m256i low4 = _mm256_set1_epi8(0x0F);
   __m512i levels = _mm512_broadcast_i32x4(
       _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
@@ -318,34 +291,49 @@ struct IQ4XS {
 };
 }  // namespace
 
-float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
-  const IQ4XS k;
+namespace {
+// The drivers of the kernels whose super-block is one integer total I and one float scale d (K:
+// Q6K, IQ4XS): quant_gemm.h's float step acc += I * (xd d) per super-block.
+template <class K>
+float dot_total(const void* row, const BlockQ8Act* x, int64_t n_blocks) {
+  const K k;
   const uint8_t* b = static_cast<const uint8_t*>(row);
   __m128 acc = _mm_setzero_ps();
-  for (int64_t i = 0; i < n_blocks; ++i, b += 136, ++x) {
-    // The super-block's integer total, then quant_gemm.h's float step: acc += I * (xd d).
+  for (int64_t i = 0; i < n_blocks; ++i, b += K::kBytes, ++x) {
     const __m256i i8 = halves(k.block(b, x, b + 2048));
     const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(i8), _mm256_extracti128_si256(i8, 1));
     const __m128i i2 = _mm_add_epi32(i4, _mm_unpackhi_epi64(i4, i4));
     const __m128i i1 = _mm_add_epi32(i2, _mm_shuffle_epi32(i2, 1));
-    acc = _mm_fmadd_ss(_mm_cvtepi32_ps(i1), _mm_set_ss(x->d * half(b)), acc);
+    acc = _mm_fmadd_ss(_mm_cvtepi32_ps(i1), _mm_set_ss(x->d * K::scale(b)), acc);
   }
   return _mm_cvtss_f32(acc);
 }
 
-void dot4_iq4_xs(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
-  const IQ4XS k;
+template <class K>
+void dot4_total(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
+  const K k;
   const uint8_t* b = static_cast<const uint8_t*>(row);
   __m128 acc = _mm_setzero_ps();
-  for (int64_t i = 0; i < n_blocks; ++i, b += 136, ++x) {
+  for (int64_t i = 0; i < n_blocks; ++i, b += K::kBytes, ++x) {
     const uint8_t* next = b + 4 * row_bytes;  // as dot4_k4
     const __m128i t = totals4(halves(k.block(b, x, next)), halves(k.block(b + row_bytes, x, next + row_bytes)),
                               halves(k.block(b + 2 * row_bytes, x, next + 2 * row_bytes)),
                               halves(k.block(b + 3 * row_bytes, x, next + 3 * row_bytes)));
-    const __m128 d = _mm_setr_ps(half(b), half(b + row_bytes), half(b + 2 * row_bytes), half(b + 3 * row_bytes));
+    const __m128 d = _mm_setr_ps(K::scale(b), K::scale(b + row_bytes), K::scale(b + 2 * row_bytes),
+                                 K::scale(b + 3 * row_bytes));
     acc = _mm_fmadd_ps(_mm_cvtepi32_ps(t), _mm_mul_ps(_mm_set1_ps(x->d), d), acc);
   }
   _mm_storeu_ps(out, acc);
+}
+}  // namespace
+
+float dot_q6_k(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_total<Q6K>(row, x, n_blocks); }
+void dot4_q6_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
+  dot4_total<Q6K>(row, row_bytes, x, n_blocks, out);
+}
+float dot_iq4_xs(const void* row, const BlockQ8Act* x, int64_t n_blocks) { return dot_total<IQ4XS>(row, x, n_blocks); }
+void dot4_iq4_xs(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]) {
+  dot4_total<IQ4XS>(row, row_bytes, x, n_blocks, out);
 }
 
 // The 32-element formats with an AVX-512 kernel (quant.cc), each block an 8-bit scale or f16 scale
