@@ -439,34 +439,43 @@ TEST_CASE("the int8 prefill products equal the exact sums over the rounded activ
           }
         }
         CHECK(std::isnan(y[n * ldy]));
-        // Q4_K, Q5_K, Q6_K, IQ4_XS: the decode kernels' numbers, bit for bit (the runner's batch-invariant
-        // policy relies on it).
+        // The decode kernels' numbers, bit for bit (the runner's batch-invariant policy relies on it).
         if (cpu::avx512vnni::gemm_matches_decode(t)) {
           using Dot = float (*)(const void*, const cpu::BlockQ8Act*, int64_t);
-          const Dot dot = t == DType::kQ4_K   ? cpu::avx512vnni::dot_q4_k
-                          : t == DType::kQ5_K ? cpu::avx512vnni::dot_q5_k
-                          : t == DType::kQ6_K ? cpu::avx512vnni::dot_q6_k
-                                              : cpu::avx512vnni::dot_iq4_xs;
+          using Dot4 = void (*)(const void*, size_t, const cpu::BlockQ8Act*, int64_t, float*);
+          const Dot4 dot4 = t == DType::kQ4_K   ? cpu::avx512vnni::dot4_q4_k
+                            : t == DType::kQ5_K ? cpu::avx512vnni::dot4_q5_k
+                            : t == DType::kQ6_K ? cpu::avx512vnni::dot4_q6_k
+                            : t == DType::kIQ4_XS ? cpu::avx512vnni::dot4_iq4_xs
+                                                : cpu::avx512vnni::dot4_q8_0;
+          // One row: the single-row kernel, or for Q8_0 the four-row one on four copies of it.
+          const Dot dot1 = t == DType::kQ4_K   ? cpu::avx512vnni::dot_q4_k
+                           : t == DType::kQ5_K ? cpu::avx512vnni::dot_q5_k
+                           : t == DType::kQ6_K ? cpu::avx512vnni::dot_q6_k
+                           : t == DType::kIQ4_XS ? cpu::avx512vnni::dot_iq4_xs
+                                                : nullptr;
+          const int64_t count = in / f.block_elems;  // super-blocks, or Q8_0's blocks of 32
+          auto dot = [&](const void* row, const cpu::BlockQ8Act* a) {
+            if (dot1) return dot1(row, a, count);
+            float o[4];
+            dot4(row, 0, a, count, o);
+            return o[0];
+          };
           std::vector<cpu::BlockQ8Act> arranged = xq;
           if (t == DType::kQ4_K || t == DType::kQ5_K) cpu::avx512vnni::arrange_act_k4(arranged.data(), n * nb);
           size_t differ = 0;
           for (int64_t i = 0; i < n; ++i) {
             for (int64_t r = 0; r < out; ++r) {
-              const float d = dot(w.data() + r * row_bytes, arranged.data() + i * nb, nb) + bias[r];
+              const float d = dot(w.data() + r * row_bytes, arranged.data() + i * nb) + bias[r];
               differ += std::memcmp(&d, &y[i * ldy + r], 4) != 0;
             }
           }
           CHECK(differ == 0);
           // Four rows a call: the same bits again.
-          using Dot4 = void (*)(const void*, size_t, const cpu::BlockQ8Act*, int64_t, float*);
-          const Dot4 dot4 = t == DType::kQ4_K   ? cpu::avx512vnni::dot4_q4_k
-                            : t == DType::kQ5_K ? cpu::avx512vnni::dot4_q5_k
-                            : t == DType::kQ6_K ? cpu::avx512vnni::dot4_q6_k
-                                                : cpu::avx512vnni::dot4_iq4_xs;
           size_t differ4 = 0;
           for (int64_t i = 0; i < n; ++i) {
             float d4[4];
-            dot4(w.data() + row_bytes, row_bytes, arranged.data() + i * nb, nb, d4);  // rows 1-4
+            dot4(w.data() + row_bytes, row_bytes, arranged.data() + i * nb, count, d4);  // rows 1-4
             for (int j = 0; j < 4; ++j) {
               const float d = d4[j] + bias[1 + j];
               differ4 += std::memcmp(&d, &y[i * ldy + 1 + j], 4) != 0;

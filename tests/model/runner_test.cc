@@ -350,13 +350,13 @@ TEST_CASE("a batch equals its sequences one at a time", "[model]") {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());
   // (The mixtures of experts: a step's tokens meet in the experts they share, in other groupings.)
-  // BF16, and the mixes whose prefill (16 tokens and more: the int8 products of quant_gemm.h) and
+  // BF16, and the weight types whose prefill (16 tokens and more: the int8 products of quant_gemm.h) and
   // decode (dot products) kernels must give the same bits: the 36-token first step and the
   // 21-token prompt alone take the former, the others the latter.
   const std::pair<const char*, const char*> models[] = {
       {"tiny", "bf16"},          {"gemma2-tiny", "bf16"},   {"gemma3-tiny", "bf16"},  {"qwen3moe-tiny", "bf16"},
       {"qwen2moe-tiny", "bf16"}, {"gpt-oss-tiny", "bf16"},  {"tiny", "q4_k_m"},       {"qwen3-tiny", "q5_k_m"},
-      {"tiny", "iq4_xs"}};
+      {"tiny", "iq4_xs"},        {"tiny", "q8_0"}};
   for (const auto& [shape, weights] : models) {
   INFO(shape << " " << weights);
   RandomModelOptions o;

@@ -90,6 +90,9 @@ struct QuantKernels {
   QuantDot mxfp4 = avx2::dot_mxfp4, iq4_nl = avx2::dot_iq4_nl, q8_0 = avx2::dot_q8_0;
   // Four rows a call, where the instruction set has them (the same numbers as four calls).
   QuantDot4 q4_k4 = nullptr, q5_k4 = nullptr, q6_k4 = nullptr, iq4_xs4 = nullptr;
+  // Q8_0 rows of whole 256s, every row (a matrix's last rows too: one row as four copies), for
+  // prefill's numbers (quant_dot.h).
+  QuantDot4 q8_04 = nullptr;
 };
 const QuantKernels& quant_kernels() {
   static const QuantKernels chosen = []() -> QuantKernels {
@@ -104,7 +107,7 @@ const QuantKernels& quant_kernels() {
               avx512vnni::dot_q5_k,     avx512vnni::dot_q6_k,       avx512vnni::dot_iq4_xs,
               avx512vnni::dot_mxfp4,    avx512vnni::dot_iq4_nl,     avx512vnni::dot_q8_0,
               avx512vnni::dot4_q4_k,    avx512vnni::dot4_q5_k,      avx512vnni::dot4_q6_k,
-              avx512vnni::dot4_iq4_xs};
+              avx512vnni::dot4_iq4_xs,  avx512vnni::dot4_q8_0};
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
       return {avx2::quantize_act, nullptr, avx2::dot_q4_k, avx2::dot_q5_k, avx2::dot_q6_k, avx2::dot_iq4_xs};
@@ -193,11 +196,13 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
     }
     const BlockQ8Act* xs = xq.data();
     const QuantKernels& qk = quant_kernels();
-    const QuantDot4 dot4 = w.dtype() == DType::kQ4_K   ? qk.q4_k4
-                           : w.dtype() == DType::kQ5_K ? qk.q5_k4
-                           : w.dtype() == DType::kQ6_K ? qk.q6_k4
+    const bool q8_0_rows = w.dtype() == DType::kQ8_0 && qk.q8_04 && in % 256 == 0;
+    const QuantDot4 dot4 = w.dtype() == DType::kQ4_K     ? qk.q4_k4
+                           : w.dtype() == DType::kQ5_K   ? qk.q5_k4
+                           : w.dtype() == DType::kQ6_K   ? qk.q6_k4
                            : w.dtype() == DType::kIQ4_XS ? qk.iq4_xs4
-                                                       : nullptr;
+                           : q8_0_rows                   ? qk.q8_04
+                                                         : nullptr;
     backend.parallel_for((out + task_rows - 1) / task_rows, [&](int64_t task) {
       const int64_t end = std::min(out, (task + 1) * task_rows);
       int64_t r = task * task_rows;
@@ -212,7 +217,9 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
       for (; r < end; ++r) {
         const void* wr = static_cast<const char*>(w.data()) + r * row_bytes;
         for (int64_t t = 0; t < n_tokens; ++t) {
-          const float s = dot(wr, xs + t * nb, count);
+          float s4[4];
+          if (q8_0_rows) dot4(wr, 0, xs + t * nb, count, s4);  // one row, as the others' numbers
+          const float s = q8_0_rows ? s4[0] : dot(wr, xs + t * nb, count);
           y[t * out + r] = bias ? s + bias[r] : s;
         }
       }
@@ -240,7 +247,7 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
 // with the activations rounded to 8 bits per 256 (as decode rounds them), 64 products an
 // instruction where oneDNN's BF16 GEMM does 32, and no BF16 copy of the weights. Under
 // kBatchInvariant only the types whose products equal the decode kernels' (Q4_K, Q5_K, Q6_K,
-// IQ4_XS, with the AVX-512 decode kernels chosen): a token's numbers then do not depend on which path its step
+// IQ4_XS, Q8_0, with the AVX-512 decode kernels chosen): a token's numbers then do not depend on which path its step
 // took. Off with COMBS_QUANT_GEMM=off (oneDNN, or the decode kernels, then take these calls: for
 // A/B measurements).
 bool quant_gemm_usable(DType t, int64_t in, MatmulPolicy policy) {

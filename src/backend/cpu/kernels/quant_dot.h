@@ -36,6 +36,9 @@ void dot4_q4_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n
 void dot4_q5_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]);
 void dot4_q6_k(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]);
 void dot4_iq4_xs(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n_blocks, float out[4]);
+// Q8_0, rows of whole 256s (n32 a multiple of 8), with quant_gemm.h's float steps (per block of
+// 32) where dot_q8_0 rounds per pair of blocks: not dot_q8_0's numbers. row_bytes 0: one row.
+void dot4_q8_0(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n32, float out[4]);
 // MXFP4 and IQ4_NL: n32 blocks of 32, as the AVX2 kernels below take them (two blocks per vpdpbusd).
 float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32);
 float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32);

@@ -427,6 +427,76 @@ float dot32_vnni(const void* row, const BlockQ8Act* x, int64_t n32) {
 }
 }  // namespace
 
+// Q8_0, four rows whose blocks are whole 256s: quant_gemm.h's float steps, acc += S_b (xd d_b) for
+// each block of 32 in order, S_b its exact integer sum. The bytes and the starting sums as
+// dot32_vnni's; the four rows' int32 lanes transposed and added (four per 128 bits), then each
+// pair of 128-bit lanes (a block) added; the scales gathered block-major. For a single row (a matrix's
+// last rows), row_bytes 0: four copies of the row.
+void dot4_q8_0(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n32, float out[4]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i sum_pick[4];
+  for (int k = 0; k < 4; ++k) {
+    const int s = 4 * k;
+    sum_pick[k] = _mm512_setr_epi32(s, 0, 0, 0, s + 1, 0, 0, 0, s + 2, 0, 0, 0, s + 3, 0, 0, 0);
+  }
+  alignas(64) int32_t offsets[16];
+  for (int j = 0; j < 4; ++j)
+    for (int r = 0; r < 4; ++r) offsets[4 * j + r] = static_cast<int32_t>(r * row_bytes) + 34 * j;
+  const __m512i scale_at = _mm512_load_si512(offsets);
+  const uint8_t* b = static_cast<const uint8_t*>(row);
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t g = 0; g < n32 / 8; ++g, ++x, b += 8 * 34) {
+    for (int r = 0; r < 4; ++r) {  // the same 256 of the next four rows (dot4_k4)
+      for (int off = 0; off < 8 * 34; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(b + (4 + r) * row_bytes + off), _MM_HINT_T0);
+      }
+    }
+    const __m512i shifted_sums = _mm512_mullo_epi32(
+        _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums))), _mm512_set1_epi32(-128));
+    __m512i f[4];  // pair k: 128-bit lane 0 the four rows' totals of block 2k, lane 2 of block 2k + 1
+    for (int k = 0; k < 4; ++k) {
+      const __m512i start = _mm512_maskz_permutexvar_epi32(0x1111, sum_pick[k], shifted_sums);
+      const __m512i a = _mm512_loadu_si512(x->q + 64 * k);
+      __m512i u[4];
+      for (int r = 0; r < 4; ++r) {
+        const uint8_t* q0 = b + r * row_bytes + 2 * k * 34 + 2;
+        const __m512i w = _mm512_xor_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0))),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + 34)), 1),
+            flip);
+        u[r] = _mm512_dpbusd_epi32(start, w, a);
+      }
+      // each 128-bit lane's four int32 of the four rows transposed and added: lane j = [r0..r3]
+      const __m512i s0 = _mm512_add_epi32(_mm512_unpacklo_epi32(u[0], u[1]), _mm512_unpackhi_epi32(u[0], u[1]));
+      const __m512i s1 = _mm512_add_epi32(_mm512_unpacklo_epi32(u[2], u[3]), _mm512_unpackhi_epi32(u[2], u[3]));
+      const __m512i g4 = _mm512_add_epi32(_mm512_unpacklo_epi64(s0, s1), _mm512_unpackhi_epi64(s0, s1));
+      // lanes 0 + 1 (block 2k), 2 + 3 (block 2k + 1)
+      f[k] = _mm512_add_epi32(g4, _mm512_shuffle_i64x2(g4, g4, _MM_SHUFFLE(2, 3, 0, 1)));
+    }
+    // the scales, block j of row r in lane 4 j + r (blocks 0-3, then 4-7): gathered as the 32-bit
+    // words they begin, their low halves kept
+    const __m512 xd = _mm512_set1_ps(x->d);
+    const __m512 d[2] = {
+        _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(scale_at, b, 1))), xd),
+        _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(scale_at, b + 4 * 34, 1))), xd)};
+    // blocks 0..7 in order: block 2k's totals in lane 0 of f[k], 2k + 1's in lane 2; block j's
+    // scales in lane j % 4 of d[j / 4]
+    __m512 t = _mm512_cvtepi32_ps(f[0]);
+    acc = _mm_fmadd_ps(_mm512_castps512_ps128(t), _mm512_castps512_ps128(d[0]), acc);
+    acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(t, 2), _mm512_extractf32x4_ps(d[0], 1), acc);
+    t = _mm512_cvtepi32_ps(f[1]);
+    acc = _mm_fmadd_ps(_mm512_castps512_ps128(t), _mm512_extractf32x4_ps(d[0], 2), acc);
+    acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(t, 2), _mm512_extractf32x4_ps(d[0], 3), acc);
+    t = _mm512_cvtepi32_ps(f[2]);
+    acc = _mm_fmadd_ps(_mm512_castps512_ps128(t), _mm512_castps512_ps128(d[1]), acc);
+    acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(t, 2), _mm512_extractf32x4_ps(d[1], 1), acc);
+    t = _mm512_cvtepi32_ps(f[3]);
+    acc = _mm_fmadd_ps(_mm512_castps512_ps128(t), _mm512_extractf32x4_ps(d[1], 2), acc);
+    acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(t, 2), _mm512_extractf32x4_ps(d[1], 3), acc);
+  }
+  _mm_storeu_ps(out, acc);
+}
+
 float dot_mxfp4(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_vnni<DType::kMXFP4>(row, x, n32); }
 float dot_iq4_nl(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_vnni<DType::kIQ4_NL>(row, x, n32); }
 float dot_q8_0(const void* row, const BlockQ8Act* x, int64_t n32) { return dot32_vnni<DType::kQ8_0>(row, x, n32); }

@@ -12,12 +12,12 @@
 // super-block (the K-quants, whose group scales are integers applied by vpmulld).
 //
 // Each output is one token's lane through the same instructions whatever the other tokens are:
-// the product is batch-invariant in itself. For Q4_K, Q5_K, Q6_K and IQ4_XS it also equals the AVX-512
-// decode kernels' (quant_dot.h) bit for bit: both sum each super-block exactly in integers, then
-// take the same float steps per super-block, acc += I * (xd d) and acc -= M * (xd dmin) (Q6_K: acc
-// += (I - M) * (xd d); IQ4_XS: acc += I * (xd d)), so prefill and decode give a token the same numbers and the runner's
-// batch-invariant policy uses these products too (gemm_matches_decode). Q8_0's decode kernel
-// rounds per pair of blocks: its products differ in the last bits.
+// the product is batch-invariant in itself. It also equals the AVX-512 VNNI decode kernels'
+// (quant_dot.h) bit for bit: both sum exactly in integers first, then take the same float steps —
+// per super-block acc += I * (xd d) and acc -= M * (xd dmin) for Q4_K and Q5_K, acc += (I - M) *
+// (xd d) for Q6_K, acc += I * (xd d) for IQ4_XS; per block of 32 acc += S * (xd d) for Q8_0 (its
+// decode kernel dot4_q8_0, for rows of whole 256s). So prefill and decode give a token the same
+// numbers, and the runner's batch-invariant policy uses these products too (gemm_matches_decode).
 #pragma once
 
 #include <cstdint>

@@ -260,7 +260,7 @@ bool gemm_supports(DType t) {
 }
 
 bool gemm_matches_decode(DType t) {
-  return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kIQ4_XS;
+  return gemm_supports(t);  // Q8_0 with dot4_q8_0, which decode takes for rows of whole 256s
 }
 
 void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int64_t k, PackedBlock* out) {
