@@ -33,12 +33,12 @@ namespace combs::cpu::avx512vnni {
 // none (its levels are the quants, signed). Q8_0: value =
 // dg[b] * q for 32-element block b.
 struct PackedBlock {
-  int8_t q[256];      // quants: 0..63 for the K-quants, signed for IQ4_XS and Q8_0
-  int32_t corr[16];   // -128 * (sum of the group's quants): the start of its sum
-  int32_t sc[16];     // integer scale of each group (K-quants)
-  int32_t mm[8];      // int16 pairs: minimum parts of subgroups 2p and 2p + 1 (K-quants)
-  float d, dmin;      // K-quants
-  float dg[8];        // Q8_0: the scale of each block of 32
+  int8_t q[256];     // quants: 0..63 for the K-quants, signed for IQ4_XS and Q8_0
+  int32_t corr[16];  // -128 * (sum of the group's quants): the start of its sum
+  int32_t sc[16];    // integer scale of each group (K-quants)
+  int32_t mm[8];     // int16 pairs: minimum parts of subgroups 2p and 2p + 1 (K-quants)
+  float d, dmin;     // K-quants
+  float dg[8];       // Q8_0: the scale of each block of 32
 };
 
 // 16 tokens' activations of one 256-element block, transposed: q[k][lane] holds the 4 elements
@@ -55,14 +55,16 @@ struct ActTile {
 bool gemm_supports(DType t);
 // The types whose products equal the AVX-512 VNNI decode kernels' bit for bit.
 bool gemm_matches_decode(DType t);
-// n_rows rows (rows of row_bytes, k elements, k a multiple of 256) unpacked into out[n_rows][k / 256].
-void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int64_t k, PackedBlock* out);
-// Tokens [16 * tile, 16 * tile + 16) of x (n_tokens tokens of nb blocks each, as quantize_act writes
-// them) into out[nb]: one tile of 16.
+// n_rows rows (rows of row_bytes, k elements, k a multiple of 256) unpacked into out[n_rows][k /
+// 256].
+void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int64_t k,
+               PackedBlock* out);
+// Tokens [16 * tile, 16 * tile + 16) of x (n_tokens tokens of nb blocks each, as quantize_act
+// writes them) into out[nb]: one tile of 16.
 void pack_act_tile(const BlockQ8Act* x, int64_t n_tokens, int64_t nb, int64_t tile, ActTile* out);
 // y[t * ldy + r] = (row r) . (token t) (+ bias[r]) for rows [0, n_rows) of w (packed, n_rows a
 // multiple of 4) and the tokens of tiles [0, n_tiles) below n_tokens; nb blocks of 256 per row.
-void gemm(DType t, const PackedBlock* w, int64_t n_rows, const ActTile* x, int64_t n_tiles, int64_t n_tokens,
-          int64_t nb, float* y, int64_t ldy, const float* bias);
+void gemm(DType t, const PackedBlock* w, int64_t n_rows, const ActTile* x, int64_t n_tiles,
+          int64_t n_tokens, int64_t nb, float* y, int64_t ldy, const float* bias);
 
 }  // namespace combs::cpu::avx512vnni

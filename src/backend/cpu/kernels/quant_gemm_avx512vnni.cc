@@ -1,13 +1,12 @@
 // quant_gemm.h for AVX-512 VNNI (flags set in CMakeLists.txt). The block layouts are quant.cc's
 // (ggml's); the unpacking follows the decode kernels of quant_dot_avx512vnni.cc.
-#include "kernels/quant_gemm.h"
-
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "combs/backend/quant.h"
+#include "kernels/quant_gemm.h"
 
 // GCC 12's AVX-512 intrinsics fill lanes from _mm*_undefined_*(), which -Wmaybe-uninitialized
 // reports wherever they are inlined (a false positive: every lane used here is written).
@@ -53,14 +52,16 @@ void pack_k45(const uint8_t* b, PackedBlock* p) {
   }
   for (int j = 0; j < 2; ++j) {  // 64 bytes: groups 4j..4j+3, low nibbles of 4j and 4j + 2
     const __m512i q = _mm512_loadu_si512(b + kQuants + 64 * j);
-    const __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+    const __m512i lo = _mm512_and_si512(q, low4),
+                  hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
     __m512i v[2] = {_mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(1, 0, 1, 0)),   // groups 4j, 4j + 1
                     _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 2, 3, 2))};  // 4j + 2, 4j + 3
     for (int h = 0; h < 2; ++h) {
       const int g = 4 * j + 2 * h;
       if constexpr (kFifthBit) {  // element l of group g adds 16 where bit g of qh[l] is set
-        const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << g)),
-                                                _mm256_set1_epi8(static_cast<char>(1 << (g + 1))), 1);
+        const __m512i bits =
+            _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << g)),
+                               _mm256_set1_epi8(static_cast<char>(1 << (g + 1))), 1);
         v[h] = _mm512_mask_add_epi8(v[h], _mm512_test_epi8_mask(qh, bits), v[h], sixteen);
       }
       _mm512_storeu_si512(p->q + 64 * (2 * j + h), v[h]);
@@ -84,17 +85,20 @@ void pack_q6_k(const uint8_t* b, PackedBlock* p) {
     const __m512i ql = _mm512_loadu_si512(b + 64 * h);
     const __m256i qh256 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
     const __m512i qh = _mm512_inserti64x4(_mm512_zextsi256_si512(qh256), qh256, 1);
-    const __m512i hi01 = _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2)), two);
-    const __m512i hi23 =
-        _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, _mm512_srli_epi16(qh, 4), _mm512_srli_epi16(qh, 6)), two);
-    const __m512i v[2] = {
-        _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(hi01, 4)),  // elements 128h + 0..63
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), _mm512_slli_epi16(hi23, 4))};
+    const __m512i hi01 =
+        _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2)), two);
+    const __m512i hi23 = _mm512_and_si512(
+        _mm512_mask_blend_epi64(0xF0, _mm512_srli_epi16(qh, 4), _mm512_srli_epi16(qh, 6)), two);
+    const __m512i v[2] = {_mm512_or_si512(_mm512_and_si512(ql, low4),
+                                          _mm512_slli_epi16(hi01, 4)),  // elements 128h + 0..63
+                          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                          _mm512_slli_epi16(hi23, 4))};
     for (int s = 0; s < 2; ++s) {
       _mm512_storeu_si512(p->q + 128 * h + 64 * s, v[s]);
       uint64_t sums[8];
       sums_of_8(v[s], sums);
-      for (int j = 0; j < 4; ++j) p->corr[8 * h + 4 * s + j] = -128 * static_cast<int32_t>(sums[2 * j] + sums[2 * j + 1]);
+      for (int j = 0; j < 4; ++j)
+        p->corr[8 * h + 4 * s + j] = -128 * static_cast<int32_t>(sums[2 * j] + sums[2 * j + 1]);
     }
   }
 }
@@ -102,7 +106,8 @@ void pack_q6_k(const uint8_t* b, PackedBlock* p) {
 // IQ4_XS (quant.cc): eight groups of 32 with 6-bit scales (minus 32), the nibbles indices into the
 // IQ4 levels (-127..113: signed bytes as they are); no minimum parts.
 void pack_iq4_xs(const uint8_t* b, PackedBlock* p) {
-  const __m128i levels = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  const __m128i levels =
+      _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
   const __m128i low4 = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(static_cast<char>(0x80));
   p->d = half(b);
   p->dmin = 0.0f;
@@ -112,7 +117,8 @@ void pack_iq4_xs(const uint8_t* b, PackedBlock* p) {
     p->mm[g] = 0;
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * g));
     const __m128i lo = _mm_shuffle_epi8(levels, _mm_and_si128(q, low4));  // elements 0-15
-    const __m128i hi = _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(q, 4), low4));  // 16-31
+    const __m128i hi =
+        _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(q, 4), low4));  // 16-31
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p->q + 32 * g), lo);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p->q + 32 * g + 16), hi);
     // the signed sum: of the bytes plus 128, minus 32 * 128
@@ -130,9 +136,10 @@ void pack_q8_0(const uint8_t* b, PackedBlock* p) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p->q + 32 * k), q);
     // sum of the signed bytes: of the bytes plus 128, minus 32 * 128
     uint64_t s[4];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s),
-                        _mm256_sad_epu8(_mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))),
-                                        _mm256_setzero_si256()));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(s),
+        _mm256_sad_epu8(_mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))),
+                        _mm256_setzero_si256()));
     p->corr[k] = -128 * (static_cast<int32_t>(s[0] + s[1] + s[2] + s[3]) - 32 * 128);
   }
 }
@@ -176,7 +183,8 @@ void kquant_4rows(const PackedBlock* w, int64_t nb, const ActTile* x, float acc[
       }
       for (int r = 0; r < 4; ++r) {
         const __m512i sc = _mm512_set1_epi32(wr[r]->sc[g]);
-        for (int t = 0; t < T; ++t) isum[r][t] = _mm512_add_epi32(isum[r][t], _mm512_mullo_epi32(s[r][t], sc));
+        for (int t = 0; t < T; ++t)
+          isum[r][t] = _mm512_add_epi32(isum[r][t], _mm512_mullo_epi32(s[r][t], sc));
       }
     }
     for (int t = 0; t < T; ++t) {
@@ -184,15 +192,18 @@ void kquant_4rows(const PackedBlock* w, int64_t nb, const ActTile* x, float acc[
       for (int r = 0; r < 4; ++r) {
         __m512i m = _mm512_setzero_si512();
         for (int p = 0; p < 8; ++p) {
-          m = _mm512_dpwssd_epi32(m, _mm512_loadu_si512(xt[t]->sums[p]), _mm512_set1_epi32(wr[r]->mm[p]));
+          m = _mm512_dpwssd_epi32(m, _mm512_loadu_si512(xt[t]->sums[p]),
+                                  _mm512_set1_epi32(wr[r]->mm[p]));
         }
         __m512 a = _mm512_loadu_ps(acc[r][t]);
         if constexpr (kMinsOfD) {
           a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][t], m)),
                               _mm512_mul_ps(xd, _mm512_set1_ps(wr[r]->d)), a);
         } else {
-          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]), _mm512_mul_ps(xd, _mm512_set1_ps(wr[r]->d)), a);
-          a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(xd, _mm512_set1_ps(wr[r]->dmin)), a);
+          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]),
+                              _mm512_mul_ps(xd, _mm512_set1_ps(wr[r]->d)), a);
+          a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m),
+                               _mm512_mul_ps(xd, _mm512_set1_ps(wr[r]->dmin)), a);
         }
         _mm512_storeu_ps(acc[r][t], a);
       }
@@ -229,8 +240,8 @@ void q8_0_4rows(const PackedBlock* w, int64_t nb, const ActTile* x, float acc[4]
       for (int t = 0; t < T; ++t) {
         const __m512 xd = _mm512_loadu_ps(xt[t]->d);
         for (int r = 0; r < 4; ++r) {
-          sum[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][t]), _mm512_mul_ps(xd, _mm512_set1_ps(wr[r]->dg[g])),
-                                      sum[r][t]);
+          sum[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][t]),
+                                      _mm512_mul_ps(xd, _mm512_set1_ps(wr[r]->dg[g])), sum[r][t]);
         }
       }
     }
@@ -245,25 +256,32 @@ template <int T>
 Tile4 tile_kernel(DType t) {
   switch (t) {
     case DType::kQ4_K:
-    case DType::kQ5_K: return kquant_4rows<T, 32, false>;
-    case DType::kQ6_K: return kquant_4rows<T, 16, true>;
-    case DType::kIQ4_XS: return kquant_4rows<T, 32, true>;  // minimum parts all 0
-    case DType::kQ8_0: return q8_0_4rows<T>;
-    default: return nullptr;
+    case DType::kQ5_K:
+      return kquant_4rows<T, 32, false>;
+    case DType::kQ6_K:
+      return kquant_4rows<T, 16, true>;
+    case DType::kIQ4_XS:
+      return kquant_4rows<T, 32, true>;  // minimum parts all 0
+    case DType::kQ8_0:
+      return q8_0_4rows<T>;
+    default:
+      return nullptr;
   }
 }
 
 }  // namespace
 
 bool gemm_supports(DType t) {
-  return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kIQ4_XS || t == DType::kQ8_0;
+  return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kIQ4_XS ||
+         t == DType::kQ8_0;
 }
 
 bool gemm_matches_decode(DType t) {
   return gemm_supports(t);  // Q8_0 with dot4_q8_0, which decode takes for rows of whole 256s
 }
 
-void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int64_t k, PackedBlock* out) {
+void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int64_t k,
+               PackedBlock* out) {
   const int64_t nb = k / 256;
   const int64_t block_bytes = t == DType::kQ8_0 ? 8 * 34 : static_cast<int64_t>(row_bytes) / nb;
   for (int64_t r = 0; r < n_rows; ++r) {
@@ -271,17 +289,29 @@ void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int6
     for (int64_t i = 0; i < nb; ++i, b += block_bytes) {
       PackedBlock* p = out + r * nb + i;
       switch (t) {
-        case DType::kQ4_K: pack_k45<false>(b, p); break;
-        case DType::kQ5_K: pack_k45<true>(b, p); break;
-        case DType::kQ6_K: pack_q6_k(b, p); break;
-        case DType::kIQ4_XS: pack_iq4_xs(b, p); break;
-        case DType::kQ8_0: pack_q8_0(b, p); break;
-        default: break;
+        case DType::kQ4_K:
+          pack_k45<false>(b, p);
+          break;
+        case DType::kQ5_K:
+          pack_k45<true>(b, p);
+          break;
+        case DType::kQ6_K:
+          pack_q6_k(b, p);
+          break;
+        case DType::kIQ4_XS:
+          pack_iq4_xs(b, p);
+          break;
+        case DType::kQ8_0:
+          pack_q8_0(b, p);
+          break;
+        default:
+          break;
       }
     }
   }
   // Rows up to a multiple of 4: zeros (their products are computed and dropped).
-  std::memset(static_cast<void*>(out + n_rows * nb), 0, sizeof(PackedBlock) * ((4 - n_rows % 4) % 4) * nb);
+  std::memset(static_cast<void*>(out + n_rows * nb), 0,
+              sizeof(PackedBlock) * ((4 - n_rows % 4) % 4) * nb);
 }
 
 void pack_act_tile(const BlockQ8Act* x, int64_t n_tokens, int64_t nb, int64_t tile, ActTile* out) {
@@ -307,8 +337,8 @@ void pack_act_tile(const BlockQ8Act* x, int64_t n_tokens, int64_t nb, int64_t ti
   }
 }
 
-void gemm(DType t, const PackedBlock* w, int64_t n_rows, const ActTile* x, int64_t n_tiles, int64_t n_tokens,
-          int64_t nb, float* y, int64_t ldy, const float* bias) {
+void gemm(DType t, const PackedBlock* w, int64_t n_rows, const ActTile* x, int64_t n_tiles,
+          int64_t n_tokens, int64_t nb, float* y, int64_t ldy, const float* bias) {
   const Tile4 kernels[3] = {tile_kernel<1>(t), tile_kernel<2>(t), tile_kernel<3>(t)};
   alignas(64) float acc[4][3][16];
   for (int64_t t0 = 0; t0 < n_tiles; t0 += 3) {
@@ -317,7 +347,8 @@ void gemm(DType t, const PackedBlock* w, int64_t n_rows, const ActTile* x, int64
       kernels[tiles - 1](w + r0 * nb, nb, x + t0 * nb, acc);
       const int rows = static_cast<int>(std::min<int64_t>(4, n_rows - r0));
       for (int tt = 0; tt < tiles; ++tt) {
-        if (rows == 4 && 16 * (t0 + tt + 1) <= n_tokens) {  // a whole tile: 4 x 16 transposed in registers
+        if (rows == 4 &&
+            16 * (t0 + tt + 1) <= n_tokens) {  // a whole tile: 4 x 16 transposed in registers
           const __m512 a0 = _mm512_load_ps(acc[0][tt]), a1 = _mm512_load_ps(acc[1][tt]);
           const __m512 a2 = _mm512_load_ps(acc[2][tt]), a3 = _mm512_load_ps(acc[3][tt]);
           const __m512 lo01 = _mm512_unpacklo_ps(a0, a1), hi01 = _mm512_unpackhi_ps(a0, a1);
@@ -342,7 +373,8 @@ void gemm(DType t, const PackedBlock* w, int64_t n_rows, const ActTile* x, int64
           const int64_t token = 16 * (t0 + tt) + lane;
           if (token >= n_tokens) break;
           float* yt = y + token * ldy + r0;
-          for (int r = 0; r < rows; ++r) yt[r] = bias ? acc[r][tt][lane] + bias[r0 + r] : acc[r][tt][lane];
+          for (int r = 0; r < rows; ++r)
+            yt[r] = bias ? acc[r][tt][lane] + bias[r0 + r] : acc[r][tt][lane];
         }
       }
     }
