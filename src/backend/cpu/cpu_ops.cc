@@ -94,6 +94,16 @@ struct QuantKernels {
   // prefill's numbers (quant_dot.h).
   QuantDot4 q8_04 = nullptr;
 };
+// Whether this CPU has the AVX-512 parts the int8 kernels use (F, BW, VL, VNNI).
+bool cpu_has_avx512vnni() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
 const QuantKernels& quant_kernels() {
   static const QuantKernels chosen = []() -> QuantKernels {
 #if defined(__x86_64__)
@@ -101,8 +111,7 @@ const QuantKernels& quant_kernels() {
     // COMBS_QUANT_ISA=avx2 takes the AVX2 kernels on a machine that has AVX-512 too (their tests).
     const char* forced = std::getenv("COMBS_QUANT_ISA");
     const bool avx2_only = forced && std::string_view(forced) == "avx2";
-    if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
+    if (!avx2_only && cpu_has_avx512vnni()) {
       return {avx512vnni::quantize_act, avx512vnni::arrange_act_k4, avx512vnni::dot_q4_k,
               avx512vnni::dot_q5_k,     avx512vnni::dot_q6_k,       avx512vnni::dot_iq4_xs,
               avx512vnni::dot_mxfp4,    avx512vnni::dot_iq4_nl,     avx512vnni::dot_q8_0,
@@ -247,24 +256,17 @@ void matmul_dequantized(CpuBackend& backend, const Tensor& w, const float* x, in
 // with the activations rounded to 8 bits per 256 (as decode rounds them), 64 products an
 // instruction where oneDNN's BF16 GEMM does 32, and no BF16 copy of the weights. Under
 // kBatchInvariant only the types whose products equal the decode kernels' (Q4_K, Q5_K, Q6_K,
-// IQ4_XS, Q8_0, with the AVX-512 decode kernels chosen): a token's numbers then do not depend on which path its step
-// took. Off with COMBS_QUANT_GEMM=off (oneDNN, or the decode kernels, then take these calls: for
-// A/B measurements).
+// IQ4_XS, Q8_0, with the AVX-512 decode kernels chosen): a token's numbers then do not depend on
+// which path its step took. Off with COMBS_QUANT_GEMM=off (oneDNN, or the decode kernels, then
+// take these calls: for A/B measurements).
 bool quant_gemm_usable(DType t, int64_t in, MatmulPolicy policy) {
   if (policy == MatmulPolicy::kBatchInvariant &&
       !(avx512vnni::gemm_matches_decode(t) && quant_kernels().q4_k == avx512vnni::dot_q4_k)) {
     return false;
   }
   static const bool on = [] {
-#if defined(__x86_64__)
     const char* v = std::getenv("COMBS_QUANT_GEMM");
-    if (v && std::string_view(v) == "off") return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-#else
-    return false;
-#endif
+    return !(v && std::string_view(v) == "off") && cpu_has_avx512vnni();
   }();
   return on && avx512vnni::gemm_supports(t) && in % 256 == 0;
 }

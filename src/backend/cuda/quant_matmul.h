@@ -1,7 +1,7 @@
 // Block-quantized weights on the GPU (ggml's formats, combs/backend/quant.h): the weights stay in
 // their blocks in device memory and are widened only in registers (decode), in shared memory
-// (batches up to 64 rows) or in a bounded scratch tile (larger batches). Private to the CUDA backend: cuda_ops.cu's matmuls and embedding call these
-// for every block type.
+// (batches up to 64 rows) or in a bounded scratch tile (larger batches). Private to the CUDA
+// backend: cuda_ops.cu's matmuls and embedding call these for every block type.
 //
 // Decode (n <= kQuantGemvMaxRows rows of x): x is first rounded to 8 bits (quantize_activations),
 // as the CPU's int8 kernels round it (combs/backend/cpu/kernels/quant_dot.h: d = max|x| / 127 per

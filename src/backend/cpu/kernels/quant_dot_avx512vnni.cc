@@ -103,7 +103,7 @@ struct K4 {
   }
   // ahead: where the stream is read next, kBlockBytes of it requested now.
   K4Block block(const uint8_t* b, const BlockQ8Act* x, const uint8_t* ahead) const {
-    for (int off = 0; off < kBlockBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead) + off, _MM_HINT_T0);
+    prefetch(ahead, kBlockBytes);
     // d and dmin times the activations' scale
     uint32_t dd;
     std::memcpy(&dd, b, 4);
@@ -225,7 +225,7 @@ struct Q6K {
   // A super-block's exact integer total, in lanes: I - M = sum_j sc_j * (sum(q_u * a) - 32 sums_j).
   // ahead: where the stream is read next, 210 bytes of it requested now.
   __m512i block(const uint8_t* b, const BlockQ8Act* x, const uint8_t* ahead) const {
-    for (int off = 0; off < 210; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead) + off, _MM_HINT_T0);
+    prefetch(ahead, 210);
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     const __m512i scales = _mm512_zextsi256_si512(sc16);
     // 32 * sum_j sc_j * sums_j, subtracted from lanes 0-7
@@ -268,7 +268,7 @@ struct IQ4XS {
   IQ4XS() { group_pair_indices(pick); }
   // A super-block's exact integer total I = sum_g ls_g * sum(level * a), in lanes.
   __m512i block(const uint8_t* b, const BlockQ8Act* x, const uint8_t* ahead) const {
-    for (int off = 0; off < 136; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead) + off, _MM_HINT_T0);
+    prefetch(ahead, 136);
     const int scales_h = b[2] | b[3] << 8;
     alignas(16) int16_t ls[8];
     for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>((((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | ((scales_h >> (2 * g)) & 3) << 4) - 32);
@@ -446,11 +446,7 @@ void dot4_q8_0(const void* row, size_t row_bytes, const BlockQ8Act* x, int64_t n
   const uint8_t* b = static_cast<const uint8_t*>(row);
   __m128 acc = _mm_setzero_ps();
   for (int64_t g = 0; g < n32 / 8; ++g, ++x, b += 8 * 34) {
-    for (int r = 0; r < 4; ++r) {  // the same 256 of the next four rows (dot4_k4)
-      for (int off = 0; off < 8 * 34; off += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(b + (4 + r) * row_bytes + off), _MM_HINT_T0);
-      }
-    }
+    for (int r = 0; r < 4; ++r) prefetch(b + (4 + r) * row_bytes, 8 * 34);  // the next four rows' (dot4_k4)
     const __m512i shifted_sums = _mm512_mullo_epi32(
         _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sums))), _mm512_set1_epi32(-128));
     __m512i f[4];  // pair k: 128-bit lane 0 the four rows' totals of block 2k, lane 2 of block 2k + 1

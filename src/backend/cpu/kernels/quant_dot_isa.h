@@ -22,11 +22,14 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// The cache lines of [at, at + bytes) requested now.
+inline void prefetch(const uint8_t* at, int bytes) {
+  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(at) + off, _MM_HINT_T0);
+}
+
 // A row is one sequential stream, but a short one (a few KB): the cache lines of the block `bytes`
 // long 2 KB ahead are requested while this one is computed (as the BF16 decode kernel does).
-inline void prefetch_ahead(const uint8_t* block, int bytes) {
-  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(block) + 2048 + off, _MM_HINT_T0);
-}
+inline void prefetch_ahead(const uint8_t* block, int bytes) { prefetch(block + 2048, bytes); }
 
 // x[0, n) (n a multiple of 256) as n / 256 blocks: d = max|x| / 127, q = nearest(x * (127 / max)).
 inline void quantize_act_blocks(const float* x, int64_t n, BlockQ8Act* out) {

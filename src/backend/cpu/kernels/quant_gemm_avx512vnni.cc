@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "combs/backend/quant.h"
+#include "kernels/quant_dot_isa.h"  // half()
 #include "kernels/quant_gemm.h"
 
 // GCC 12's AVX-512 intrinsics fill lanes from _mm*_undefined_*(), which -Wmaybe-uninitialized
@@ -16,15 +17,19 @@
 namespace combs::cpu::avx512vnni {
 namespace {
 
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 inline int32_t int16_pair(int lo, int hi) {
   return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) |
                               static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+}
+
+// The sum of the 32 signed bytes of v: of the bytes plus 128, minus 32 * 128.
+inline int32_t signed_sum32(__m256i v) {
+  uint64_t s[4];
+  _mm256_storeu_si256(
+      reinterpret_cast<__m256i*>(s),
+      _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))),
+                      _mm256_setzero_si256()));
+  return static_cast<int32_t>(s[0] + s[1] + s[2] + s[3]) - 32 * 128;
 }
 
 // The sums of each 8 bytes of v (unsigned), as eight 64-bit lanes.
@@ -108,7 +113,7 @@ void pack_q6_k(const uint8_t* b, PackedBlock* p) {
 void pack_iq4_xs(const uint8_t* b, PackedBlock* p) {
   const __m128i levels =
       _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-  const __m128i low4 = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(static_cast<char>(0x80));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
   p->d = half(b);
   p->dmin = 0.0f;
   const int scales_h = b[2] | b[3] << 8;
@@ -121,10 +126,7 @@ void pack_iq4_xs(const uint8_t* b, PackedBlock* p) {
         _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(q, 4), low4));  // 16-31
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p->q + 32 * g), lo);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p->q + 32 * g + 16), hi);
-    // the signed sum: of the bytes plus 128, minus 32 * 128
-    const __m128i s = _mm_add_epi64(_mm_sad_epu8(_mm_xor_si128(lo, flip), _mm_setzero_si128()),
-                                    _mm_sad_epu8(_mm_xor_si128(hi, flip), _mm_setzero_si128()));
-    p->corr[g] = -128 * (_mm_cvtsi128_si32(s) + _mm_extract_epi32(s, 2) - 32 * 128);
+    p->corr[g] = -128 * signed_sum32(_mm256_set_m128i(hi, lo));
   }
 }
 
@@ -134,13 +136,7 @@ void pack_q8_0(const uint8_t* b, PackedBlock* p) {
     p->dg[k] = half(b);
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p->q + 32 * k), q);
-    // sum of the signed bytes: of the bytes plus 128, minus 32 * 128
-    uint64_t s[4];
-    _mm256_storeu_si256(
-        reinterpret_cast<__m256i*>(s),
-        _mm256_sad_epu8(_mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))),
-                        _mm256_setzero_si256()));
-    p->corr[k] = -128 * (static_cast<int32_t>(s[0] + s[1] + s[2] + s[3]) - 32 * 128);
+    p->corr[k] = -128 * signed_sum32(q);
   }
 }
 
@@ -148,6 +144,27 @@ inline __m512i broadcast4(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, 4);
   return _mm512_set1_epi32(v);
+}
+
+// The int32 sums of group g (kGroup elements, 4 a step) of four rows by T tiles of 16 tokens, each
+// started at the group's -128 x quant sum: exact sums of quant x activation.
+template <int T, int kGroup>
+[[gnu::always_inline]] inline void group_sums(const PackedBlock* const wr[4],
+                                              const ActTile* const xt[T], int g, __m512i s[4][T]) {
+  for (int r = 0; r < 4; ++r) {
+    const __m512i c = _mm512_set1_epi32(wr[r]->corr[g]);
+    for (int t = 0; t < T; ++t) s[r][t] = c;
+  }
+#pragma GCC unroll 8
+  for (int kk = 0; kk < kGroup / 4; ++kk) {
+    const int k = g * kGroup / 4 + kk;
+    __m512i a[T];
+    for (int t = 0; t < T; ++t) a[t] = _mm512_loadu_si512(xt[t]->q[k]);
+    for (int r = 0; r < 4; ++r) {
+      const __m512i q = broadcast4(wr[r]->q + 4 * k);
+      for (int t = 0; t < T; ++t) s[r][t] = _mm512_dpbusd_epi32(s[r][t], a[t], q);
+    }
+  }
 }
 
 // Four rows (w, w + nb, ...) by T tiles of 16 tokens (x, x + nb, ...) over nb blocks into acc.
@@ -167,20 +184,7 @@ void kquant_4rows(const PackedBlock* w, int64_t nb, const ActTile* x, float acc[
       for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
     for (int g = 0; g < kGroups; ++g) {
       __m512i s[4][T];
-      for (int r = 0; r < 4; ++r) {
-        const __m512i c = _mm512_set1_epi32(wr[r]->corr[g]);
-        for (int t = 0; t < T; ++t) s[r][t] = c;
-      }
-#pragma GCC unroll 8
-      for (int kk = 0; kk < kGroup / 4; ++kk) {
-        const int k = g * kGroup / 4 + kk;
-        __m512i a[T];
-        for (int t = 0; t < T; ++t) a[t] = _mm512_loadu_si512(xt[t]->q[k]);
-        for (int r = 0; r < 4; ++r) {
-          const __m512i q = broadcast4(wr[r]->q + 4 * k);
-          for (int t = 0; t < T; ++t) s[r][t] = _mm512_dpbusd_epi32(s[r][t], a[t], q);
-        }
-      }
+      group_sums<T, kGroup>(wr, xt, g, s);
       for (int r = 0; r < 4; ++r) {
         const __m512i sc = _mm512_set1_epi32(wr[r]->sc[g]);
         for (int t = 0; t < T; ++t)
@@ -223,20 +227,7 @@ void q8_0_4rows(const PackedBlock* w, int64_t nb, const ActTile* x, float acc[4]
     for (int t = 0; t < T; ++t) xt[t] = x + t * nb + i;
     for (int g = 0; g < 8; ++g) {
       __m512i s[4][T];
-      for (int r = 0; r < 4; ++r) {
-        const __m512i c = _mm512_set1_epi32(wr[r]->corr[g]);
-        for (int t = 0; t < T; ++t) s[r][t] = c;
-      }
-#pragma GCC unroll 8
-      for (int kk = 0; kk < 8; ++kk) {
-        const int k = 8 * g + kk;
-        __m512i a[T];
-        for (int t = 0; t < T; ++t) a[t] = _mm512_loadu_si512(xt[t]->q[k]);
-        for (int r = 0; r < 4; ++r) {
-          const __m512i q = broadcast4(wr[r]->q + 4 * k);
-          for (int t = 0; t < T; ++t) s[r][t] = _mm512_dpbusd_epi32(s[r][t], a[t], q);
-        }
-      }
+      group_sums<T, 32>(wr, xt, g, s);
       for (int t = 0; t < T; ++t) {
         const __m512 xd = _mm512_loadu_ps(xt[t]->d);
         for (int r = 0; r < 4; ++r) {
@@ -283,7 +274,7 @@ bool gemm_matches_decode(DType t) {
 void pack_rows(DType t, const void* rows, size_t row_bytes, int64_t n_rows, int64_t k,
                PackedBlock* out) {
   const int64_t nb = k / 256;
-  const int64_t block_bytes = t == DType::kQ8_0 ? 8 * 34 : static_cast<int64_t>(row_bytes) / nb;
+  const int64_t block_bytes = static_cast<int64_t>(row_bytes) / nb;  // Q8_0: its 8 blocks of 32
   for (int64_t r = 0; r < n_rows; ++r) {
     const uint8_t* b = static_cast<const uint8_t*>(rows) + r * row_bytes;
     for (int64_t i = 0; i < nb; ++i, b += block_bytes) {
