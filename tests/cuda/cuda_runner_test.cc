@@ -1,5 +1,5 @@
-// The model on the GPU against the CPU runner: greedy tokens of the tiny test models identical for
-// 64 tokens, logits close; and the engine on the GPU: rollback and fork behave as on the CPU.
+// The model on the GPU against the CPU runner: the tiny test models' logits close and their greedy
+// tokens the same over 64 teacher-forced steps (but at near-ties); and the engine on the GPU: rollback and fork behave as on the CPU.
 // [cuda]: skipped (and saying so) without a GPU.
 #include <catch2/catch.hpp>
 
@@ -34,7 +34,7 @@ double relative_diff(const std::vector<float>& gpu, const std::vector<float>& cp
 
 }  // namespace
 
-TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[cuda]") {
+TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does under teacher forcing", "[cuda]") {
   if (!have_gpu()) return;
   for (auto [shape, dtype] : {std::pair<const char*, DType>{"tiny", DType::kF32}, {"tiny", DType::kBF16},
                               {"tiny", DType::kF16}, {"qwen2-tiny", DType::kF32}, {"tiny", DType::kQ8_0},
@@ -56,23 +56,34 @@ TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does", "[
     std::vector<float> lc(V), lg(V);
     std::vector<int32_t> prompt;
     for (int i = 0; i < 20; ++i) prompt.push_back((i * 37 + 11) % V);
-    std::vector<int32_t> cpu_tokens, gpu_tokens;
-    std::vector<int32_t> next_c = prompt, next_g = prompt;
+    // Teacher forced: both runners take the CPU's greedy token each step (random weights part at
+    // any near-tie of rounding, so free-running text is no comparison). Every step's logits within
+    // the tolerance, and the argmax the same but where the CPU's two candidates are closer than
+    // the logits may differ (at most a tenth of the steps, never the first).
+    // Q8_0: both round the activations to 8 bits, in their own order of float steps (measured
+    // 2.2e-2 on the H200 when the CPU multiplied them in f32).
+    const double tolerance = dtype == DType::kF32 ? 1e-4 : dtype == DType::kQ8_0 ? 5e-2 : 2e-2;
+    std::vector<int32_t> next = prompt;
     double worst = 0;
+    int parted = 0;
     for (int step = 0; step < 64; ++step) {
-      SequenceInput ci{cpu_cache.get(), next_c}, gi{gpu_cache.get(), next_g};
+      SequenceInput ci{cpu_cache.get(), next}, gi{gpu_cache.get(), next};
       REQUIRE(cpu_model.runner->forward({&ci, 1}, lc.data()).ok());
       REQUIRE(gpu.forward({&gi, 1}, lg.data()).ok());
-      if (cpu_tokens == gpu_tokens) worst = std::max(worst, relative_diff(lg, lc));  // same inputs so far
-      cpu_tokens.push_back(argmax(lc.data(), V));
-      gpu_tokens.push_back(argmax(lg.data(), V));
-      next_c = {cpu_tokens.back()};
-      next_g = {gpu_tokens.back()};
+      worst = std::max(worst, relative_diff(lg, lc));
+      const int32_t tc = argmax(lc.data(), V), tg = argmax(lg.data(), V);
+      if (tg != tc) {
+        double scale = 1e-6;
+        for (float f : lc) scale = std::max(scale, std::abs(double(f)));
+        INFO("step " << step << ": cpu " << tc << " (" << lc[tc] << "), gpu " << tg << " (cpu's " << lc[tg] << ")");
+        CHECK(step > 0);
+        CHECK(double(lc[tc]) - lc[tg] <= 2 * tolerance * scale);
+        ++parted;
+      }
+      next = {tc};
     }
-    CHECK(gpu_tokens == cpu_tokens);
-    // Q8_0: the GPU rounds the activations to 8 bits (quant_matmul.h), the CPU multiplies them in
-    // f32: up to half a step of max|x| / 127 per element (measured 2.2e-2 on the H200).
-    CHECK(worst < (dtype == DType::kF32 ? 1e-4 : dtype == DType::kQ8_0 ? 5e-2 : 2e-2));
+    CHECK(parted <= 6);
+    CHECK(worst < tolerance);
     CHECK(gpu_cache->seq_len() == 20 + 63);
   }
 }
