@@ -26,7 +26,7 @@ RUN (getent passwd combs || useradd --system --create-home --uid 10001 combs) \
  && mkdir -p /models /var/cache/combs && chown combs /var/cache/combs
 COPY --from=build /opt/combs /opt/combs
 # oneDNN's OpenMP threads wait passively between products instead of spinning on the cores combs's
-# own pool uses next (bench/RESULTS.md, 2026-12-05: CPU prompts 7-22% faster); override at run time.
+# own pool uses next (bench/RESULTS.md, 2026-12-05: CPU prompts 7-36% faster); override at run time.
 ENV PATH=/opt/combs/bin:$PATH LD_LIBRARY_PATH=/opt/combs/lib OMP_WAIT_POLICY=passive
 USER combs
 WORKDIR /home/combs

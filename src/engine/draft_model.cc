@@ -45,7 +45,7 @@ StatusOr<std::unique_ptr<DraftModel>> DraftModel::create(std::shared_ptr<const M
     return invalid_argument_error("draft model: " + std::to_string(options.kv_memory_bytes) +
                                   " bytes of KV memory hold no page of " + std::to_string(page_bytes(geometry, options.page_size)));
   }
-  COMBS_ASSIGN_OR_RETURN(m->pool_, PagePool::create(m->runner_->backend(), {geometry, options.page_size, pages}));
+  COMBS_ASSIGN_OR_RETURN(m->pool_, m->runner_->make_page_pool({geometry, options.page_size, pages}));
   {  // The largest first forward, once: the runner's scratch is taken now, not after the target's pool
     const int64_t n = std::min(options.catch_up_chunk, pages * options.page_size);
     COMBS_ASSIGN_OR_RETURN(std::unique_ptr<PagedKVCache> cache, PagedKVCache::create(*m->pool_, n));

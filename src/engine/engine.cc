@@ -438,8 +438,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
       kv_bytes = static_cast<int64_t>(static_cast<double>(*free) * o.kv_memory_fraction);
     }
   }
-  PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size, pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, kv_bytes)};
-  COMBS_ASSIGN_OR_RETURN(impl->pool, PagePool::create(impl->runner->backend(), po));
+  // (A budget is each device's: a pool split over n devices holds n times the pages.)
+  PagePoolOptions po{c.kv_geometry(o.kv_dtype), o.page_size,
+                     pages_for_budget(c.kv_geometry(o.kv_dtype), o.page_size, kv_bytes * impl->runner->kv_shards())};
+  COMBS_ASSIGN_OR_RETURN(impl->pool, impl->runner->make_page_pool(po));
   if (o.host_kv_memory_bytes < 0) return invalid_argument_error("engine: host_kv_memory_bytes must be >= 0");
   if (o.host_kv_memory_bytes > 0) {
     const int64_t pages = o.host_kv_memory_bytes / page_bytes(po.geometry, po.page_size);
@@ -862,6 +864,8 @@ std::vector<SessionInfo> Engine::list() {
     if (!s->closing) out.push_back(info_of(*s));
   return out;
 }
+
+Status Engine::runner_health() const { return impl_->runner->health(); }
 
 EngineStats Engine::stats() {
   std::lock_guard<std::mutex> lock(impl_->mu);

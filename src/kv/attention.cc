@@ -146,6 +146,10 @@ Status reserve_batch_pages(std::span<const SeqAttention> seqs) {
   return ok_status();
 }
 
+void commit_batch(std::span<const SeqAttention> seqs) {
+  for (const SeqAttention& s : seqs) s.cache->grow_layers_to(s.pos + s.n_new);
+}
+
 void set_device_attention(DeviceType device, DeviceAttentionFactory factory) {
   if (device == DeviceType::kCuda) g_cuda_attention = factory;
 }

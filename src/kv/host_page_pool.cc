@@ -7,6 +7,10 @@
 namespace combs {
 
 StatusOr<std::unique_ptr<HostPagePool>> HostPagePool::create(PagePool& device, int64_t num_pages) {
+  if (device.num_shards() > 1) {
+    return unimplemented_error("host page pool: the host tier does not hold the pages of a pool split over " +
+                               std::to_string(device.num_shards()) + " devices (tensor parallelism) yet");
+  }
   if (num_pages < 1 || num_pages > std::numeric_limits<int32_t>::max()) {
     return invalid_argument_error("host page pool: num_pages must be in [1, 2^31), got " + std::to_string(num_pages) +
                                   " (is the host KV memory smaller than one page of " +

@@ -1,5 +1,6 @@
 #include "combs/kv/page_pool.h"
 
+#include <atomic>
 #include <cassert>
 #include <limits>
 #include <string>
@@ -7,6 +8,13 @@
 #include "combs/kv/kv_cache.h"
 
 namespace combs {
+
+namespace {
+uint64_t next_pool_id() {
+  static std::atomic<uint64_t> next{1};
+  return next++;
+}
+}  // namespace
 
 int64_t page_bytes(const KVGeometry& g, int page_size) {
   return 2 * int64_t{g.num_layers} * g.n_kv_heads * page_size * g.head_dim *
@@ -20,6 +28,12 @@ int64_t pages_for_budget(const KVGeometry& g, int page_size, int64_t budget_byte
 
 StatusOr<std::unique_ptr<PagePool>> PagePool::create(Backend& backend,
                                                      const PagePoolOptions& options) {
+  Backend* one[] = {&backend};
+  return create_sharded(one, options);
+}
+
+StatusOr<std::unique_ptr<PagePool>> PagePool::create_sharded(std::span<Backend* const> shards,
+                                                             const PagePoolOptions& options) {
   COMBS_RETURN_IF_ERROR(validate_kv_geometry(options.geometry));
   if (options.page_size < 1 || options.page_size > (1 << 20)) {
     return invalid_argument_error("page pool: page_size must be in [1, 1048576], got " +
@@ -32,20 +46,32 @@ StatusOr<std::unique_ptr<PagePool>> PagePool::create(Backend& backend,
                                   std::to_string(page_bytes(options.geometry, options.page_size)) +
                                   " bytes?)");
   }
-  std::unique_ptr<PagePool> pool(new PagePool(backend, options));
-  const KVGeometry& g = options.geometry;
+  const int n = static_cast<int>(shards.size());
+  if (n < 1 || options.geometry.n_kv_heads % n != 0) {
+    return invalid_argument_error("page pool: " + std::to_string(options.geometry.n_kv_heads) +
+                                  " KV heads do not split evenly over " + std::to_string(n) + " shards");
+  }
+  std::unique_ptr<PagePool> pool(new PagePool(options));
+  KVGeometry g = options.geometry;
+  g.n_kv_heads /= n;
+  pool->shard_geometry_ = g;
   const Shape arena{options.num_pages, g.n_kv_heads, options.page_size, g.head_dim};
-  for (int layer = 0; layer < g.num_layers; ++layer) {
-    COMBS_ASSIGN_OR_RETURN(Tensor k, backend.alloc(arena, g.dtype));
-    COMBS_ASSIGN_OR_RETURN(Tensor v, backend.alloc(arena, g.dtype));
-    pool->k_.push_back(std::move(k));
-    pool->v_.push_back(std::move(v));
+  for (Backend* backend : shards) {
+    Shard s;
+    s.backend = backend;
+    for (int layer = 0; layer < g.num_layers; ++layer) {
+      COMBS_ASSIGN_OR_RETURN(Tensor k, backend->alloc(arena, g.dtype));
+      COMBS_ASSIGN_OR_RETURN(Tensor v, backend->alloc(arena, g.dtype));
+      s.k.push_back(std::move(k));
+      s.v.push_back(std::move(v));
+    }
+    pool->shards_.push_back(std::move(s));
   }
   return pool;
 }
 
-PagePool::PagePool(Backend& backend, const PagePoolOptions& options)
-    : backend_(&backend),
+PagePool::PagePool(const PagePoolOptions& options)
+    : id_(next_pool_id()),
       options_(options),
       refcount_(options.num_pages, 0),
       cached_(options.num_pages, 0),
@@ -127,19 +153,21 @@ void PagePool::lru_unlink(int32_t page) {
 }
 
 void PagePool::copy_page(int32_t src, int32_t dst) {
-  for (int layer = 0; layer < geometry().num_layers; ++layer) {
-    for (const Tensor* arena : {&k_[layer], &v_[layer]}) {
-      // Same dtype and size by construction: cannot fail.
-      backend_->copy(arena->rows(src, src + 1), arena->rows(dst, dst + 1)).ignore();
+  for (const Shard& s : shards_) {
+    for (int layer = 0; layer < geometry().num_layers; ++layer) {
+      for (const Tensor* arena : {&s.k[layer], &s.v[layer]}) {
+        // Same dtype and size by construction: cannot fail.
+        s.backend->copy(arena->rows(src, src + 1), arena->rows(dst, dst + 1)).ignore();
+      }
     }
   }
 }
 
-KVLayout PagePool::layout(int layer, const int32_t* pages) const {
-  const KVGeometry& g = geometry();
+KVLayout PagePool::layout(int layer, const int32_t* pages, int shard) const {
+  const KVGeometry& g = shard_geometry_;
   KVLayout l;
-  l.k = k_[layer].data();
-  l.v = v_[layer].data();
+  l.k = shards_[shard].k[layer].data();
+  l.v = shards_[shard].v[layer].data();
   l.page_table = pages;
   l.page_size = options_.page_size;
   l.head_stride = int64_t{options_.page_size} * g.head_dim;

@@ -143,4 +143,23 @@ StatusOr<std::unique_ptr<PagedKVCache>> PagedKVCache::fork() const {
   return child;
 }
 
+PagedKVShard::PagedKVShard(PagePool& pool, int shard)
+    : KVCache(pool.shard_backend(shard), pool.shard_geometry()), pool_(&pool), shard_(shard) {}
+
+Status PagedKVShard::bind(const PagedKVCache& cache) {
+  if (&cache.page_pool() != pool_) return failed_precondition_error("kv shard: the cache is on another page pool");
+  const int64_t len = cache.seq_len();
+  for (int l = 0; l < cache.geometry().num_layers; ++l) {
+    if (cache.layer_len(l) != len) {
+      return failed_precondition_error("kv shard: layer " + std::to_string(l) + " holds " +
+                                       std::to_string(cache.layer_len(l)) + " positions, the cache " +
+                                       std::to_string(len) + " (mid-step)");
+    }
+  }
+  cache_ = &cache;
+  truncate_layers(0);
+  grow_layers_to(len);
+  return ok_status();
+}
+
 }  // namespace combs

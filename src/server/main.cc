@@ -19,6 +19,7 @@
 #include "combs/engine/sqlite_journal.h"
 #ifdef COMBS_HAVE_CUDA
 #include "combs/model/cuda_runner.h"
+#include "combs/model/tensor_parallel_runner.h"
 #endif
 #include "combs/model/random_model.h"
 #include "combs_service.h"
@@ -85,7 +86,7 @@ int main(int argc, char** argv) {
       {"tls-key", "PEM private key of --tls-cert"},
       {"log-format", "text (key=value) or json"},
       {"log-level", "trace, debug, info, warn, error or off"},
-      {"device", "cpu, cuda, cuda:N, or auto (the first GPU where there is one, else the CPU)"},
+      {"device", "cpu, cuda, cuda:N, cuda:N,M,... (tensor parallelism over those GPUs, NCCL), or auto (the first GPU where there is one, else the CPU)"},
   });
   if (!flags.parse(argc, argv)) return 2;
   if (flags.help_requested()) {
@@ -162,13 +163,28 @@ int main(int argc, char** argv) {
 #ifdef COMBS_HAVE_CUDA
   if (device == "auto") device = CudaBackend::device_count() > 0 ? "cuda" : "cpu";
   if (device.rfind("cuda", 0) == 0) {
-    int index = 0;
-    if (device.size() > 4 && (device[4] != ':' || std::sscanf(device.c_str() + 5, "%d", &index) != 1)) {
-      return std::fprintf(stderr, "combs-server: --device %s: expected cpu, cuda, cuda:N or auto\n", device.c_str()), 2;
+    // cuda, cuda:N, or cuda:N,M,...: tensor parallelism over those GPUs (NCCL).
+    std::vector<int> indices;
+    bool good = device.size() == 4 || device[4] == ':';
+    for (size_t at = 5; good && at <= device.size() && device.size() > 4;) {
+      const size_t comma = std::min(device.find(',', at), device.size());
+      const std::string part = device.substr(at, comma - at);
+      good = !part.empty() && part.size() <= 3 && part.find_first_not_of("0123456789") == std::string::npos;
+      if (good) indices.push_back(std::stoi(part));
+      at = comma + 1;
     }
-    eo.make_runner = make_cuda_runner(index);
+    if (!good) {
+      return std::fprintf(stderr, "combs-server: --device %s: expected cpu, cuda, cuda:N, cuda:N,M,... or auto\n",
+                          device.c_str()), 2;
+    }
+    if (indices.size() > 1) {
+      eo.make_runner = make_tensor_parallel_runner(indices);
+    } else {
+      eo.make_runner = make_cuda_runner(indices.empty() ? 0 : indices[0]);
+    }
   } else if (device != "cpu") {
-    return std::fprintf(stderr, "combs-server: --device %s: expected cpu, cuda, cuda:N or auto\n", device.c_str()), 2;
+    return std::fprintf(stderr, "combs-server: --device %s: expected cpu, cuda, cuda:N, cuda:N,M,... or auto\n",
+                        device.c_str()), 2;
   }
 #else
   if (device == "auto") device = "cpu";
@@ -344,7 +360,17 @@ int main(int argc, char** argv) {
   std::printf("combs-server: serving %s on %s:%d\n", path.c_str(), host.c_str(), port);
   std::fflush(stdout);
 
-  while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  bool serving = true;
+  while (g_signal == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    // A runner that can no longer serve (a tensor-parallel group lost a rank): health NOT_SERVING
+    // at once; requests get its error (UNAVAILABLE) until the server is restarted.
+    if (const Status h = eng.runner_health(); serving && !h.ok()) {
+      serving = false;
+      server::LogLine("not_serving").add("reason", h.message()).error();
+      srv->GetHealthCheckService()->SetServingStatus(false);
+    }
+  }
   // Graceful: health NOT_SERVING and no new work (UNAVAILABLE: clients retry elsewhere); running
   // streams get the grace period, then end UNAVAILABLE; then the server stops.
   server::LogLine("drain").add("signal", static_cast<int>(g_signal)).add("grace_s", static_cast<int64_t>(grace)).info();

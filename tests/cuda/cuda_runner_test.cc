@@ -1,5 +1,6 @@
 // The model on the GPU against the CPU runner: the tiny test models' logits close and their greedy
-// tokens the same over 64 teacher-forced steps (but at near-ties); and the engine on the GPU: rollback and fork behave as on the CPU.
+// tokens the same over 64 teacher-forced steps (but at near-ties); and the engine on the GPU:
+// rollback and fork behave as on the CPU.
 // [cuda]: skipped (and saying so) without a GPU.
 #include <catch2/catch.hpp>
 
@@ -22,14 +23,18 @@ namespace {
 
 int32_t argmax(const float* v, int n) { return static_cast<int32_t>(std::max_element(v, v + n) - v); }
 
+// max |v| (at least 1e-6: a scale to divide by).
+double max_abs(const std::vector<float>& v) {
+  double m = 1e-6;
+  for (float f : v) m = std::max(m, std::abs(double(f)));
+  return m;
+}
+
 // max |gpu - cpu| over max |cpu| of one token's logits.
 double relative_diff(const std::vector<float>& gpu, const std::vector<float>& cpu) {
-  double diff = 0, scale = 1e-6;
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    diff = std::max(diff, std::abs(double(gpu[i]) - cpu[i]));
-    scale = std::max(scale, std::abs(double(cpu[i])));
-  }
-  return diff / scale;
+  double diff = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) diff = std::max(diff, std::abs(double(gpu[i]) - cpu[i]));
+  return diff / max_abs(cpu);
 }
 
 }  // namespace
@@ -73,8 +78,7 @@ TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does unde
       worst = std::max(worst, relative_diff(lg, lc));
       const int32_t tc = argmax(lc.data(), V), tg = argmax(lg.data(), V);
       if (tg != tc) {
-        double scale = 1e-6;
-        for (float f : lc) scale = std::max(scale, std::abs(double(f)));
+        const double scale = max_abs(lc);
         INFO("step " << step << ": cpu " << tc << " (" << lc[tc] << "), gpu " << tg << " (cpu's " << lc[tg] << ")");
         CHECK(step > 0);
         CHECK(double(lc[tc]) - lc[tg] <= 2 * tolerance * scale);

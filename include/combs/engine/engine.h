@@ -70,7 +70,7 @@ namespace combs {
 using SessionId = std::string;
 
 struct EngineOptions {
-  int64_t kv_memory_bytes = int64_t{1} << 30;  // the page pool's budget
+  int64_t kv_memory_bytes = int64_t{1} << 30;  // the page pool's budget (each GPU's, under tensor parallelism)
   // When > 0 and the runner's device reports its free memory (a GPU): the budget is this
   // fraction of the memory free once the weights are loaded, instead of kv_memory_bytes.
   double kv_memory_fraction = 0.0;
@@ -289,6 +289,9 @@ class Engine {
   int64_t max_context() const;
   int max_tokens_per_request() const;
   int64_t kv_capacity_tokens() const;  // positions the page pool holds in all
+  // OK while the model runner can serve; UNAVAILABLE once it cannot (ModelRunner::health: a
+  // tensor-parallel group that lost a rank). Safe from any thread.
+  Status runner_health() const;
 
   // Test hook: pages in use equal the distinct pages the sessions hold or the prefix cache names;
   // every page's reference count is its holders (+1 when cached); cached pages that sessions hold

@@ -94,6 +94,10 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
 // for every sequence, all pools' bookkeeping locked together; RESOURCE_EXHAUSTED (nothing reserved)
 // when a pool has too few free pages.
 Status reserve_batch_pages(std::span<const SeqAttention> seqs);
+// After a step whose attention ran on views of the caches (tensor parallelism: each rank's
+// PagedKVShard, on its own thread) into pages that reserve_batch_pages() reserved: every layer of
+// each cache now holds pos + n_new positions.
+void commit_batch(std::span<const SeqAttention> seqs);
 
 // Rotary position embedding applied by an AttentionStep as it appends (on a GPU, fused with the
 // K/V write into the pages): q and k are rotated in place, each token at its own position, before
@@ -208,6 +212,7 @@ class KVCache {
                                 AttentionImpl impl);
   friend class AttentionStep;
   friend Status reserve_batch_pages(std::span<const SeqAttention> seqs);
+  friend void commit_batch(std::span<const SeqAttention> seqs);
 
   Backend* backend_;
   KVGeometry geometry_;

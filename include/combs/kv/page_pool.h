@@ -13,6 +13,10 @@
 // an allocation fail: num_available() = free + reclaimable is what a caller can count on.
 //
 // Bookkeeping (free list, counts) is plain host data; the arenas live on the backend's device.
+// Tensor parallelism shards a pool by KV heads over several devices (create_sharded): one
+// bookkeeping, so a page id names the same positions on every device, and on each shard's device
+// arenas of its heads [num_pages, n_kv_heads / shards, page_size, head_dim]; every page copy
+// copies on every shard.
 // Thread-safety: the bookkeeping is guarded by the pool's own (recursive) mutex, so caches of
 // different sequences may grow, shrink and fork from different threads at once; hold
 // bookkeeping_lock() across a check and the allocations that rely on it. A page's data is touched
@@ -24,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "combs/backend/backend.h"
@@ -51,8 +56,18 @@ class PagePool {
   // INVALID_ARGUMENT for a bad option, RESOURCE_EXHAUSTED when the backend cannot hold the arenas.
   static StatusOr<std::unique_ptr<PagePool>> create(Backend& backend,
                                                     const PagePoolOptions& options);
+  // A pool whose KV heads are split evenly over `shards` (shard s holds heads
+  // [s n / shards, (s + 1) n / shards)); INVALID_ARGUMENT where they do not divide.
+  static StatusOr<std::unique_ptr<PagePool>> create_sharded(std::span<Backend* const> shards,
+                                                            const PagePoolOptions& options);
 
   const KVGeometry& geometry() const { return options_.geometry; }
+  // Unique among the pools this process makes (an address may be reused, an id is not).
+  uint64_t id() const { return id_; }
+  int num_shards() const { return static_cast<int>(shards_.size()); }
+  // What each shard stores: geometry() with n_kv_heads / num_shards() heads.
+  const KVGeometry& shard_geometry() const { return shard_geometry_; }
+  Backend& shard_backend(int shard) const { return *shards_[shard].backend; }
   int page_size() const { return options_.page_size; }
   int64_t num_pages() const { return options_.num_pages; }
   int64_t num_free() const {
@@ -68,7 +83,7 @@ class PagePool {
   std::unique_lock<std::recursive_mutex> bookkeeping_lock() const {
     return std::unique_lock<std::recursive_mutex>(mu_);
   }
-  Backend& backend() const { return *backend_; }
+  Backend& backend() const { return *shards_[0].backend; }
 
   // A page with reference count 1: a free one, else the least recently released reclaimable
   // cached one (the reclaim hook is called with it first); nullopt when neither exists.
@@ -113,21 +128,26 @@ class PagePool {
     reclaim_hook_ = std::move(hook);
   }
 
-  // Copies page src into page dst in every layer, K and V.
+  // Copies page src into page dst in every layer, K and V (on every shard).
   void copy_page(int32_t src, int32_t dst);
 
-  // Arena of one layer: [num_pages, n_kv_heads, page_size, head_dim].
-  const Tensor& k_arena(int layer) const { return k_[layer]; }
-  const Tensor& v_arena(int layer) const { return v_[layer]; }
-  // Layout of a sequence with page table `pages` in `layer`.
-  KVLayout layout(int layer, const int32_t* pages) const;
+  // Arena of one layer: [num_pages, n_kv_heads, page_size, head_dim] (a shard's heads).
+  const Tensor& k_arena(int layer, int shard = 0) const { return shards_[shard].k[layer]; }
+  const Tensor& v_arena(int layer, int shard = 0) const { return shards_[shard].v[layer]; }
+  // Layout of a sequence with page table `pages` in `layer` (in a shard's arenas: its heads).
+  KVLayout layout(int layer, const int32_t* pages, int shard = 0) const;
 
  private:
-  PagePool(Backend& backend, const PagePoolOptions& options);
+  PagePool(const PagePoolOptions& options);
 
-  Backend* backend_;
+  struct Shard {
+    Backend* backend = nullptr;
+    std::vector<Tensor> k, v;  // per layer
+  };
+  uint64_t id_;
   PagePoolOptions options_;
-  std::vector<Tensor> k_, v_;
+  KVGeometry shard_geometry_;
+  std::vector<Shard> shards_;
   // The reclaimable pages' list (intrusive, doubly linked by page id; kNone ends it).
   static constexpr int32_t kNone = -1;
   void lru_push_back(int32_t page);

@@ -73,4 +73,32 @@ class PagedKVCache final : public KVCache {
   std::vector<int32_t> table_;
 };
 
+// One shard of a paged cache whose pool is split over devices (PagePool::create_sharded): what
+// a tensor-parallel rank's attention reads and writes — the shard's KV heads, on its device, at
+// the whole cache's page ids. A view, bound to a cache between steps with the cache's lengths;
+// the pages are reserved (reserve_batch_pages) and the lengths committed (commit_batch) on the
+// whole caches by the thread that drives the ranks, before and after every rank's step, so a
+// rank's step neither takes pages nor moves the cache (popn and reset do nothing here).
+class PagedKVShard final : public KVCache {
+ public:
+  PagedKVShard(PagePool& pool, int shard);
+  // FAILED_PRECONDITION unless the cache is on this view's pool with every layer at seq_len().
+  Status bind(const PagedKVCache& cache);
+
+  int64_t popn(int64_t) override { return 0; }
+  void reset() override {}
+  std::optional<int64_t> pages_used() const override { return cache_ ? cache_->pages_used() : 0; }
+  int64_t capacity() const override { return cache_ ? cache_->capacity() : 0; }
+
+ protected:
+  int64_t pages_needed(int64_t) const override { return 0; }
+  void reserve(int64_t) override {}
+  KVLayout layout(int layer) const override { return pool_->layout(layer, cache_->page_table().data(), shard_); }
+
+ private:
+  PagePool* pool_;
+  int shard_;
+  const PagedKVCache* cache_ = nullptr;
+};
+
 }  // namespace combs

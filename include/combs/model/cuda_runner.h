@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "combs/backend/cuda/collective.h"
 #include "combs/backend/cuda/cuda_backend.h"
 #include "combs/model/runner.h"
 
@@ -24,6 +25,15 @@ struct CudaRunnerOptions {
   // Times each forward's device work (from its first launch to its last, uploads excluded) with a
   // pair of CUDA events, into stats().device_seconds: for benchmarks (what of a step the host adds).
   bool time_device = false;
+  // Tensor parallelism (Megatron's split): this runner is rank collective->rank() of
+  // collective->world(), on collective->device() (`device` unused). It holds its share of every
+  // layer — its query and KV heads' rows of Q/K/V and their columns of the attention output, its
+  // columns of gate/up and rows of down — and its rows of the output (the vocabulary split), with
+  // the embedding whole; an all-reduce joins the attention's and the FFN's partial outputs, and
+  // rank 0 gathers the logits (it alone samples or writes logits and token ids). Its caches hold
+  // its KV heads (kv_geometry()). Every rank must run the same forwards, each from its own
+  // thread. Null: the whole model on one GPU.
+  Collective* collective = nullptr;
 };
 
 struct CudaRunnerStats {
@@ -46,6 +56,8 @@ class CudaRunner final : public ModelRunner {
   bool samples_on_device() const override { return true; }
   CudaBackend& cuda();
   CudaRunnerStats stats() const;
+  // What this runner's caches store: the model's geometry, or a tensor-parallel rank's KV heads.
+  KVGeometry kv_geometry(DType dtype) const;
 
  private:
   struct Impl;
@@ -60,6 +72,9 @@ namespace combs {
 // ForwardOptions::sampling as cuda::sample_rows reads it: [SampleParamsDev x rows] then the rows'
 // SampleAdjustDev entries (logit bias, then penalties, each row's at its *_at offsets).
 void pack_sampling(std::span<const RowSampling> rows, std::vector<char>* out);
+// INVALID_ARGUMENT unless ForwardOptions::sampling holds one valid row for each of n_out output
+// rows (parameters, a draw in [0, 1), penalized tokens in the vocabulary) and token_ids to write.
+Status check_sampling(const ForwardOptions& options, int64_t n_out, int n_vocab);
 
 // For EngineOptions::make_runner: a CudaRunner on `device`.
 inline auto make_cuda_runner(int device = 0) {

@@ -15,6 +15,7 @@
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/backend/cpu/cpu_ops.h"
 #include "combs/kv/kv_cache.h"
+#include "combs/kv/page_pool.h"
 #include "combs/model/model.h"
 #include "combs/model/sampler.h"
 
@@ -71,6 +72,16 @@ class ModelRunner {
   virtual const Model& model() const = 0;
   // Whether forward() takes ForwardOptions::sampling.
   virtual bool samples_on_device() const { return false; }
+  // The page pool for this runner's caches: on backend(), or (tensor parallelism) split by KV
+  // heads over its ranks' devices.
+  virtual StatusOr<std::unique_ptr<PagePool>> make_page_pool(const PagePoolOptions& options) {
+    return PagePool::create(backend(), options);
+  }
+  // Devices a page is split over (a KV memory budget is each device's).
+  virtual int kv_shards() const { return 1; }
+  // OK while the runner can serve; UNAVAILABLE once it cannot (a tensor-parallel group that lost
+  // a rank). Safe from any thread.
+  virtual Status health() const { return ok_status(); }
 };
 
 // The checks every runner makes of a forward's input: each sequence has a cache of the model's

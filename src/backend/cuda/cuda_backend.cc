@@ -123,11 +123,14 @@ Status CudaBackend::copy(const Tensor& src, const Tensor& dst) {
     return invalid_argument_error("cuda copy: " + src.shape().to_string() + " to " + dst.shape().to_string() +
                                   " (dtype or size differ)");
   }
+  // (Any thread may call: a tensor-parallel pool's shards copy pages from the engine's thread.)
+  COMBS_CUDA_RETURN_IF_ERROR(cudaSetDevice(impl_->device));
   COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault, impl_->stream));
   return synchronize();
 }
 
 Status CudaBackend::zero(const Tensor& t) {
+  COMBS_CUDA_RETURN_IF_ERROR(cudaSetDevice(impl_->device));
   COMBS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.data(), 0, t.nbytes(), impl_->stream));
   return synchronize();
 }
@@ -143,12 +146,17 @@ std::optional<int64_t> CudaBackend::free_memory_bytes() const {
 
 void* CudaBackend::raw_alloc(size_t bytes) {
   void* p = nullptr;
-  if (cudaMalloc(&p, bytes) == cudaSuccess) return p;
+  // On this backend's device whatever the calling thread's current one is (a tensor-parallel
+  // pool allocates every shard's arenas from one thread).
+  if (cudaSetDevice(impl_->device) == cudaSuccess && cudaMalloc(&p, bytes) == cudaSuccess) return p;
   cudaGetLastError();  // the caller reports RESOURCE_EXHAUSTED; clear the runtime's last error
   return nullptr;
 }
 
-void CudaBackend::raw_free(void* ptr) noexcept { cudaFree(ptr); }
+void CudaBackend::raw_free(void* ptr) noexcept {
+  cudaSetDevice(impl_->device);
+  cudaFree(ptr);
+}
 
 void* CudaBackend::raw_alloc_host(size_t bytes) {
   void* p = nullptr;

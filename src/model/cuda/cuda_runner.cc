@@ -68,7 +68,8 @@ struct DecodeGraph {
   }
 };
 
-// ForwardOptions::sampling: one row each, with ids to write to, every token id in the vocabulary.
+}  // namespace
+
 Status check_sampling(const ForwardOptions& o, int64_t n_out, int n_vocab) {
   if (o.token_ids == nullptr) return invalid_argument_error("forward: sampling needs token_ids to write to");
   if (static_cast<int64_t>(o.sampling.size()) != n_out) {
@@ -91,8 +92,6 @@ Status check_sampling(const ForwardOptions& o, int64_t n_out, int n_vocab) {
   }
   return ok_status();
 }
-
-}  // namespace
 
 void pack_sampling(std::span<const RowSampling> rows, std::vector<char>* out) {
   size_t n_adjust = 0;
@@ -138,8 +137,66 @@ struct WeightStack {
   const Tensor& first() const { return parts.front(); }
 };
 
+// A tensor-parallel rank's share of the model (the whole model for one rank): its query and KV
+// heads, its FFN columns and its rows of the output (vocabulary), each a contiguous range.
+struct Shard {
+  int rank = 0, world = 1;
+  int64_t nq = 0, nkv = 0, ff = 0;  // this rank's query heads, KV heads, FFN width
+  int64_t n_vocab = 0, vocab_stride = 0;  // rank r's output rows: [r stride, min(n_vocab, (r + 1) stride))
+  int64_t vocab_begin(int r) const { return r * vocab_stride; }
+  int64_t vocab_rows(int r) const { return std::min(n_vocab, (r + 1) * vocab_stride) - r * vocab_stride; }
+};
+
+// The split of `config` over `world` ranks, or why it cannot be split: heads, KV heads and FFN
+// width must divide evenly, and a block type's column split (the attention output's and down's
+// inputs) must fall on whole blocks of every layer's matrices.
+static StatusOr<Shard> plan_shard(const Model& m, int rank, int world) {
+  const ModelConfig& c = m.config();
+  Shard s;
+  s.rank = rank, s.world = world;
+  s.n_vocab = c.n_vocab;
+  s.vocab_stride = (c.n_vocab + world - 1) / world;
+  auto refuse = [&](const std::string& why) {
+    return invalid_argument_error("tensor parallel: " + c.arch_name + " over " + std::to_string(world) +
+                                  " GPUs: " + why);
+  };
+  if (world > 1 && c.n_expert > 0) {
+    return unimplemented_error("tensor parallel: the experts of a mixture (" + c.arch_name +
+                               ") are not split yet; run it on one GPU");
+  }
+  for (auto [what, n] : {std::pair<const char*, int64_t>{"query heads", c.n_heads}, {"KV heads", c.n_kv_heads},
+                         {"FFN width", c.dense_ffn() ? c.n_ff : world}}) {
+    if (n % world != 0) return refuse(std::string(what) + " (" + std::to_string(n) + ") do not divide evenly");
+  }
+  s.nq = c.n_heads / world, s.nkv = c.n_kv_heads / world, s.ff = c.n_ff / world;  // (experts: one rank)
+  if (s.vocab_rows(world - 1) < 1) return refuse("a vocabulary of " + std::to_string(c.n_vocab) + " is too small");
+  if (world > 1) {
+    for (size_t l = 0; l < m.layers.size(); ++l) {
+      const LayerWeights& w = m.layers[l];
+      for (auto [t, cols] : {std::pair<const Tensor*, int64_t>{&w.wo, s.nq * c.head_dim}, {&w.w_down, s.ff}}) {
+        if (t->defined() && cols % dtype_block_elems(t->dtype()) != 0) {
+          return refuse("layer " + std::to_string(l) + ": " + std::to_string(cols) + " columns a rank are not whole " +
+                        std::string(dtype_name(t->dtype())) + " blocks");
+        }
+      }
+    }
+  }
+  return s;
+}
+
+// The config a rank's forward sees: the model's, with its heads and FFN width.
+static ModelConfig shard_config(const ModelConfig& c, const Shard& s) {
+  ModelConfig r = c;
+  r.n_heads = static_cast<int>(s.nq), r.n_kv_heads = static_cast<int>(s.nkv);
+  if (c.dense_ffn()) r.n_ff = static_cast<int>(s.ff);
+  return r;
+}
+
 struct CudaRunner::Impl {
   std::unique_ptr<CudaBackend> backend;
+  Collective* tp = nullptr;  // tensor parallelism's collectives (null: one GPU)
+  Shard shard;
+  ModelConfig config;  // the model's, with this rank's heads and FFN width
   struct Layer {
     Tensor attn_norm, bqkv, wo, ffn_norm, w_down;
     Tensor q_norm, k_norm, post_attn_norm, post_ffn_norm;  // where the architecture has them
@@ -158,6 +215,7 @@ struct CudaRunner::Impl {
   // Activations, grown to the largest batch seen.
   int64_t capacity = 0, logit_rows = 0;
   Tensor x, h, q, k, v, att, delta, gate, up, last, logits, ints;
+  Tensor part, gathered;  // tensor parallelism: this rank's logits [n, its vocab], every rank's [world, n, stride]
   Tensor router_logits, shared_out, shared_logit, expert_ints, expert_floats,
       expert_xq;  // experts' scratch
   cuda::ExpertScratch experts{};
@@ -202,6 +260,21 @@ StatusOr<Tensor> upload(CudaBackend& b, std::span<const Tensor* const> parts) {
 StatusOr<Tensor> upload(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
   return upload(b, std::span<const Tensor* const>(parts.begin(), parts.size()));
 }
+
+// Columns [begin, end) of a host matrix (whole blocks of a block type: plan_shard checked) on
+// the device, in its dtype.
+StatusOr<Tensor> upload_columns(CudaBackend& b, const Tensor& t, int64_t begin, int64_t end) {
+  if (!t.defined() || (begin == 0 && end == t.dim(1))) return upload(b, {&t});
+  const size_t row = nbytes_for(t.dtype(), t.dim(1)), skip = nbytes_for(t.dtype(), begin),
+               width = nbytes_for(t.dtype(), end - begin);
+  COMBS_ASSIGN_OR_RETURN(Tensor d, b.alloc({t.dim(0), end - begin}, t.dtype()));
+  COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(d.data(), width, static_cast<const char*>(t.data()) + skip, row, width,
+                                          static_cast<size_t>(t.dim(0)), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Rows [begin, end) of a host tensor, or nothing where it is absent.
+Tensor rows_of(const Tensor& t, int64_t begin, int64_t end) { return t.defined() ? t.rows(begin, end) : Tensor(); }
 
 // A projection's parts (in output order) as a WeightStack: consecutive parts of one dtype share a
 // device tensor.
@@ -297,8 +370,14 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
     }
   }
   auto impl = std::make_unique<Impl>();
-  impl->use_graphs = options.cuda_graphs;
-  COMBS_ASSIGN_OR_RETURN(impl->backend, CudaBackend::create({.device = options.device}));
+  impl->tp = options.collective;
+  const int rank = impl->tp ? impl->tp->rank() : 0, world = impl->tp ? impl->tp->world() : 1;
+  COMBS_ASSIGN_OR_RETURN(impl->shard, plan_shard(model, rank, world));
+  impl->config = shard_config(model.config(), impl->shard);
+  const Shard& sh = impl->shard;
+  impl->use_graphs = options.cuda_graphs && (!impl->tp || impl->tp->capturable());
+  COMBS_ASSIGN_OR_RETURN(impl->backend,
+                         CudaBackend::create({.device = impl->tp ? impl->tp->device() : options.device}));
   if (options.time_device) {
     COMBS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->launched));
     COMBS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->finished));
@@ -308,11 +387,17 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
   const ModelConfig& c = model.config();
   COMBS_ASSIGN_OR_RETURN(impl->tok_embd, upload(b, {&model.tok_embd}));
   COMBS_ASSIGN_OR_RETURN(impl->output_norm, upload(b, {&model.output_norm}));
-  if (model.output.data() == model.tok_embd.data()) {
+  if (model.output.data() == model.tok_embd.data() && world == 1) {
     impl->output = impl->tok_embd;  // tied
-  } else {
-    COMBS_ASSIGN_OR_RETURN(impl->output, upload(b, {&model.output}));
+  } else {  // (a rank's vocabulary rows)
+    const Tensor rows = model.output.rows(sh.vocab_begin(rank), sh.vocab_begin(rank) + sh.vocab_rows(rank));
+    COMBS_ASSIGN_OR_RETURN(impl->output, upload(b, {&rows}));
   }
+  const int64_t hd = c.head_dim;
+  // This rank's rows of Q, K, V (its heads), gate and up (its FFN columns); its columns of the
+  // attention output and down.
+  const int64_t q0 = rank * sh.nq * hd, q1 = q0 + sh.nq * hd, kv0 = rank * sh.nkv * hd, kv1 = kv0 + sh.nkv * hd;
+  const int64_t f0 = rank * sh.ff, f1 = f0 + sh.ff;
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const LayerWeights& w = model.layers[i];
     Impl::Layer l;
@@ -332,16 +417,22 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
       }
       COMBS_ASSIGN_OR_RETURN(l.down_exps_b, upload(b, {&w.down_exps_b}));
     }
-    COMBS_ASSIGN_OR_RETURN(l.bo, upload(b, {&w.bo}));
-    COMBS_ASSIGN_OR_RETURN(l.sinks, upload(b, {&w.sinks}));
+    if (rank == 0) {  // (added once, before the all-reduce)
+      COMBS_ASSIGN_OR_RETURN(l.bo, upload(b, {&w.bo}));
+    }
+    const Tensor sinks = rows_of(w.sinks, rank * sh.nq, (rank + 1) * sh.nq);
+    COMBS_ASSIGN_OR_RETURN(l.sinks, upload(b, {&sinks}));
     COMBS_ASSIGN_OR_RETURN(l.attn_norm, upload(b, {&w.attn_norm}));
-    COMBS_ASSIGN_OR_RETURN(l.wqkv, upload_stack(b, {&w.wq, &w.wk, &w.wv}));
-    COMBS_ASSIGN_OR_RETURN(l.bqkv, upload(b, {&w.bq, &w.bk, &w.bv}));
-    COMBS_ASSIGN_OR_RETURN(l.wo, upload(b, {&w.wo}));
+    const Tensor wq = w.wq.rows(q0, q1), wk = w.wk.rows(kv0, kv1), wv = w.wv.rows(kv0, kv1);
+    COMBS_ASSIGN_OR_RETURN(l.wqkv, upload_stack(b, {&wq, &wk, &wv}));
+    const Tensor bq = rows_of(w.bq, q0, q1), bk = rows_of(w.bk, kv0, kv1), bv = rows_of(w.bv, kv0, kv1);
+    COMBS_ASSIGN_OR_RETURN(l.bqkv, upload(b, {&bq, &bk, &bv}));
+    COMBS_ASSIGN_OR_RETURN(l.wo, upload_columns(b, w.wo, q0, q1));
     COMBS_ASSIGN_OR_RETURN(l.ffn_norm, upload(b, {&w.ffn_norm}));
     if (c.dense_ffn()) {
-      COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload_stack(b, {&w.w_gate, &w.w_up}));
-      COMBS_ASSIGN_OR_RETURN(l.w_down, upload(b, {&w.w_down}));
+      const Tensor gate = w.w_gate.rows(f0, f1), up = w.w_up.rows(f0, f1);
+      COMBS_ASSIGN_OR_RETURN(l.w_gate_up, upload_stack(b, {&gate, &up}));
+      COMBS_ASSIGN_OR_RETURN(l.w_down, upload_columns(b, w.w_down, f0, f1));
     }
     COMBS_ASSIGN_OR_RETURN(l.q_norm, upload(b, {&w.q_norm}));
     COMBS_ASSIGN_OR_RETURN(l.k_norm, upload(b, {&w.k_norm}));
@@ -364,72 +455,104 @@ CudaRunner::~CudaRunner() = default;
 Backend& CudaRunner::backend() { return *impl_->backend; }
 CudaBackend& CudaRunner::cuda() { return *impl_->backend; }
 CudaRunnerStats CudaRunner::stats() const { return impl_->stats; }
+KVGeometry CudaRunner::kv_geometry(DType dtype) const { return impl_->config.kv_geometry(dtype); }
 
 // Decode steps of at most this many sequences run as CUDA graphs.
 constexpr int64_t kMaxGraphBatch = 512;
+// How long a tensor-parallel rank waits for a forward's collectives before it gives the group up
+// (a prefill of thousands of tokens on a large model takes seconds).
+constexpr std::chrono::milliseconds kCollectiveDeadline{60000};
 
 Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options) {
   const Model& m = *model_;
   const ModelConfig& c = m.config();
   Impl& I = *impl_;
   CudaBackend& b = *I.backend;
+  if (I.tp && I.tp->aborted()) {  // (its graphs hold collectives of freed communicators)
+    return unavailable_error("cuda: tensor-parallel rank " + std::to_string(I.shard.rank) +
+                             ": the group was aborted after a failure");
+  }
   if (seqs.empty()) return ok_status();
   const auto t_enter = std::chrono::steady_clock::now();
   int64_t total = 0;
-  COMBS_RETURN_IF_ERROR(check_forward_inputs(c, seqs, &b, &total));
-  const int64_t e = c.n_embd, hd = c.head_dim, nq = c.n_heads, nkv = c.n_kv_heads, ff = c.n_ff;
+  COMBS_RETURN_IF_ERROR(check_forward_inputs(I.config, seqs, &b, &total));  // (this rank's KV heads)
+  // This rank's query heads, KV heads and FFN width (the model's on one GPU).
+  const int64_t e = c.n_embd, hd = c.head_dim, nq = I.shard.nq, nkv = I.shard.nkv, ff = I.shard.ff;
+  const Shard& sh = I.shard;
+  const bool lead = sh.rank == 0;  // samples, or writes the logits and token ids
   const int64_t n_out = output_rows(seqs, options.all_logits);
   const bool sampling = !options.sampling.empty();
-  if (sampling) COMBS_RETURN_IF_ERROR(check_sampling(options, n_out, c.n_vocab));
-  if (total > I.capacity) {
-    const int64_t cap = std::max<int64_t>(total, 2 * I.capacity);
-    COMBS_ASSIGN_OR_RETURN(I.x, b.alloc({cap, e}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.h, b.alloc({cap, e}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.delta, b.alloc({cap, e}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.q, b.alloc({cap, nq * hd}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.att, b.alloc({cap, nq * hd}, DType::kF32));
-    // K then V, gate then up, in one allocation each: their projections run as one batched GEMM.
-    COMBS_ASSIGN_OR_RETURN(Tensor kv, b.alloc({2 * cap, nkv * hd}, DType::kF32));
-    I.k = kv.rows(0, cap), I.v = kv.rows(cap, 2 * cap);
-    COMBS_ASSIGN_OR_RETURN(Tensor gate_up, b.alloc({2 * cap, ff}, DType::kF32));
-    I.gate = gate_up.rows(0, cap), I.up = gate_up.rows(cap, 2 * cap);
-    COMBS_ASSIGN_OR_RETURN(I.last, b.alloc({cap, e}, DType::kF32));
-    COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({3 * cap}, DType::kF32));  // int32: tokens, rows, ids
-    if (c.n_expert > 0) {
-      const int64_t kk = c.n_expert_used, fe = c.n_ff_exp;
-      COMBS_ASSIGN_OR_RETURN(I.router_logits, b.alloc({cap, c.n_expert}, DType::kF32));
-      // int32: ids, order [cap k], start [expert_start_size]; f32: weights [cap k], hidden [cap k, ff],
-      // out [cap k, e] (Each part 256-byte aligned: the kernels load rows by 16 bytes.)
-      auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
-      const int64_t pairs = up(cap * kk);
-      COMBS_ASSIGN_OR_RETURN(I.expert_ints, b.alloc({2 * pairs + cuda::expert_start_size(c.n_expert)}, DType::kF32));
-      COMBS_RETURN_IF_ERROR(b.zero(I.expert_ints));  // (start's last entry: the router's counter)
-      COMBS_ASSIGN_OR_RETURN(I.expert_floats,
-                             b.alloc({pairs + up(cap * kk * fe) + cap * kk * e}, DType::kF32));
-      const size_t xq = cuda::expert_activation_bytes(cap, static_cast<int>(kk), e, fe);
-      COMBS_ASSIGN_OR_RETURN(I.expert_xq,
-                             b.alloc({static_cast<int64_t>((xq + 3) / 4)}, DType::kF32));
-      int32_t* ints = I.expert_ints.data_as<int32_t>();
-      float* floats = I.expert_floats.data_as<float>();
-      I.experts = {ints,
-                   floats,
-                   ints + pairs,
-                   ints + 2 * pairs,
-                   I.expert_xq.data(),
-                   floats + pairs,
-                   floats + pairs + up(cap * kk * fe)};
-      if (c.shared_expert) {
-        COMBS_ASSIGN_OR_RETURN(I.shared_out, b.alloc({cap, e}, DType::kF32));
-        COMBS_ASSIGN_OR_RETURN(I.shared_logit, b.alloc({cap, 1}, DType::kF32));
-      }
-    }
-    I.capacity = cap;
-    ++I.activations_generation;
+  if (!lead && (sampling || options.token_ids || logits)) {
+    return invalid_argument_error("forward: tensor-parallel rank " + std::to_string(sh.rank) +
+                                  " has no logits to give: rank 0 samples and writes them");
   }
-  if (n_out > I.logit_rows) {
-    COMBS_ASSIGN_OR_RETURN(I.logits, b.alloc({n_out, static_cast<int64_t>(c.n_vocab)}, DType::kF32));
-    I.logit_rows = n_out;
-    ++I.activations_generation;
+  if (sampling) COMBS_RETURN_IF_ERROR(check_sampling(options, n_out, c.n_vocab));
+  // The activations, grown to this step's size. (A rank's failure here, or anywhere after the
+  // checks every rank makes alike, aborts the group: its peers are in collectives it never joins.)
+  auto grow = [&]() -> Status {
+    if (total > I.capacity) {
+      const int64_t cap = std::max<int64_t>(total, 2 * I.capacity);
+      COMBS_ASSIGN_OR_RETURN(I.x, b.alloc({cap, e}, DType::kF32));
+      COMBS_ASSIGN_OR_RETURN(I.h, b.alloc({cap, e}, DType::kF32));
+      COMBS_ASSIGN_OR_RETURN(I.delta, b.alloc({cap, e}, DType::kF32));
+      COMBS_ASSIGN_OR_RETURN(I.q, b.alloc({cap, nq * hd}, DType::kF32));
+      COMBS_ASSIGN_OR_RETURN(I.att, b.alloc({cap, nq * hd}, DType::kF32));
+      // K then V, gate then up, in one allocation each: their projections run as one batched GEMM.
+      COMBS_ASSIGN_OR_RETURN(Tensor kv, b.alloc({2 * cap, nkv * hd}, DType::kF32));
+      I.k = kv.rows(0, cap), I.v = kv.rows(cap, 2 * cap);
+      COMBS_ASSIGN_OR_RETURN(Tensor gate_up, b.alloc({2 * cap, ff}, DType::kF32));
+      I.gate = gate_up.rows(0, cap), I.up = gate_up.rows(cap, 2 * cap);
+      COMBS_ASSIGN_OR_RETURN(I.last, b.alloc({cap, e}, DType::kF32));
+      COMBS_ASSIGN_OR_RETURN(I.ints, b.alloc({3 * cap}, DType::kF32));  // int32: tokens, rows, ids
+      if (c.n_expert > 0) {
+        const int64_t kk = c.n_expert_used, fe = c.n_ff_exp;
+        COMBS_ASSIGN_OR_RETURN(I.router_logits, b.alloc({cap, c.n_expert}, DType::kF32));
+        // int32: ids, order [cap k], start [expert_start_size]; f32: weights [cap k], hidden [cap k, ff],
+        // out [cap k, e] (Each part 256-byte aligned: the kernels load rows by 16 bytes.)
+        auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
+        const int64_t pairs = up(cap * kk);
+        COMBS_ASSIGN_OR_RETURN(I.expert_ints, b.alloc({2 * pairs + cuda::expert_start_size(c.n_expert)}, DType::kF32));
+        COMBS_RETURN_IF_ERROR(b.zero(I.expert_ints));  // (start's last entry: the router's counter)
+        COMBS_ASSIGN_OR_RETURN(I.expert_floats,
+                               b.alloc({pairs + up(cap * kk * fe) + cap * kk * e}, DType::kF32));
+        const size_t xq = cuda::expert_activation_bytes(cap, static_cast<int>(kk), e, fe);
+        COMBS_ASSIGN_OR_RETURN(I.expert_xq,
+                               b.alloc({static_cast<int64_t>((xq + 3) / 4)}, DType::kF32));
+        int32_t* ints = I.expert_ints.data_as<int32_t>();
+        float* floats = I.expert_floats.data_as<float>();
+        I.experts = {ints,
+                     floats,
+                     ints + pairs,
+                     ints + 2 * pairs,
+                     I.expert_xq.data(),
+                     floats + pairs,
+                     floats + pairs + up(cap * kk * fe)};
+        if (c.shared_expert) {
+          COMBS_ASSIGN_OR_RETURN(I.shared_out, b.alloc({cap, e}, DType::kF32));
+          COMBS_ASSIGN_OR_RETURN(I.shared_logit, b.alloc({cap, 1}, DType::kF32));
+        }
+      }
+      I.capacity = cap;
+      ++I.activations_generation;
+    }
+    if (n_out > I.logit_rows) {
+      if (lead) {
+        COMBS_ASSIGN_OR_RETURN(I.logits, b.alloc({n_out, static_cast<int64_t>(c.n_vocab)}, DType::kF32));
+      }
+      if (sh.world > 1) {
+        COMBS_ASSIGN_OR_RETURN(I.part, b.alloc({n_out, sh.vocab_stride}, DType::kF32));
+        COMBS_ASSIGN_OR_RETURN(I.gathered, b.alloc({sh.world, n_out * sh.vocab_stride}, DType::kF32));
+      } else {
+        I.part = I.logits;
+      }
+      I.logit_rows = n_out;
+      ++I.activations_generation;
+    }
+    return ok_status();
+  };
+  if (Status s = grow(); !s.ok()) {
+    if (I.tp) I.tp->abort();
+    return s;
   }
   // Tokens and the rows whose logits are wanted: one upload (positions travel with the attention
   // metadata).
@@ -458,8 +581,17 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   // Checks the caches, reserves their pages and uploads the attention metadata, for every layer;
   // RoPE runs inside the step, fused with the K/V append.
   const AttentionRope rope{I.inv_freq.data_as<float>(), c.rope_dim, c.rope_style == RopeStyle::kAdjacent};
-  COMBS_RETURN_IF_ERROR(I.step.begin(I.batch, static_cast<int>(nq), &rope));
+  if (Status s = I.step.begin(I.batch, static_cast<int>(nq), &rope); !s.ok()) {
+    // (Checks every rank makes alike fail on all: INVALID_ARGUMENT, FAILED_PRECONDITION; others
+    // may be this device's alone.)
+    if (I.tp && s.code() != StatusCode::kInvalidArgument && s.code() != StatusCode::kFailedPrecondition) {
+      I.tp->abort();
+    }
+    return s;
+  }
   auto fail = [&](const Status& s) {
+    // A rank that fails mid-step leaves its peers' collectives unmatched: the group is given up.
+    if (I.tp) I.tp->abort();
     b.synchronize().ignore();
     I.step.cancel();  // the caches keep their lengths; pages reserved for this step go back
     return s;
@@ -484,6 +616,10 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     d_sample_adjust = reinterpret_cast<const cuda::SampleAdjustDev*>(d_sample_params + n_out);
   }
   const bool device_argmax = options.token_ids && !sampling;
+  // Tensor parallelism: the partial sums of every rank's share of a row-split projection, summed.
+  auto all_reduce = [&](float* data) -> Status {
+    return sh.world == 1 ? ok_status() : I.tp->all_reduce_sum(data, total * e, b.stream());
+  };
 
   // Every device operation of the forward, from the embedding to the logits (or their argmax): only
   // launches, so that a decode step's can be captured into a graph.
@@ -513,7 +649,9 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     // A mixture of experts folds the attention's: the experts add their sum to the residual
     // (experts_ffn's accumulate) after the FFN's norm (in f32: the router and the experts' 8-bit
     // rounding take it).
-    bool fused_attention = !c.post_norms;
+    // (Tensor parallelism takes the general path: its row-split projections' partial outputs
+    // are summed by an all-reduce before they join the residual.)
+    bool fused_attention = !c.post_norms && sh.world == 1;
     bool fused = !c.post_norms && c.activation == Activation::kSilu && c.n_expert == 0;
     for (const Impl::Layer& w : I.layers) {
       fused_attention = fused_attention && decode_fused(w.wqkv, total) && cuda::decode_fused(w.wo, total);
@@ -588,6 +726,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(experts(w, /*accumulate=*/true));
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta, bias(w.bo)));
+        COMBS_RETURN_IF_ERROR(all_reduce(delta));
         if (c.post_norms) {
           COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_attn_norm.data_as<float>(), delta, total, e, c.rms_eps));
         }
@@ -605,6 +744,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
             COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(),
                                                       I.up.data_as<float>(), total, delta));
           }
+          COMBS_RETURN_IF_ERROR(all_reduce(delta));
         }
         if (c.post_norms) {
           COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_ffn_norm.data_as<float>(), delta, total, e, c.rms_eps));
@@ -619,10 +759,22 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       // The last residual add, the wanted rows, the final norm and the logits.
       COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, fused_attention ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
       COMBS_RETURN_IF_ERROR(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
-      COMBS_RETURN_IF_ERROR(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.logits.data_as<float>()));
+      COMBS_RETURN_IF_ERROR(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.part.data_as<float>()));
     }
+    const int64_t part_cols = sh.vocab_rows(sh.rank);
     if (c.final_softcap > 0.0f) {
-      COMBS_RETURN_IF_ERROR(cuda::softcap(b, I.logits.data_as<float>(), n_out * c.n_vocab, c.final_softcap));
+      COMBS_RETURN_IF_ERROR(cuda::softcap(b, I.part.data_as<float>(), n_out * part_cols, c.final_softcap));
+    }
+    if (sh.world > 1) {  // every rank's vocabulary columns to rank 0, into the rows of its logits
+      const int64_t each = n_out * sh.vocab_stride;
+      COMBS_RETURN_IF_ERROR(I.tp->all_gather(I.part.data_as<float>(), I.gathered.data_as<float>(), each, b.stream()));
+      for (int r = 0; lead && r < sh.world; ++r) {
+        const size_t width = static_cast<size_t>(sh.vocab_rows(r)) * 4;
+        COMBS_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(I.logits.data_as<float>() + sh.vocab_begin(r),
+                                                     static_cast<size_t>(c.n_vocab) * 4,
+                                                     I.gathered.data_as<float>() + r * each, width, width,
+                                                     static_cast<size_t>(n_out), cudaMemcpyDeviceToDevice, st));
+      }
     }
     if (device_argmax) COMBS_RETURN_IF_ERROR(cuda::argmax_rows(b, I.logits.data_as<float>(), n_out, c.n_vocab, d_ids));
     return ok_status();
@@ -652,14 +804,22 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   if (!ran.ok()) return fail(ran);
   // (Before the copy: a copy to pageable host memory waits for the device.)
   I.stats.host_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_enter).count();
-  const Status copied =
-      options.token_ids
-          ? cuda::cuda_status(cudaMemcpyAsync(options.token_ids, d_ids, static_cast<size_t>(n_out) * 4, cudaMemcpyDeviceToHost, st),
-                              "cudaMemcpyAsync(argmax)")  // only the token ids cross to the host
-          : cuda::cuda_status(cudaMemcpyAsync(logits, I.logits.data(), static_cast<size_t>(n_out * c.n_vocab) * 4,
-                                              cudaMemcpyDeviceToHost, st),
-                              "cudaMemcpyAsync(logits)");
-  if (!copied.ok()) return fail(copied);
+  // A rank waits for its peers' collectives with a deadline: a failed peer aborts the group, never
+  // a hang.
+  if (I.tp) {
+    if (Status s = I.tp->wait(b.stream(), kCollectiveDeadline); !s.ok()) return fail(s);
+  }
+  if (lead) {
+    const Status copied =
+        options.token_ids
+            ? cuda::cuda_status(cudaMemcpyAsync(options.token_ids, d_ids, static_cast<size_t>(n_out) * 4,
+                                                cudaMemcpyDeviceToHost, st),
+                                "cudaMemcpyAsync(argmax)")  // only the token ids cross to the host
+            : cuda::cuda_status(cudaMemcpyAsync(logits, I.logits.data(), static_cast<size_t>(n_out * c.n_vocab) * 4,
+                                                cudaMemcpyDeviceToHost, st),
+                                "cudaMemcpyAsync(logits)");
+    if (!copied.ok()) return fail(copied);
+  }
   if (Status s = b.synchronize(); !s.ok()) return fail(s);
   if (I.launched) {
     float ms = 0.0f;

@@ -1,11 +1,14 @@
 // combs-bench gpu: the CUDA backend on random-weight models — one-session decode, prefill, many
 // sessions decoding together — and paged vs contiguous decode attention, each against the bound
-// measured in the same run (device-to-device copy bandwidth; bytes of weights or K/V read).
+// measured in the same run (device-to-device copy bandwidth; bytes of weights or K/V read). With
+// --tensor-parallel N: the models split over GPUs 0..N-1 (NCCL; the bound is N GPUs' bandwidth),
+// and the all-reduce's latency for decode-sized messages.
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <thread>
 
 #include "bench.h"
 #include "combs/backend/cuda/cuda_backend.h"
@@ -13,6 +16,7 @@
 #include "combs/kv/cuda/cuda_attention.h"
 #include "combs/kv/paged_kv_cache.h"
 #include "combs/model/cuda_runner.h"
+#include "combs/model/tensor_parallel_runner.h"
 #include "common/data_files.h"
 #include "common/flags.h"
 
@@ -49,12 +53,19 @@ struct Run {
 // `gen` decode steps of all sessions together, greedy as the engine runs it (the argmax on the
 // device; only token ids reach the host). Median over reps.
 // With `sampling`, every decode step samples on the device by those rules instead of argmax.
-StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, int reps,
+// The counters of a runner (of rank 0 for tensor parallelism).
+CudaRunnerStats stats_of(ModelRunner& r) {
+  if (auto* c = dynamic_cast<CudaRunner*>(&r)) return c->stats();
+  if (auto* t = dynamic_cast<TensorParallelRunner*>(&r)) return t->rank(0).stats();
+  return {};
+}
+
+StatusOr<Run> run_sessions(ModelRunner& runner, int n_seqs, int prompt, int gen, int reps,
                            const SamplingParams* sampling = nullptr) {
   const ModelConfig& c = runner.model().config();
   const int64_t ctx = prompt + gen + 1;
   PagePoolOptions po{c.kv_geometry(DType::kBF16), 16, pages_for_tokens(ctx, 16) * n_seqs + 16};
-  COMBS_ASSIGN_OR_RETURN(auto pool, PagePool::create(runner.backend(), po));
+  COMBS_ASSIGN_OR_RETURN(auto pool, runner.make_page_pool(po));
   std::vector<float> logits(static_cast<size_t>(n_seqs) * c.n_vocab);
   std::vector<int32_t> tokens(prompt);
   for (int i = 0; i < prompt; ++i) tokens[i] = (i * 7919 + 13) % c.n_vocab;
@@ -79,7 +90,7 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
       for (int s = 0; s < n_seqs; ++s) rows.push_back({sampling, (s + 0.5) / n_seqs, {}});
       fo.sampling = rows;
     }
-    const double host0 = runner.stats().host_seconds, device0 = runner.stats().device_seconds;
+    const double host0 = stats_of(runner).host_seconds, device0 = stats_of(runner).device_seconds;
     const double t0 = now_seconds();
     for (int i = 0; i < gen; ++i) {
       for (int s = 0; s < n_seqs; ++s) {
@@ -90,8 +101,8 @@ StatusOr<Run> run_sessions(CudaRunner& runner, int n_seqs, int prompt, int gen, 
     }
     const double dt = now_seconds() - t0;
     if (r > 0) {
-      th.push_back((runner.stats().host_seconds - host0) * 1e6 / gen);
-      tg.push_back((runner.stats().device_seconds - device0) * 1e6 / gen);
+      th.push_back((stats_of(runner).host_seconds - host0) * 1e6 / gen);
+      tg.push_back((stats_of(runner).device_seconds - device0) * 1e6 / gen);
       ts.push_back(dt * 1e6 / gen);
       tp.push_back(double(prompt) * n_seqs / t_prompt);
       td.push_back(double(gen) * n_seqs / dt);
@@ -156,23 +167,68 @@ StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, i
   return std::make_pair(paged_gbs, flat_gbs);
 }
 
+// An all-reduce of `floats` f32 values over GPUs 0..world-1 (NCCL, one thread a rank, as the
+// runner calls it): microseconds per call, median of 5 rounds of 200 back-to-back calls.
+StatusOr<double> allreduce_us(int world, int64_t floats) {
+  std::vector<int> ids(static_cast<size_t>(world));
+  std::iota(ids.begin(), ids.end(), 0);
+  COMBS_ASSIGN_OR_RETURN(auto ranks, make_nccl_group(ids));
+  std::vector<double> per_round;
+  std::vector<Status> results(static_cast<size_t>(world), ok_status());
+  std::vector<std::vector<double>> times(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      Collective& c = *ranks[static_cast<size_t>(r)];
+      cudaSetDevice(c.device());
+      cudaStream_t st = nullptr;
+      float* buf = nullptr;
+      if (cudaStreamCreate(&st) != cudaSuccess || cudaMalloc(&buf, static_cast<size_t>(floats) * 4) != cudaSuccess) {
+        results[static_cast<size_t>(r)] = internal_error("allreduce bench: no stream or memory");
+        return;
+      }
+      cudaMemset(buf, 0, static_cast<size_t>(floats) * 4);
+      constexpr int kCalls = 200;
+      for (int round = 0; round < 6 && results[static_cast<size_t>(r)].ok(); ++round) {  // the first warms up
+        const double t0 = now_seconds();
+        for (int i = 0; i < kCalls; ++i) {
+          if (Status s = c.all_reduce_sum(buf, floats, st); !s.ok()) {
+            results[static_cast<size_t>(r)] = s;
+            break;
+          }
+        }
+        if (Status s = c.wait(st, std::chrono::milliseconds(30000)); !s.ok()) results[static_cast<size_t>(r)] = s;
+        if (round > 0) times[static_cast<size_t>(r)].push_back((now_seconds() - t0) * 1e6 / kCalls);
+      }
+      cudaFree(buf);
+      cudaStreamDestroy(st);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const Status& s : results) COMBS_RETURN_IF_ERROR(s);
+  return median(times[0]);
+}
+
 }  // namespace
 
 int run_gpu(int argc, char** argv) {
   tools::Flags flags("combs-bench gpu", {{"shapes", "llama-1b"}, {"dir", "/tmp/combs-bench-models"}, {"reps", "3"},
                                          {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"},
-                                         {"only", ""}, {"vocab", tools::default_vocab()}, {"models", ""}, {"dtypes", "bf16"}});
+                                         {"only", ""}, {"vocab", tools::default_vocab()}, {"models", ""}, {"dtypes", "bf16"},
+                                         {"tensor-parallel", "1"}});
   flags.describe({{"vocab", kVocabHelp},
                   {"dtypes", "weight types of the random models of --shapes (bf16, f16, q8_0, or a llama.cpp file type such as q4_k_m, quantized by combs; llama-quantize's files: --models)"},
-                  {"models", "GGUF files to measure instead of --shapes (e.g. llama-quantize's); a row is labelled by the file's name"}});
+                  {"models", "GGUF files to measure instead of --shapes (e.g. llama-quantize's); a row is labelled by the file's name"},
+                  {"tensor-parallel", "GPUs (0..N-1) each model is split over (NCCL), for every run; 1: one GPU, no NCCL"}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
     flags.print_usage("[--shapes llama-1b,llama-8b | --models FILE,...] [--dir DIR] [--reps N] [--sessions N] [--only decode|sampled|prefill|sessions|attention|models] [--vocab PATH|none]");
     return 0;
   }
-  long long reps, sessions;
+  long long reps, sessions, tp;
   std::vector<long long> contexts;
   if (!flags.integer("reps", &reps, 1, 100) || !flags.integer("sessions", &sessions, 1, 4096) ||
+      !flags.integer("tensor-parallel", &tp, 1, 64) ||
       !flags.ints("attention-contexts", &contexts)) {
     return 2;
   }
@@ -184,13 +240,25 @@ int run_gpu(int argc, char** argv) {
   // The workloads, one definition for the table and for --only: one session's decode (256 new
   // tokens after a 128-token prompt), a 2,048-token prefill, `sessions` sessions' decode (128 new
   // after 1,024-token prompts).
-  auto decode_run = [&](CudaRunner& r, const SamplingParams* sampling = nullptr) {
+  auto decode_run = [&](ModelRunner& r, const SamplingParams* sampling = nullptr) {
     return run_sessions(r, 1, 128, 256, int(reps), sampling);
   };
-  auto prefill_run = [&](CudaRunner& r) { return run_sessions(r, 1, 2048, 1, int(reps)); };
+  auto prefill_run = [&](ModelRunner& r) { return run_sessions(r, 1, 2048, 1, int(reps)); };
   SamplingParams table_sampling;  // the table's "same sampling" column and --only sampled
   table_sampling.temperature = 0.8f, table_sampling.top_p = 0.95f;
-  auto sessions_run = [&](CudaRunner& r) { return run_sessions(r, int(sessions), 1024, 128, int(reps)); };
+  auto sessions_run = [&](ModelRunner& r) { return run_sessions(r, int(sessions), 1024, 128, int(reps)); };
+  // A model's runner: on GPU 0, or split over GPUs 0..tp-1.
+  auto make_runner = [&](const Model& m, CudaRunnerOptions o) -> StatusOr<std::unique_ptr<ModelRunner>> {
+    if (tp == 1) {
+      COMBS_ASSIGN_OR_RETURN(auto r, CudaRunner::create(m, o));
+      return std::unique_ptr<ModelRunner>(std::move(r));
+    }
+    std::vector<int> ids(static_cast<size_t>(tp));
+    std::iota(ids.begin(), ids.end(), 0);
+    COMBS_ASSIGN_OR_RETURN(auto ranks, make_nccl_group(ids));
+    COMBS_ASSIGN_OR_RETURN(auto r, TensorParallelRunner::create(m, std::move(ranks), o));
+    return std::unique_ptr<ModelRunner>(std::move(r));
+  };
   auto vocab = bench_vocab(flags.str("vocab"));
   if (!vocab.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", vocab.status().message().c_str()), 2;
   // (label, file) of a random model of each --shapes x --dtypes, written into --dir once.
@@ -214,9 +282,19 @@ int run_gpu(int argc, char** argv) {
   auto backend = CudaBackend::create();
   if (!backend.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", backend.status().to_string().c_str()), 1;
   register_cuda_attention();
-  const double bw = copy_bandwidth(**backend);
-  std::printf("# combs-bench gpu on %s: device copy bandwidth %.0f GB/s (read + write), median of %lld; vocabulary %s\n\n",
-              (*backend)->description().c_str(), bw / 1e9, reps, vocab->empty() ? "built-in (259 tokens)" : vocab->c_str());
+  const double bw = copy_bandwidth(**backend) * static_cast<double>(tp);
+  std::printf("# combs-bench gpu on %s: device copy bandwidth %.0f GB/s (read + write%s), median of %lld; vocabulary %s\n\n",
+              (*backend)->description().c_str(), bw / 1e9, tp > 1 ? (", x" + std::to_string(tp) + " GPUs").c_str() : "",
+              reps, vocab->empty() ? "built-in (259 tokens)" : vocab->c_str());
+  if (tp > 1) {
+    std::printf("| all-reduce over %lld GPUs (NCCL) | floats | us per call |\n|---|---|---|\n", tp);
+    for (int64_t floats : {int64_t{4096}, int64_t{8192}, int64_t{64} * 4096, int64_t{2048} * 4096}) {
+      auto us = allreduce_us(static_cast<int>(tp), floats);
+      if (!us.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", us.status().to_string().c_str()), 1;
+      std::printf("| | %lld | %.1f |\n", static_cast<long long>(floats), *us);
+    }
+    std::printf("\n");
+  }
   if (only.empty()) {
     std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | same without "
                 "CUDA graphs | same sampling (T 0.8, top-p 0.95) | prefill tok/s (2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |"
@@ -239,7 +317,7 @@ int run_gpu(int argc, char** argv) {
     auto model = Model::load(file);
     if (!model.ok()) return std::fprintf(stderr, "%s\n", model.status().to_string().c_str()), 1;
     // --only decode / sessions also times the device's part of a step (two events per forward).
-    auto runner = CudaRunner::create(**model, {.time_device = !only.empty() && only != "prefill"});
+    auto runner = make_runner(**model, {.time_device = !only.empty() && only != "prefill"});
     if (!runner.ok()) return std::fprintf(stderr, "%s\n", runner.status().to_string().c_str()), 1;
     const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
     if (!only.empty()) {  // one part alone (for a profiler): no table
@@ -261,7 +339,7 @@ int run_gpu(int argc, char** argv) {
     auto one = decode_run(**runner);
     StatusOr<Run> eager = Run{};
     {
-      auto no_graphs = CudaRunner::create(**model, {.cuda_graphs = false});
+      auto no_graphs = make_runner(**model, {.cuda_graphs = false});
       if (!no_graphs.ok()) return std::fprintf(stderr, "%s\n", no_graphs.status().to_string().c_str()), 1;
       eager = decode_run(**no_graphs);
     }
