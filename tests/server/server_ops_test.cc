@@ -282,6 +282,12 @@ TEST_CASE("flags come from the command line or a config file and bad ones are re
   CHECK(fraction_code == 2);
   CHECK(fraction.find("--kv-memory-fraction") != std::string::npos);
   CHECK(run_command(bin + " --no-such-flag 1").first == 2);
+  for (const char* device : {"cuda:", "cuda:0,", "cuda:a", "cudax", "tpu", "cuda:0,,1"}) {
+    INFO(device);
+    auto [code, out] = run_command(bin + " --device " + device);
+    CHECK(code == 2);
+    CHECK(out.find(std::string("--device ") + device) != std::string::npos);
+  }
 
   combs::testing::TempDir dir;
   const std::string cfg = dir.file("combs.conf");
