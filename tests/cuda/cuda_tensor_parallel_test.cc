@@ -172,6 +172,42 @@ TEST_CASE("tensor parallelism through the engine: greedy tokens of one gpu and r
   CHECK(tp->check_invariants().ok());
 }
 
+TEST_CASE("tensor parallelism through the engine: eviction and rebuild give one gpu's tokens", "[cuda]") {
+  if (!have_gpu()) return;
+  testing::TinyModel m("tiny", DType::kF32);
+  // A pool of 4 pages of 16 positions: the second session's 45 positions take the first's pages
+  // (evicted, then rebuilt by prefill when it goes on). The split pool gets half the budget on
+  // each of its two devices: the same 4 pages.
+  const int64_t four_pages = 4 * page_bytes(m.model->config().kv_geometry(EngineOptions{}.kv_dtype), 16);
+  auto make = [&](bool split) {
+    EngineOptions eo;
+    eo.page_size = 16;
+    eo.prefix_cache = false;
+    eo.kv_memory_bytes = split ? four_pages / 2 : four_pages;
+    eo.make_runner = make_cuda_runner(0);
+    if (split) {
+      eo.make_runner = [](const Model& model) -> StatusOr<std::unique_ptr<ModelRunner>> {
+        COMBS_ASSIGN_OR_RETURN(auto ranks, make_local_group(2, 0));
+        COMBS_ASSIGN_OR_RETURN(auto r, TensorParallelRunner::create(model, std::move(ranks)));
+        return std::unique_ptr<ModelRunner>(std::move(r));
+      };
+    }
+    return std::move(Engine::create(std::move(Model::load(m.path)).value(), eo)).value();
+  };
+  std::vector<std::vector<int32_t>> outs[2];
+  for (int split = 0; split < 2; ++split) {
+    auto e = make(split == 1);
+    REQUIRE(e->stats().pages_total == 4);
+    const SessionId a = e->create_session().value(), b = e->create_session().value();
+    outs[split].push_back(testing::run(*e, a, testing::request({1, 2, 3, 4, 5}, 40)));
+    outs[split].push_back(testing::run(*e, b, testing::request({9, 8, 7, 6, 5}, 40)));
+    outs[split].push_back(testing::run(*e, a, testing::request({}, 10)));
+    CHECK(e->stats().evictions > 0);
+    CHECK(e->check_invariants().ok());
+  }
+  CHECK(outs[1] == outs[0]);
+}
+
 TEST_CASE("a tensor-parallel rank that fails mid-step fails the group in time and the caches keep their lengths",
           "[cuda]") {
   if (!have_gpu()) return;

@@ -649,9 +649,11 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     // A mixture of experts folds the attention's: the experts add their sum to the residual
     // (experts_ffn's accumulate) after the FFN's norm (in f32: the router and the experts' 8-bit
     // rounding take it).
-    // (Tensor parallelism takes the general path: its row-split projections' partial outputs
-    // are summed by an all-reduce before they join the residual.)
-    bool fused_attention = !c.post_norms && sh.world == 1;
+    // Tensor parallelism: a row-split projection's partial outputs are summed by an all-reduce.
+    // Fused, rank 0 adds its part to the residual x and the others write theirs over their copy
+    // of x, so the all-reduce of x leaves every rank the residual plus every part; in the general
+    // path the parts in delta are summed before they join the residual.
+    bool fused_attention = !c.post_norms;
     bool fused = !c.post_norms && c.activation == Activation::kSilu && c.n_expert == 0;
     for (const Impl::Layer& w : I.layers) {
       fused_attention = fused_attention && decode_fused(w.wqkv, total) && cuda::decode_fused(w.wo, total);
@@ -716,10 +718,12 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       COMBS_RETURN_IF_ERROR(I.step.run(l, q_t, k_t, v_t, params, att_t,
                                        la.window > 0 ? I.inv_freq_local.data_as<float>() : nullptr));
       if (fused) {
-        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, bias(w.bo), /*accumulate=*/true));
+        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, bias(w.bo), /*accumulate=*/lead));
+        COMBS_RETURN_IF_ERROR(all_reduce(x));
         // silu(gate) * up in the weights' dtype, over the gate buffer (half its bytes).
         COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up_silu(b, w.w_gate_up.first(), x, total, w.ffn_norm.data_as<float>(), c.rms_eps, I.gate.data()));
-        COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, x, /*accumulate=*/true));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, x, /*accumulate=*/lead));
+        COMBS_RETURN_IF_ERROR(all_reduce(x));
       } else if (fused_attention) {  // a mixture of experts, decode-sized: the residual stays in x
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, bias(w.bo), /*accumulate=*/true));
         COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, nullptr, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
@@ -753,7 +757,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     }
     if (fused_attention && n_out == total && cuda::decode_fused(I.output, n_out)) {
       // Every row wanted (the rows ascend: in place): the final norm folded into the logits' projection.
-      const cuda::MatmulOut logits_out[] = {{I.logits.data_as<float>(), c.n_vocab}};
+      const cuda::MatmulOut logits_out[] = {{I.part.data_as<float>(), sh.vocab_rows(sh.rank)}};
       COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, I.output, x, total, logits_out, I.output_norm.data_as<float>(), c.rms_eps));
     } else {
       // The last residual add, the wanted rows, the final norm and the logits.
