@@ -1023,6 +1023,10 @@ std::unique_ptr<DeviceAttentionPlan> make_plan(Backend& backend) {
 
 }  // namespace
 
-void register_cuda_attention() { set_device_attention(DeviceType::kCuda, &make_plan); }
+void register_cuda_attention() {
+  // (Once: tensor-parallel ranks create their runners on several threads at once.)
+  static std::once_flag once;
+  std::call_once(once, [] { set_device_attention(DeviceType::kCuda, &make_plan); });
+}
 
 }  // namespace combs
