@@ -7,10 +7,6 @@
 namespace combs {
 
 StatusOr<std::unique_ptr<HostPagePool>> HostPagePool::create(PagePool& device, int64_t num_pages) {
-  if (device.num_shards() > 1) {
-    return unimplemented_error("host page pool: the host tier does not hold the pages of a pool split over " +
-                               std::to_string(device.num_shards()) + " devices (tensor parallelism) yet");
-  }
   if (num_pages < 1 || num_pages > std::numeric_limits<int32_t>::max()) {
     return invalid_argument_error("host page pool: num_pages must be in [1, 2^31), got " + std::to_string(num_pages) +
                                   " (is the host KV memory smaller than one page of " +
@@ -29,8 +25,9 @@ StatusOr<std::unique_ptr<HostPagePool>> HostPagePool::create(PagePool& device, i
 
 HostPagePool::HostPagePool(PagePool& device, Tensor memory, int64_t num_pages)
     : device_(&device), memory_(std::move(memory)), refcount_(num_pages, 0) {
-  const KVGeometry& g = device.geometry();
+  const KVGeometry& g = device.shard_geometry();
   num_layers_ = g.num_layers;
+  num_shards_ = device.num_shards();
   chunk_bytes_ = static_cast<int64_t>(g.n_kv_heads) * device.page_size() * g.head_dim *
                  static_cast<int64_t>(dtype_size(g.dtype));
   free_.reserve(num_pages);
@@ -75,20 +72,23 @@ Status HostPagePool::copy(std::span<const int32_t> device_pages, std::span<const
       return invalid_argument_error("host page pool: page " + std::to_string(i) + " of the copy is out of range");
     }
   }
-  chunks_.clear();
   char* host = static_cast<char*>(memory_.data());
-  for (size_t i = 0; i < device_pages.size(); ++i) {
-    char* page = host + host_pages[i] * page_bytes();
-    for (int layer = 0; layer < num_layers_; ++layer) {
-      int kv = 0;
-      for (const Tensor* arena : {&device_->k_arena(layer), &device_->v_arena(layer)}) {
-        char* dev = static_cast<char*>(arena->data()) + device_pages[i] * chunk_bytes_;
-        char* h = page + (2 * layer + kv++) * chunk_bytes_;
-        chunks_.push_back(to_host ? Backend::CopyChunk{dev, h} : Backend::CopyChunk{h, dev});
+  for (int shard = 0; shard < num_shards_; ++shard) {  // each shard's heads by its own device
+    chunks_.clear();
+    for (size_t i = 0; i < device_pages.size(); ++i) {
+      char* page = host + host_pages[i] * page_bytes();
+      for (int layer = 0; layer < num_layers_; ++layer) {
+        int kv = 0;
+        for (const Tensor* arena : {&device_->k_arena(layer, shard), &device_->v_arena(layer, shard)}) {
+          char* dev = static_cast<char*>(arena->data()) + device_pages[i] * chunk_bytes_;
+          char* h = page + ((shard * num_layers_ + layer) * 2 + kv++) * chunk_bytes_;
+          chunks_.push_back(to_host ? Backend::CopyChunk{dev, h} : Backend::CopyChunk{h, dev});
+        }
       }
     }
+    COMBS_RETURN_IF_ERROR(device_->shard_backend(shard).copy_chunks(chunks_, static_cast<size_t>(chunk_bytes_)));
   }
-  return device_->backend().copy_chunks(chunks_, static_cast<size_t>(chunk_bytes_));
+  return ok_status();
 }
 
 }  // namespace combs

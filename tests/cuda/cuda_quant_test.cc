@@ -77,6 +77,31 @@ std::vector<float> random_floats(std::mt19937& rng, size_t n, float scale = 1.0f
   return v;
 }
 
+// E experts' random matrices [E, rows, cols] in Q8_0 on the device.
+Tensor random_q8_0_experts(CudaBackend& gpu, std::mt19937& rng, int E, int64_t rows, int64_t cols) {
+  const auto v = random_floats(rng, static_cast<size_t>(E * rows * cols), 0.1f);
+  std::vector<uint8_t> bytes(nbytes_for(DType::kQ8_0, static_cast<int64_t>(v.size())));
+  cpu::quantize_row(v.data(), DType::kQ8_0, bytes.data(), static_cast<int64_t>(v.size()));
+  return upload_bytes(gpu, bytes, Shape{E, rows, cols}, DType::kQ8_0);
+}
+
+// experts_ffn's scratch for n tokens (the router's counter zeroed); its tensors appended to *keep
+// (reserved: they must not move).
+cuda::ExpertScratch expert_scratch(CudaBackend& gpu, int64_t n, int k, int E, int64_t in, int64_t ff,
+                                   std::vector<Tensor>* keep) {
+  auto scratch = [&](int64_t count) { keep->push_back(gpu.alloc(Shape{count}, DType::kF32).value()); };
+  const size_t at = keep->size();
+  for (int64_t count : {n * k, n * k, n * k, cuda::expert_start_size(E)}) scratch(count);
+  REQUIRE(gpu.zero(keep->back()).ok());
+  scratch(static_cast<int64_t>(cuda::expert_activation_bytes(n, k, in, ff) + 3) / 4);
+  scratch(n * k * ff);
+  scratch(n * k * in);
+  const Tensor* t = keep->data() + at;
+  return cuda::ExpertScratch{t[0].data_as<int32_t>(), t[1].data_as<float>(), t[2].data_as<int32_t>(),
+                             t[3].data_as<int32_t>(), t[4].data(),          t[5].data_as<float>(),
+                             t[6].data_as<float>()};
+}
+
 // x rounded as the decode kernel rounds it, and each element's half step d / 2.
 void round_8bit(const std::vector<float>& x, int64_t in, std::vector<float>* xr, std::vector<double>* half_step) {
   const int64_t g = in % 256 == 0 ? 256 : 32;
@@ -609,33 +634,15 @@ TEST_CASE("cuda experts' own router scores follow float64 and route as the given
       const int E = c.n_expert, k = c.k;
       const int64_t in = c.in, ff = 64;
       INFO("experts " << E << " k " << k << " in " << in << " n " << n << (c.bias ? " bias" : ""));
-      auto quantized = [&](int64_t rows, int64_t cols) {
-        const auto v = random_floats(rng, static_cast<size_t>(E * rows * cols), 0.1f);
-        std::vector<uint8_t> bytes(nbytes_for(DType::kQ8_0, static_cast<int64_t>(v.size())));
-        cpu::quantize_row(v.data(), DType::kQ8_0, bytes.data(), static_cast<int64_t>(v.size()));
-        return upload_bytes(*gpu, bytes, Shape{E, rows, cols}, DType::kQ8_0);
-      };
-      const Tensor gud = quantized(2 * ff, in), dnd = quantized(in, ff);
+      const Tensor gud = random_q8_0_experts(*gpu, rng, E, 2 * ff, in), dnd = random_q8_0_experts(*gpu, rng, E, in, ff);
       const auto router = random_floats(rng, static_cast<size_t>(E * in), 0.05f);
       const auto router_bias = random_floats(rng, static_cast<size_t>(E));
       const Tensor rd = upload(*gpu, router, Shape{E, in}), rbd = upload(*gpu, router_bias, Shape{E});
       auto scratch = [&](int64_t count) { return gpu->alloc(Shape{count}, DType::kF32).value(); };
-      auto make_scratch = [&](std::vector<Tensor>* keep) {
-        keep->push_back(scratch(n * k));
-        keep->push_back(scratch(n * k));
-        keep->push_back(scratch(n * k));
-        keep->push_back(scratch(cuda::expert_start_size(E)));
-        REQUIRE(gpu->zero(keep->back()).ok());
-        keep->push_back(scratch(static_cast<int64_t>(cuda::expert_activation_bytes(n, k, in, ff) + 3) / 4));
-        keep->push_back(scratch(n * k * ff));
-        keep->push_back(scratch(n * k * in));
-        const std::vector<Tensor>& t = *keep;
-        return cuda::ExpertScratch{t[0].data_as<int32_t>(), t[1].data_as<float>(), t[2].data_as<int32_t>(),
-                                   t[3].data_as<int32_t>(), t[4].data(),          t[5].data_as<float>(),
-                                   t[6].data_as<float>()};
-      };
       std::vector<Tensor> own_keep, given_keep;
-      const cuda::ExpertScratch own = make_scratch(&own_keep), given = make_scratch(&given_keep);
+      own_keep.reserve(7), given_keep.reserve(7);
+      const cuda::ExpertScratch own = expert_scratch(*gpu, n, k, E, in, ff, &own_keep),
+                                given = expert_scratch(*gpu, n, k, E, in, ff, &given_keep);
       for (int round = 0; round < 2; ++round) {
         INFO("call " << round);
         const auto h = random_floats(rng, static_cast<size_t>(n * in));
@@ -669,6 +676,73 @@ TEST_CASE("cuda experts' own router scores follow float64 and route as the given
         CHECK(own_ids == given_ids);
         CHECK(download(*gpu, own_keep[1]) == download(*gpu, given_keep[1]));
         CHECK(download(*gpu, yd) == download(*gpu, y2d));
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda experts split over ranks add up to the whole", "[cuda][quant]") {
+  // Tensor parallelism's expert split: each rank holds experts [r E / world, (r + 1) E / world)
+  // (views of the whole stack here), routes every token over all E from the same scores, and adds
+  // only its experts' products (rank 0 writes y, the others add to it, as the all-reduce sums
+  // them). The sum equals experts_ffn over the whole stack but for the order of the additions.
+  // Decode-sized (the router's own kernel) and larger steps; gpt-oss's biases and routing.
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(41);
+  struct Case {
+    int n_expert, k;
+    int64_t in, ff;
+    bool oss;
+  };
+  for (const Case c : {Case{8, 2, 256, 128, false}, Case{16, 4, 512, 64, true}}) {
+    for (const int64_t n : {int64_t{1}, int64_t{3}, int64_t{12}}) {
+      const int E = c.n_expert, k = c.k;
+      const int64_t in = c.in, ff = c.ff;
+      const Tensor gud = random_q8_0_experts(*gpu, rng, E, 2 * ff, in), dnd = random_q8_0_experts(*gpu, rng, E, in, ff);
+      const Tensor rd = upload(*gpu, random_floats(rng, static_cast<size_t>(E * in), 0.05f), Shape{E, in});
+      const Tensor gubd = upload(*gpu, random_floats(rng, static_cast<size_t>(E * 2 * ff), 2.0f), Shape{E, 2 * ff});
+      const Tensor dnbd = upload(*gpu, random_floats(rng, static_cast<size_t>(E * in)), Shape{E, in});
+      const Tensor hd = upload(*gpu, random_floats(rng, static_cast<size_t>(n * in)), Shape{n, in});
+      auto scratch = [&](int64_t count) { return gpu->alloc(Shape{count}, DType::kF32).value(); };
+      std::vector<Tensor> keep;
+      keep.reserve(7 * 7);  // (the whole, then 2 and 4 ranks: a scratch each)
+      auto make_scratch = [&]() { return expert_scratch(*gpu, n, k, E, in, ff, &keep); };
+      auto ffn = [&](const Tensor& gu, const Tensor& dn, const float* gu_bias, const float* dn_bias, int first) {
+        cuda::ExpertsFfn f{.gate_up = &gu, .down = &dn, .k = k, .normalize = !c.oss, .router = &rd};
+        f.n_expert = E, f.first_expert = first;
+        if (c.oss) {
+          f.softmax_chosen = true, f.gate_up_bias = gu_bias, f.down_bias = dn_bias;
+          f.swiglu_alpha = kSwigluOaiAlpha, f.swiglu_limit = kSwigluOaiLimit;
+        }
+        return f;
+      };
+      const Tensor whole_y = scratch(n * in), logits = scratch(n * E);
+      REQUIRE(cuda::experts_ffn(*gpu, ffn(gud, dnd, gubd.data_as<float>(), dnbd.data_as<float>(), 0),
+                                logits.data_as<float>(), hd.data_as<float>(), n, make_scratch(),
+                                whole_y.data_as<float>())
+                  .ok());
+      const std::vector<float> want = download(*gpu, whole_y);
+      double scale = 1e-6;
+      for (float v : want) scale = std::max(scale, double(std::abs(v)));
+      for (const int world : {2, 4}) {
+        INFO("experts " << E << " k " << k << " n " << n << " over " << world << (c.oss ? " gpt-oss" : ""));
+        const int each = E / world;
+        const Tensor y = scratch(n * in);
+        for (int r = 0; r < world; ++r) {
+          const Tensor gu = gud.rows(r * each, (r + 1) * each), dn = dnd.rows(r * each, (r + 1) * each);
+          const Tensor gb = gubd.rows(r * each, (r + 1) * each), db = dnbd.rows(r * each, (r + 1) * each);
+          const Status s = cuda::experts_ffn(*gpu, ffn(gu, dn, gb.data_as<float>(), db.data_as<float>(), r * each),
+                                             logits.data_as<float>(), hd.data_as<float>(), n, make_scratch(),
+                                             y.data_as<float>(), /*accumulate=*/r > 0);
+          INFO(s.to_string());
+          REQUIRE(s.ok());
+        }
+        const std::vector<float> got = download(*gpu, y);
+        double worst = 0;
+        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(double(got[i]) - want[i]) / scale);
+        INFO("worst " << worst);
+        CHECK(worst < 1e-5);
       }
     }
   }

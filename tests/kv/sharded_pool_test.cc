@@ -1,12 +1,14 @@
 // A page pool split by KV heads over several backends (tensor parallelism's KV cache): each
 // shard's view of a cache attends over its heads exactly as the whole pool does over the same
 // heads — prefill, decode and a chunk, then a fork (whose partly filled page is copied on every
-// shard); the bookkeeping is one; bad splits and binds are refused.
+// shard); the bookkeeping is one; the host tier copies every shard's heads; bad splits and binds
+// are refused.
 #include <catch2/catch.hpp>
 
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/kv/host_page_pool.h"
 #include "combs/kv/paged_kv_cache.h"
+#include "support/host_tier_check.h"
 #include "support/kv_helpers.h"
 #include "support/random.h"
 
@@ -123,6 +125,16 @@ TEST_CASE("a split page pool refuses uneven shards and foreign caches", "[kv]") 
   auto foreign = PagedKVCache::create(*other, 64).value();
   PagedKVShard shard(*pool, 0);
   CHECK(shard.bind(*foreign).code() == StatusCode::kFailedPrecondition);
-  // The host tier holds whole pages of one device only (for now).
-  CHECK(HostPagePool::create(*pool, 4).status().code() == StatusCode::kUnimplemented);
+}
+
+TEST_CASE("the host tier stores and loads the pages of a split pool on every shard", "[kv]") {
+  testing::Rng rng(testing::test_seed());
+  INFO("seed " << rng.seed());
+  CpuBackend b0({1}), b1({1});
+  Backend* two[] = {&b0, &b1};
+  auto pool = PagePool::create_sharded(two, {kGeometry, 4, 8}).value();
+  auto host = std::move(HostPagePool::create(*pool, 8)).value();
+  CHECK(host->page_bytes() == page_bytes(kGeometry, 4));  // every shard's heads: a whole page
+  testing::check_round_trip(*pool, *host, {0, 5, 3}, {7, 1, 2}, rng);
+  testing::check_round_trip(*pool, *host, {0, 1, 2, 3, 4, 5, 6, 7}, {7, 6, 5, 4, 3, 2, 1, 0}, rng);
 }

@@ -1,5 +1,6 @@
 // The host tier's copies on any backend: pages stored to host memory and loaded back into other
-// pages hold the same bytes, and nothing else changes (kv tests on the CPU, [cuda] on a GPU).
+// pages hold the same bytes on every shard, and nothing else changes (kv tests on the CPU, [cuda]
+// on a GPU).
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -12,15 +13,17 @@
 
 namespace combs::testing {
 
-// Every layer's K and V arena as host bytes (through the backend's copy).
+// Every shard's every layer's K and V arena as host bytes (through the shard's backend's copy).
 inline std::vector<std::vector<char>> arena_bytes(PagePool& pool) {
   std::vector<std::vector<char>> out;
-  for (int layer = 0; layer < pool.geometry().num_layers; ++layer) {
-    for (const Tensor* arena : {&pool.k_arena(layer), &pool.v_arena(layer)}) {
-      std::vector<char> bytes(arena->nbytes());
-      const Tensor host = Tensor::wrap(bytes.data(), arena->shape(), arena->dtype());
-      REQUIRE(pool.backend().copy(*arena, host).ok());
-      out.push_back(std::move(bytes));
+  for (int shard = 0; shard < pool.num_shards(); ++shard) {
+    for (int layer = 0; layer < pool.geometry().num_layers; ++layer) {
+      for (const Tensor* arena : {&pool.k_arena(layer, shard), &pool.v_arena(layer, shard)}) {
+        std::vector<char> bytes(arena->nbytes());
+        const Tensor host = Tensor::wrap(bytes.data(), arena->shape(), arena->dtype());
+        REQUIRE(pool.shard_backend(shard).copy(*arena, host).ok());
+        out.push_back(std::move(bytes));
+      }
     }
   }
   return out;
@@ -28,12 +31,14 @@ inline std::vector<std::vector<char>> arena_bytes(PagePool& pool) {
 
 // Random bytes in every arena (finite f16/bf16/f32 values are not needed: the copies move bytes).
 inline void fill_arenas(PagePool& pool, Rng& rng) {
-  for (int layer = 0; layer < pool.geometry().num_layers; ++layer) {
-    for (const Tensor* arena : {&pool.k_arena(layer), &pool.v_arena(layer)}) {
-      std::vector<char> bytes(arena->nbytes());
-      for (char& b : bytes) b = static_cast<char>(rng.integer(0, 255));
-      const Tensor host = Tensor::wrap(bytes.data(), arena->shape(), arena->dtype());
-      REQUIRE(pool.backend().copy(host, *arena).ok());
+  for (int shard = 0; shard < pool.num_shards(); ++shard) {
+    for (int layer = 0; layer < pool.geometry().num_layers; ++layer) {
+      for (const Tensor* arena : {&pool.k_arena(layer, shard), &pool.v_arena(layer, shard)}) {
+        std::vector<char> bytes(arena->nbytes());
+        for (char& b : bytes) b = static_cast<char>(rng.integer(0, 255));
+        const Tensor host = Tensor::wrap(bytes.data(), arena->shape(), arena->dtype());
+        REQUIRE(pool.shard_backend(shard).copy(host, *arena).ok());
+      }
     }
   }
 }
@@ -49,7 +54,7 @@ inline void check_round_trip(PagePool& pool, HostPagePool& host, const std::vect
   REQUIRE(host.store(from, host_pages).ok());
   REQUIRE(host.load(host_pages, to).ok());
   const std::vector<std::vector<char>> after = arena_bytes(pool);
-  const KVGeometry& g = pool.geometry();
+  const KVGeometry& g = pool.shard_geometry();  // (the whole geometry where there is one shard)
   const size_t page = static_cast<size_t>(g.n_kv_heads) * pool.page_size() * g.head_dim * dtype_size(g.dtype);
   for (size_t a = 0; a < after.size(); ++a) {
     for (int64_t p = 0; p < pool.num_pages(); ++p) {

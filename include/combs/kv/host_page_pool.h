@@ -4,7 +4,9 @@
 // back when that costs less than computing them again.
 //
 // A host page holds what one device page does: every layer's K and V of page_size positions,
-// [num_pages, num_layers, 2 (K, V), n_kv_heads, page_size, head_dim] in the device pool's dtype.
+// [num_pages, shards, num_layers, 2 (K, V), n_kv_heads / shards, page_size, head_dim] in the
+// device pool's dtype (a pool split over several devices, PagePool::create_sharded: each shard's
+// heads copied by its own device; the host memory is portable, pinned for every device).
 // Pages are reference counted (a fork shares its parent's host copy); the free list hands out low
 // ids first. Bookkeeping is plain host data.
 // Thread-compatible (the engine uses it under its lock). store() and load() run on the device
@@ -33,7 +35,7 @@ class HostPagePool {
   int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
   int64_t num_used() const { return num_pages() - num_free(); }
   // Bytes of one page (PagePool's page_bytes()).
-  int64_t page_bytes() const { return 2 * static_cast<int64_t>(num_layers_) * chunk_bytes_; }
+  int64_t page_bytes() const { return 2 * static_cast<int64_t>(num_layers_) * num_shards_ * chunk_bytes_; }
   PagePool& device() const { return *device_; }
 
   // A free page with reference count 1; nullopt when none is free.
@@ -54,8 +56,8 @@ class HostPagePool {
 
   PagePool* device_;
   Tensor memory_;            // num_pages * page_bytes() bytes
-  int num_layers_ = 0;
-  int64_t chunk_bytes_ = 0;  // one layer's K (or V) of one page
+  int num_layers_ = 0, num_shards_ = 1;
+  int64_t chunk_bytes_ = 0;  // one layer's K (or V) of one page on one shard
   std::vector<int32_t> free_;  // stack: back() is handed out next
   std::vector<int32_t> refcount_;
   std::vector<Backend::CopyChunk> chunks_;  // scratch of copy()

@@ -24,8 +24,9 @@ namespace combs {
 class TensorParallelRunner final : public ModelRunner {
  public:
   // One rank per collective (rank i on ranks[i]->device()); the model must outlive the runner.
-  // Errors as CudaRunner::create's, and INVALID_ARGUMENT / UNIMPLEMENTED where the model does
-  // not split over that many ranks (heads, KV heads or FFN width not divisible; experts).
+  // Errors as CudaRunner::create's, and INVALID_ARGUMENT where the model does not split over
+  // that many ranks (heads, KV heads, FFN width or experts not divisible; a block type's column
+  // split not on whole blocks).
   static StatusOr<std::unique_ptr<TensorParallelRunner>> create(const Model& model,
                                                                 std::vector<std::unique_ptr<Collective>> ranks,
                                                                 CudaRunnerOptions options = {});

@@ -21,11 +21,12 @@ constexpr int kCombineThreads = 128;  // combine_kernel's, four columns a thread
 // rule, and its softmax_chosen weighting: a softmax over the k chosen scores alone; a token's
 // scores in the warp's shared row, the butterfly reductions leave every lane the same max, sum and
 // choice), then the (token, slot) pairs are counted and grouped by expert, and the experts chosen
-// listed (start's layout: quant_matmul.h). A pair's place within its expert's group is whatever the
-// atomics give: no pair's arithmetic depends on it, nor on the other tokens routed with it.
+// listed (start's layout: quant_matmul.h): those in [lo, hi) only, the experts this rank holds
+// (tensor parallelism). A pair's place within its expert's group is whatever the atomics give: no
+// pair's arithmetic depends on it, nor on the other tokens routed with it.
 // smem: (n_expert + 1) ints, then n_expert floats per warp (route_smem).
-__device__ void route_block(const float* logits, int n, int n_expert, int k, bool normalize, bool softmax_chosen,
-                            int32_t* __restrict__ ids, float* __restrict__ weights, int32_t* __restrict__ order,
+__device__ void route_block(const float* logits, int n, int n_expert, int lo, int hi, int k, bool normalize,
+                            bool softmax_chosen, int32_t* __restrict__ ids, float* __restrict__ weights, int32_t* __restrict__ order,
                             int32_t* __restrict__ start, int32_t* smem) {
   int32_t* cursor = smem;  // [n_expert + 1]: counts, then each expert's next place
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -88,8 +89,9 @@ __device__ void route_block(const float* logits, int n, int n_expert, int k, boo
         const int v = __shfl_up_sync(0xffffffff, incl, o);
         if (lane >= o) incl += v;
       }
-      const unsigned picked = __ballot_sync(0xffffffff, c > 0);
-      if (c > 0) start[n_expert + 2 + n_chosen + __popc(picked & ((1u << lane) - 1))] = i - 1;
+      const bool held = c > 0 && i - 1 >= lo && i - 1 < hi;
+      const unsigned picked = __ballot_sync(0xffffffff, held);
+      if (held) start[n_expert + 2 + n_chosen + __popc(picked & ((1u << lane) - 1))] = i - 1;
       n_chosen += __popc(picked);
       if (i <= n_expert) cursor[i] = start[i] = carry + incl;
       carry += __shfl_sync(0xffffffff, incl, 31);
@@ -106,13 +108,14 @@ size_t route_smem(int n_expert, int threads) {
 
 // Routing alone, the scores given: one block.
 __global__ void __launch_bounds__(kRouteThreads)
-    route_kernel(const float* __restrict__ logits, int n, int n_expert, int k, bool normalize, bool softmax_chosen,
+    route_kernel(const float* __restrict__ logits, int n, int n_expert, int lo, int hi, int k, bool normalize,
+                 bool softmax_chosen,
                  int32_t* __restrict__ ids, float* __restrict__ weights, int32_t* __restrict__ order,
                  int32_t* __restrict__ start) {
   extern __shared__ int32_t smem[];
   pdl_launch_dependents();
   pdl_wait();
-  route_block(logits, n, n_expert, k, normalize, softmax_chosen, ids, weights, order, start, smem);
+  route_block(logits, n, n_expert, lo, hi, k, normalize, softmax_chosen, ids, weights, order, start, smem);
 }
 
 // The router's scores for a decode-sized step and the routing in one kernel: logits [n, n_expert]
@@ -122,7 +125,8 @@ __global__ void __launch_bounds__(kRouteThreads)
 // *counter after its scores are out, which it puts back to zero) routes them as route_kernel.
 __global__ void __launch_bounds__(kRouterThreads)
     router_route_kernel(const float* __restrict__ router, const float* __restrict__ bias, const float* __restrict__ h,
-                        int64_t in, float* logits, int n, int n_expert, int k, bool normalize, bool softmax_chosen,
+                        int64_t in, float* logits, int n, int n_expert, int lo, int hi, int k, bool normalize,
+                        bool softmax_chosen,
                         int32_t* __restrict__ ids, float* __restrict__ weights, int32_t* __restrict__ order,
                         int32_t* __restrict__ start, int32_t* __restrict__ counter) {
   extern __shared__ int32_t smem[];
@@ -158,15 +162,16 @@ __global__ void __launch_bounds__(kRouterThreads)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  route_block(logits, n, n_expert, k, normalize, softmax_chosen, ids, weights, order, start, smem);
+  route_block(logits, n, n_expert, lo, hi, k, normalize, softmax_chosen, ids, weights, order, start, smem);
   if (threadIdx.x == 0) *counter = 0;
 }
 
-// y[t, :] (+)= sum over slots j (in order) of weights[t, j] * out[t k + j, :], plus
-// sigmoid(shared_logit[t]) * shared[t, :] where there is a shared expert. Blocks (columns, token);
-// a thread four columns (dim % 4 == 0) or one.
+// y[t, :] (+)= sum over slots j (in order) whose expert ids[t, j] is in [lo, hi) (this rank's) of
+// weights[t, j] * out[t k + j, :], plus sigmoid(shared_logit[t]) * shared[t, :] where there is a
+// shared expert. Blocks (columns, token); a thread four columns (dim % 4 == 0) or one.
 __global__ void __launch_bounds__(kCombineThreads)
-    combine_kernel(const float* __restrict__ out, const float* __restrict__ weights, int k, int64_t dim,
+    combine_kernel(const float* __restrict__ out, const float* __restrict__ weights, const int32_t* __restrict__ ids,
+                   int lo, int hi, int k, int64_t dim,
                    const float* __restrict__ shared, const float* __restrict__ shared_logit, bool accumulate,
                    float* __restrict__ y) {
   pdl_launch_dependents();
@@ -179,13 +184,18 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (per == 4) {
 #pragma unroll 8
     for (int j = 0; j < k; ++j) {
+      const int e = ids[t * k + j];
+      if (e < lo || e >= hi) continue;
       const float wj = weights[t * k + j];
       const float4 o = *reinterpret_cast<const float4*>(out + (t * k + j) * dim + c0);
       v[0] += wj * o.x, v[1] += wj * o.y, v[2] += wj * o.z, v[3] += wj * o.w;
     }
   } else {
 #pragma unroll 8
-    for (int j = 0; j < k; ++j) v[0] += weights[t * k + j] * out[(t * k + j) * dim + c0];
+    for (int j = 0; j < k; ++j) {
+      const int e = ids[t * k + j];
+      if (e >= lo && e < hi) v[0] += weights[t * k + j] * out[(t * k + j) * dim + c0];
+    }
   }
   for (int c = 0; c < per; ++c) {
     float x = v[c];
@@ -205,9 +215,14 @@ Status experts_ffn(CudaBackend& b, const ExpertsFfn& f, float* router_logits, co
                    int64_t n, const ExpertScratch& s, float* y, bool accumulate) {
   const Tensor& gu = *f.gate_up;
   const Tensor& down = *f.down;
-  const int n_expert = static_cast<int>(gu.dim(0));
+  const int held = static_cast<int>(gu.dim(0)), n_expert = f.n_expert > 0 ? f.n_expert : held;
+  const int lo = f.first_expert, hi = lo + held;
   const int64_t in = gu.dim(2), ff = gu.dim(1) / 2;
-  if (down.rank() != 3 || down.dim(0) != n_expert || down.dim(1) != in || down.dim(2) != ff) {
+  if (lo < 0 || hi > n_expert) {
+    return invalid_argument_error("cuda experts_ffn: experts [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                  ") of " + std::to_string(n_expert));
+  }
+  if (down.rank() != 3 || down.dim(0) != held || down.dim(1) != in || down.dim(2) != ff) {
     return invalid_argument_error("cuda experts_ffn: down experts " + down.shape().to_string() +
                                   " do not match gate/up " + gu.shape().to_string());
   }
@@ -231,29 +246,30 @@ Status experts_ffn(CudaBackend& b, const ExpertsFfn& f, float* router_logits, co
     COMBS_RETURN_IF_ERROR(cuda_status(
         launch_pdl(router_route_kernel, dim3(static_cast<unsigned>(std::min<int64_t>(scores, 2048))),
                    dim3(kRouterThreads), smem, st, f.router->data_as<float>(), f.router_bias, h, in, router_logits,
-                   static_cast<int>(n), n_expert, f.k, f.normalize, f.softmax_chosen, s.ids, s.weights, s.order,
-                   s.start, counter),
+                   static_cast<int>(n), n_expert, lo, hi, f.k, f.normalize, f.softmax_chosen, s.ids, s.weights,
+                   s.order, s.start, counter),
         "router_route_kernel"));
   } else {
     const size_t smem = route_smem(n_expert, kRouteThreads);
     if (smem > (48u << 10)) return invalid_argument_error("cuda experts_ffn: " + std::to_string(n_expert) + " experts");
     COMBS_RETURN_IF_ERROR(cuda_status(
         launch_pdl(route_kernel, dim3(1), dim3(kRouteThreads), smem, st, static_cast<const float*>(router_logits),
-                   static_cast<int>(n), n_expert, f.k, f.normalize, f.softmax_chosen, s.ids, s.weights, s.order,
-                   s.start),
+                   static_cast<int>(n), n_expert, lo, hi, f.k, f.normalize, f.softmax_chosen, s.ids, s.weights,
+                   s.order, s.start),
         "route_kernel"));
   }
   COMBS_RETURN_IF_ERROR(quantize_activations(st, h, n, in, nullptr, 0.0f, s.xq));
   COMBS_RETURN_IF_ERROR(
       quant_gemv_experts(st, gu, s.xq, n, s.order, s.start, f.k, /*pairs=*/true, s.hidden,
-                         {f.gate_up_bias, f.swiglu_alpha, f.swiglu_limit}));
+                         {f.gate_up_bias, f.swiglu_alpha, f.swiglu_limit}, n_expert, lo));
   COMBS_RETURN_IF_ERROR(quantize_activations(st, s.hidden, n * f.k, ff, nullptr, 0.0f, s.xq));
   COMBS_RETURN_IF_ERROR(
       quant_gemv_experts(st, down, s.xq, n * f.k, s.order, s.start, 1, /*pairs=*/false, s.out,
-                         {f.down_bias}));
+                         {f.down_bias}, n_expert, lo));
   const int per = in % 4 == 0 ? 4 : 1;
   const dim3 grid(static_cast<unsigned>((in / per + kCombineThreads - 1) / kCombineThreads), static_cast<unsigned>(n));
-  return cuda_status(launch_pdl(combine_kernel, grid, dim3(kCombineThreads), 0, st, s.out, s.weights, f.k, in,
+  return cuda_status(launch_pdl(combine_kernel, grid, dim3(kCombineThreads), 0, st, s.out, s.weights,
+                                static_cast<const int32_t*>(s.ids), lo, hi, f.k, in,
                                 f.shared, f.shared_logit, accumulate, y),
                      "combine_kernel");
 }

@@ -475,16 +475,16 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     expert_gemv_kernel(const uint8_t* __restrict__ w, int64_t expert_bytes, int64_t rows,
                        const int8_t* __restrict__ xq, const float* __restrict__ xd, int64_t in,
                        int gshift, const int32_t* __restrict__ order,
-                       const int32_t* __restrict__ start, int n_expert, int x_div, float* __restrict__ y,
-                       ExpertEpilogue ep) {
+                       const int32_t* __restrict__ start, int n_expert, int first_expert, int x_div,
+                       float* __restrict__ y, ExpertEpilogue ep) {
   constexpr int kRowsPerWarp = 32 / LPR;
   pdl_launch_dependents();
   pdl_wait();  // the routing (start, order) and xq come from the kernels before
   if (static_cast<int>(blockIdx.y) >= start[n_expert + 1]) return;
-  const int e = start[n_expert + 2 + blockIdx.y];
+  const int e = start[n_expert + 2 + blockIdx.y];  // (routed id; w holds experts from first_expert on)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int sub = lane / LPR, sl = lane % LPR;  // this lane's row of the warp's, its place in the row
-  const uint8_t* we = w + static_cast<int64_t>(e) * expert_bytes;
+  const uint8_t* we = w + static_cast<int64_t>(e - first_expert) * expert_bytes;
   const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>,
                 groups = in >> (5 + gshift);
   const int64_t first_row = (static_cast<int64_t>(blockIdx.x) * warps + warp) * kRowsPerWarp;
@@ -497,7 +497,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       }
     }
   }
-  const float* bias = ep.bias ? ep.bias + static_cast<int64_t>(e) * (PAIRS ? 2 * rows : rows) : nullptr;
+  const float* bias = ep.bias ? ep.bias + static_cast<int64_t>(e - first_expert) * (PAIRS ? 2 * rows : rows) : nullptr;
   const int first = start[e], count = start[e + 1] - first;
   for (int64_t row0 = first_row; row0 < rows; row0 += static_cast<int64_t>(gridDim.x) * warps * kRowsPerWarp) {
     const int64_t row = row0 + sub;
@@ -1016,7 +1016,7 @@ Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int 
 
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,
                           const int32_t* order, const int32_t* start, int x_div, bool pairs,
-                          float* y, ExpertEpilogue epilogue) {
+                          float* y, ExpertEpilogue epilogue, int experts, int first_expert) {
   if (!is_block_quant(w.dtype()) || w.rank() != 3 || w.dim(2) % dtype_block_elems(w.dtype()) != 0 ||
       (pairs && w.dim(1) % 2 != 0)) {
     return invalid_argument_error(
@@ -1029,8 +1029,12 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
   const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(x_rows, in));
   const int gshift = activation_group(in) == 256 ? 3 : 0;
   const int64_t expert_bytes = static_cast<int64_t>(nbytes_for(w.dtype(), w.dim(1) * in));
-  const int n_expert = static_cast<int>(w.dim(0));
-  const int64_t most_chosen = std::min<int64_t>(n_expert, x_rows * x_div);  // one expert a pair at most
+  const int held = static_cast<int>(w.dim(0)), n_expert = experts > 0 ? experts : held;
+  if (first_expert < 0 || first_expert + held > n_expert) {
+    return invalid_argument_error("cuda quant_gemv_experts: experts [" + std::to_string(first_expert) + ", " +
+                                  std::to_string(first_expert + held) + ") of " + std::to_string(n_expert));
+  }
+  const int64_t most_chosen = std::min<int64_t>(held, x_rows * x_div);  // one expert a pair at most
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
   // Rows of up to 32 units (in <= 1024) take 8 lanes each, four rows a warp; longer ones a warp.
   const bool short_rows = in <= 1024;
@@ -1039,7 +1043,7 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
     constexpr DType T = decltype(tag)::value;
     auto go = [&](auto kernel) {
       return cuda_status(launch_pdl(kernel, grid, dim3(kMaxWarps * 32), 0, st, wp, expert_bytes, rows, q, d, in, gshift,
-                                    order, start, n_expert, x_div, y, epilogue),
+                                    order, start, n_expert, first_expert, x_div, y, epilogue),
                          "expert_gemv_kernel");
     };
     if (pairs) return short_rows ? go(expert_gemv_kernel<T, 4, true, 8>) : go(expert_gemv_kernel<T, 4, true, 32>);

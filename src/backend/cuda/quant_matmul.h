@@ -67,13 +67,15 @@ Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int 
 // y row p = silu(gate) * up [out / 2]. Every expert's weights read once per 4 of its pairs.
 // epilogue: each expert's bias [n_expert, out] added to its products (before the activation), and
 // gpt-oss's clamped SwiGLU instead of silu(gate) * up where limit > 0.
+// experts: the experts routed (start's n_expert; 0: w's count) and w's first of them (a
+// tensor-parallel rank's share; only its experts are among start's chosen).
 struct ExpertEpilogue {
   const float* bias = nullptr;
   float alpha = 0.0f, limit = 0.0f;
 };
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,
                           const int32_t* order, const int32_t* start, int x_div, bool pairs,
-                          float* y, ExpertEpilogue epilogue = {});
+                          float* y, ExpertEpilogue epilogue = {}, int experts = 0, int first_expert = 0);
 
 // out [rows, in] = rows [row0, row0 + rows) of w dequantized to BF16.
 Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows, __nv_bfloat16* out);

@@ -138,18 +138,23 @@ struct WeightStack {
 };
 
 // A tensor-parallel rank's share of the model (the whole model for one rank): its query and KV
-// heads, its FFN columns and its rows of the output (vocabulary), each a contiguous range.
+// heads, its FFN columns (the dense FFN's or the shared expert's), its experts and its rows of the
+// output (vocabulary), each a contiguous range.
 struct Shard {
   int rank = 0, world = 1;
   int64_t nq = 0, nkv = 0, ff = 0;  // this rank's query heads, KV heads, FFN width
+  int64_t n_exp = 0;                // its experts: [rank n_exp, (rank + 1) n_exp)
+  int64_t expert_begin() const { return rank * n_exp; }
   int64_t n_vocab = 0, vocab_stride = 0;  // rank r's output rows: [r stride, min(n_vocab, (r + 1) stride))
   int64_t vocab_begin(int r) const { return r * vocab_stride; }
   int64_t vocab_rows(int r) const { return std::min(n_vocab, (r + 1) * vocab_stride) - r * vocab_stride; }
 };
 
-// The split of `config` over `world` ranks, or why it cannot be split: heads, KV heads and FFN
-// width must divide evenly, and a block type's column split (the attention output's and down's
-// inputs) must fall on whole blocks of every layer's matrices.
+// The split of `config` over `world` ranks, or why it cannot be split: heads, KV heads, FFN
+// width and experts must divide evenly, and a block type's column split (the attention output's
+// and down's inputs) must fall on whole blocks of every layer's matrices. Experts are split whole
+// (expert parallelism: an expert's FFN is narrow, and its rows would rarely split on whole
+// K-quant blocks: qwen3-30b-a3b's 768 over 2).
 static StatusOr<Shard> plan_shard(const Model& m, int rank, int world) {
   const ModelConfig& c = m.config();
   Shard s;
@@ -160,15 +165,11 @@ static StatusOr<Shard> plan_shard(const Model& m, int rank, int world) {
     return invalid_argument_error("tensor parallel: " + c.arch_name + " over " + std::to_string(world) +
                                   " GPUs: " + why);
   };
-  if (world > 1 && c.n_expert > 0) {
-    return unimplemented_error("tensor parallel: the experts of a mixture (" + c.arch_name +
-                               ") are not split yet; run it on one GPU");
-  }
   for (auto [what, n] : {std::pair<const char*, int64_t>{"query heads", c.n_heads}, {"KV heads", c.n_kv_heads},
-                         {"FFN width", c.dense_ffn() ? c.n_ff : world}}) {
+                         {"FFN width", c.dense_ffn() ? c.n_ff : world}, {"experts", c.n_expert > 0 ? c.n_expert : world}}) {
     if (n % world != 0) return refuse(std::string(what) + " (" + std::to_string(n) + ") do not divide evenly");
   }
-  s.nq = c.n_heads / world, s.nkv = c.n_kv_heads / world, s.ff = c.n_ff / world;  // (experts: one rank)
+  s.nq = c.n_heads / world, s.nkv = c.n_kv_heads / world, s.ff = c.n_ff / world, s.n_exp = c.n_expert / world;
   if (s.vocab_rows(world - 1) < 1) return refuse("a vocabulary of " + std::to_string(c.n_vocab) + " is too small");
   if (world > 1) {
     for (size_t l = 0; l < m.layers.size(); ++l) {
@@ -310,9 +311,9 @@ StatusOr<Tensor> upload_pairs(CudaBackend& b, const Tensor& gate, const Tensor& 
   return pairs;
 }
 
-// A layer's experts on the device: gate and up interleaved per expert (each expert's gate rows,
-// then its up rows: the pairs quant_gemv_experts reads), down as it is. Block types only.
-Status upload_experts(CudaBackend& b, const LayerWeights& w, int layer, Tensor* gate_up,
+// A layer's experts [e0, e1) on the device: gate and up interleaved per expert (each expert's
+// gate rows, then its up rows: the pairs quant_gemv_experts reads), down as it is. Block types only.
+Status upload_experts(CudaBackend& b, const LayerWeights& w, int layer, int64_t e0, int64_t e1, Tensor* gate_up,
                       Tensor* down) {
   for (const Tensor* t : {&w.gate_exps, &w.up_exps, &w.down_exps}) {
     if (!is_block_quant(t->dtype())) {
@@ -326,9 +327,10 @@ Status upload_experts(CudaBackend& b, const LayerWeights& w, int layer, Tensor* 
     return unimplemented_error("cuda: layer " + std::to_string(layer) +
                                "'s gate and up experts differ in type");
   }
-  COMBS_ASSIGN_OR_RETURN(*gate_up, upload_pairs(b, w.gate_exps, w.up_exps));
-  COMBS_ASSIGN_OR_RETURN(*down, b.alloc(w.down_exps.shape(), w.down_exps.dtype()));
-  return b.copy(w.down_exps, *down);
+  COMBS_ASSIGN_OR_RETURN(*gate_up, upload_pairs(b, w.gate_exps.rows(e0, e1), w.up_exps.rows(e0, e1)));
+  const Tensor held = w.down_exps.rows(e0, e1);
+  COMBS_ASSIGN_OR_RETURN(*down, b.alloc(held.shape(), held.dtype()));
+  return b.copy(held, *down);
 }
 
 bool decode_fused(const WeightStack& w, int64_t n) {
@@ -401,21 +403,23 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const LayerWeights& w = model.layers[i];
     Impl::Layer l;
-    if (c.n_expert > 0) {
+    if (c.n_expert > 0) {  // (the router whole: every rank routes every token)
+      const int64_t e0 = sh.expert_begin(), e1 = e0 + sh.n_exp;
       COMBS_ASSIGN_OR_RETURN(l.router, upload(b, {&w.router}));
-      COMBS_RETURN_IF_ERROR(
-          upload_experts(b, w, static_cast<int>(i), &l.gate_up_exps, &l.down_exps));
+      COMBS_RETURN_IF_ERROR(upload_experts(b, w, static_cast<int>(i), e0, e1, &l.gate_up_exps, &l.down_exps));
       if (c.shared_expert) {
         const Tensor row = w.shared_gate.reshape({1, c.n_embd});
         COMBS_ASSIGN_OR_RETURN(l.shared_gate, upload(b, {&row}));
       }
       COMBS_ASSIGN_OR_RETURN(l.router_b, upload(b, {&w.router_b}));
       if (w.gate_exps_b.defined()) {
-        const int64_t n = w.gate_exps_b.dim(0), ff = w.gate_exps_b.dim(1);
+        const int64_t ff = w.gate_exps_b.dim(1);
+        const Tensor gb = w.gate_exps_b.rows(e0, e1), ub = w.up_exps_b.rows(e0, e1);
         COMBS_ASSIGN_OR_RETURN(l.gate_up_exps_b,
-                               upload_pairs(b, w.gate_exps_b.reshape({n, 1, ff}), w.up_exps_b.reshape({n, 1, ff})));
+                               upload_pairs(b, gb.reshape({e1 - e0, 1, ff}), ub.reshape({e1 - e0, 1, ff})));
       }
-      COMBS_ASSIGN_OR_RETURN(l.down_exps_b, upload(b, {&w.down_exps_b}));
+      const Tensor down_b = rows_of(w.down_exps_b, e0, e1);
+      COMBS_ASSIGN_OR_RETURN(l.down_exps_b, upload(b, {&down_b}));
     }
     if (rank == 0) {  // (added once, before the all-reduce)
       COMBS_ASSIGN_OR_RETURN(l.bo, upload(b, {&w.bo}));
@@ -672,8 +676,8 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       return matmul_split(b, wt, h, total, outs, /*rounded=*/dt != DType::kF32);
     };
     const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
-    // The layer's experts on h (its FFN norm's output), their sum into x (accumulate) or delta.
-    auto experts = [&](const Impl::Layer& w, bool accumulate) -> Status {
+    // The layer's experts on h (its FFN norm's output), their sum into y (+= with accumulate).
+    auto experts = [&](const Impl::Layer& w, float* y, bool accumulate) -> Status {
       cuda::ExpertsFfn f{.gate_up = &w.gate_up_exps,
                          .down = &w.down_exps,
                          .k = c.n_expert_used,
@@ -682,7 +686,9 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
                          .gate_up_bias = bias(w.gate_up_exps_b),
                          .down_bias = bias(w.down_exps_b),
                          .router = &w.router,
-                         .router_bias = bias(w.router_b)};
+                         .router_bias = bias(w.router_b),
+                         .n_expert = c.n_expert,
+                         .first_expert = static_cast<int>(sh.expert_begin())};
       if (c.activation == Activation::kSwigluOai) f.swiglu_alpha = kSwigluOaiAlpha, f.swiglu_limit = kSwigluOaiLimit;
       if (c.shared_expert) {
         COMBS_RETURN_IF_ERROR(matmul_split(b, w.w_gate_up, h, total, gate_up, /*rounded=*/false));
@@ -694,8 +700,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         f.shared = I.shared_out.data_as<float>(),
         f.shared_logit = I.shared_logit.data_as<float>();
       }
-      return cuda::experts_ffn(b, f, I.router_logits.data_as<float>(), h, total, I.experts,
-                               accumulate ? x : delta, accumulate);
+      return cuda::experts_ffn(b, f, I.router_logits.data_as<float>(), h, total, I.experts, y, accumulate);
     };
     for (int l = 0; l < c.n_layers; ++l) {
       const Impl::Layer& w = I.layers[static_cast<size_t>(l)];
@@ -725,9 +730,11 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, x, /*accumulate=*/lead));
         COMBS_RETURN_IF_ERROR(all_reduce(x));
       } else if (fused_attention) {  // a mixture of experts, decode-sized: the residual stays in x
-        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, bias(w.bo), /*accumulate=*/true));
+        COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, bias(w.bo), /*accumulate=*/lead));
+        COMBS_RETURN_IF_ERROR(all_reduce(x));
         COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, nullptr, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
-        COMBS_RETURN_IF_ERROR(experts(w, /*accumulate=*/true));
+        COMBS_RETURN_IF_ERROR(experts(w, x, /*accumulate=*/lead));  // (the ranks' parts summed below)
+        COMBS_RETURN_IF_ERROR(all_reduce(x));
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta, bias(w.bo)));
         COMBS_RETURN_IF_ERROR(all_reduce(delta));
@@ -737,7 +744,8 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         if (c.n_expert > 0) {  // the residual add, the norm in f32, then the experts into delta
           COMBS_RETURN_IF_ERROR(
               cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
-          COMBS_RETURN_IF_ERROR(experts(w, /*accumulate=*/false));
+          COMBS_RETURN_IF_ERROR(experts(w, delta, /*accumulate=*/false));
+          COMBS_RETURN_IF_ERROR(all_reduce(delta));
         } else {
           COMBS_RETURN_IF_ERROR(norm_then_split(delta, w.ffn_norm, w.w_gate_up, gate_up));
           if (c.activation == Activation::kGeluTanh) {

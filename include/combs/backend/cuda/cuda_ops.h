@@ -152,6 +152,9 @@ Status sample_rows(CudaBackend& b, float* logits, int64_t rows, int64_t n_vocab,
 // 2 ff] (each expert's gate then up biases) and down_bias [n_expert, in] join the products before
 // the activation and the weighting; swiglu_limit > 0 takes the clamped SwiGLU (cpu::swiglu_oai_mul
 // with swiglu_alpha and that limit) for silu(gate) * up.
+// Tensor parallelism splits the experts over the ranks: gate_up and down (and their biases) hold
+// experts [first_expert, first_expert + gate_up's count) of the router's n_expert; every rank
+// routes every token alike and adds only its own experts' products (the ranks' y summed after).
 struct ExpertsFfn {
   const Tensor* gate_up = nullptr;
   const Tensor* down = nullptr;
@@ -167,6 +170,8 @@ struct ExpertsFfn {
   // kernel with the routing for decode-sized steps of an F32 router). Unset: the scores are given.
   const Tensor* router = nullptr;
   const float* router_bias = nullptr;
+  int n_expert = 0;      // the experts routed over (0: gate_up's count, all of them here)
+  int first_expert = 0;  // gate_up's first
 };
 // Device scratch for n tokens: ids, weights, order [n k]; start [expert_start_size(n_expert)]
 // (each expert's first pair in order, then the count of experts chosen and their ids: the
