@@ -47,6 +47,15 @@ std::unique_ptr<TensorParallelRunner> local_tp(const Model& m, int world) {
   return std::move(tp).value();
 }
 
+// The engine's runner factory for `world` ranks on GPU 0 (the in-process collectives).
+decltype(EngineOptions::make_runner) local_tp_runner(int world) {
+  return [world](const Model& model) -> StatusOr<std::unique_ptr<ModelRunner>> {
+    COMBS_ASSIGN_OR_RETURN(auto ranks, make_local_group(world, 0));
+    COMBS_ASSIGN_OR_RETURN(auto r, TensorParallelRunner::create(model, std::move(ranks)));
+    return std::unique_ptr<ModelRunner>(std::move(r));
+  };
+}
+
 // A collective that fails its n-th all-reduce (a rank lost mid-step), else the wrapped one's.
 class FailingCollective final : public Collective {
  public:
@@ -152,15 +161,7 @@ TEST_CASE("tensor parallelism through the engine: greedy tokens of one gpu and r
   auto run_engine = [&](bool split) {
     EngineOptions eo;
     eo.kv_memory_bytes = 32 << 20;
-    if (split) {
-      eo.make_runner = [](const Model& model) -> StatusOr<std::unique_ptr<ModelRunner>> {
-        COMBS_ASSIGN_OR_RETURN(auto ranks, make_local_group(2, 0));
-        COMBS_ASSIGN_OR_RETURN(auto r, TensorParallelRunner::create(model, std::move(ranks)));
-        return std::unique_ptr<ModelRunner>(std::move(r));
-      };
-    } else {
-      eo.make_runner = make_cuda_runner(0);
-    }
+    eo.make_runner = split ? local_tp_runner(2) : make_cuda_runner(0);
     return std::move(Engine::create(std::move(Model::load(m.path)).value(), eo)).value();
   };
   auto whole = run_engine(false), tp = run_engine(true);
@@ -198,14 +199,7 @@ TEST_CASE("tensor parallelism through the engine: eviction and rebuild or the ho
       eo.host_kv_memory_bytes = 16 * page;
       eo.host_kv_restore = EngineOptions::HostRestore::kCopy;
     }
-    eo.make_runner = make_cuda_runner(0);
-    if (split) {
-      eo.make_runner = [](const Model& model) -> StatusOr<std::unique_ptr<ModelRunner>> {
-        COMBS_ASSIGN_OR_RETURN(auto ranks, make_local_group(2, 0));
-        COMBS_ASSIGN_OR_RETURN(auto r, TensorParallelRunner::create(model, std::move(ranks)));
-        return std::unique_ptr<ModelRunner>(std::move(r));
-      };
-    }
+    eo.make_runner = split ? local_tp_runner(2) : make_cuda_runner(0);
     return std::move(Engine::create(std::move(Model::load(m.path)).value(), eo)).value();
   };
   std::vector<std::vector<int32_t>> outs[3];

@@ -745,7 +745,6 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
           COMBS_RETURN_IF_ERROR(
               cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
           COMBS_RETURN_IF_ERROR(experts(w, delta, /*accumulate=*/false));
-          COMBS_RETURN_IF_ERROR(all_reduce(delta));
         } else {
           COMBS_RETURN_IF_ERROR(norm_then_split(delta, w.ffn_norm, w.w_gate_up, gate_up));
           if (c.activation == Activation::kGeluTanh) {
@@ -756,8 +755,8 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
             COMBS_RETURN_IF_ERROR(cuda::matmul_swiglu(b, w.w_down, I.gate.data_as<float>(),
                                                       I.up.data_as<float>(), total, delta));
           }
-          COMBS_RETURN_IF_ERROR(all_reduce(delta));
         }
+        COMBS_RETURN_IF_ERROR(all_reduce(delta));  // (the experts' or the FFN's parts)
         if (c.post_norms) {
           COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_ffn_norm.data_as<float>(), delta, total, e, c.rms_eps));
         }
