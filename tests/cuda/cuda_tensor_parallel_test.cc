@@ -224,6 +224,71 @@ TEST_CASE("tensor parallelism through the engine: eviction and rebuild or the ho
   CHECK(outs[2] == outs[0]);
 }
 
+TEST_CASE("speculation on a split pool: n-gram and draft-model drafts give one gpu's greedy tokens", "[cuda]") {
+  if (!have_gpu()) return;
+  testing::TinyModel m("tiny", DType::kF32);
+  // The draft model is the target itself (the same vocabulary; every greedy draft right), run
+  // by the same kind of runner: split too, with its own split pool.
+  // The n-gram method's drafts: the known continuation with every third position wrong, so
+  // that steps accept some drafts and pop the rest from the split pool.
+  class Replay final : public Proposer {
+   public:
+    using Proposer::propose;
+    std::vector<int32_t> truth;
+    void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) override {
+      out->clear();
+      for (size_t p = history.size(); p < truth.size() && static_cast<int>(out->size()) < max; ++p)
+        out->push_back(p % 3 == 0 ? (truth[p] + 1) % 200 : truth[p]);
+    }
+  };
+  auto replay = std::make_shared<Replay>();
+  auto make = [&](bool split, bool draft) {
+    EngineOptions eo;
+    eo.kv_memory_bytes = 32 << 20;
+    eo.make_runner = split ? local_tp_runner(2) : make_cuda_runner(0);
+    eo.proposer = replay;
+    if (draft) {
+      eo.draft_model = std::shared_ptr<const Model>(std::move(Model::load(m.path)).value());
+      eo.draft_kv_memory_bytes = 16 << 20;
+    }
+    auto e = Engine::create(std::move(Model::load(m.path)).value(), eo);
+    INFO(e.status().to_string());
+    REQUIRE(e.ok());
+    return std::move(e).value();
+  };
+  auto whole = make(false, false);
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9};
+  const std::vector<int32_t> expected = testing::run(*whole, whole->create_session().value(), testing::request(prompt, 96));
+  REQUIRE(expected.size() == 96);
+  replay->truth = prompt;
+  replay->truth.insert(replay->truth.end(), expected.begin(), expected.end());
+  for (auto method : {SpeculationParams::Method::kNgram, SpeculationParams::Method::kDraft}) {
+    const bool draft = method == SpeculationParams::Method::kDraft;
+    INFO((draft ? "draft model" : "n-gram"));
+    auto tp = make(true, draft);
+    const SessionId s = tp->create_session().value();
+    GenerateRequest r = testing::request(prompt, 96);
+    r.speculation = testing::speculation(method, 4);
+    const testing::Generated got = testing::generate(*tp, s, r);
+    CHECK(got.tokens == expected);
+    CHECK(got.usage.accepted_tokens <= got.usage.drafted_tokens);
+    // (How many steps draft is the adaptive length's choice: it drafts less where a verifying step
+    // costs more than the tokens it saves, as the local collectives' steps do.)
+    CHECK(got.usage.accepted_tokens > 0);
+    if (draft) {
+      CHECK(got.usage.accepted_tokens * 10 >= got.usage.drafted_tokens * 9);  // the target drafting itself
+    } else {
+      CHECK(got.usage.accepted_tokens < got.usage.drafted_tokens);  // a third of the drafts wrong: popped
+    }
+    // Rollback and going on with drafts give the same tokens again (both caches popped).
+    CHECK(tp->rollback(s, 20).value() == static_cast<int64_t>(prompt.size()) + 96 - 20);
+    GenerateRequest again = testing::request({}, 20);
+    again.speculation = testing::speculation(method, 4);
+    CHECK(testing::generate(*tp, s, again).tokens == std::vector<int32_t>(expected.end() - 20, expected.end()));
+    CHECK(tp->check_invariants().ok());
+  }
+}
+
 TEST_CASE("a tensor-parallel rank that fails mid-step fails the group in time and the caches keep their lengths",
           "[cuda]") {
   if (!have_gpu()) return;
