@@ -56,22 +56,47 @@ __device__ inline void store4<__nv_bfloat16>(__nv_bfloat16* p, float4 v) {
   *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
 }
 
+__device__ inline float block_sum(float v, float* sums) {
+  return block_reduce(v, [](float a, float b) { return a + b; }, 0.0f, sums);
+}
+
+// delta_weight (post norms: gemma2's, gemma3's): delta is RMS-normalized and times delta_weight
+// before it joins the residual — the numbers of add_rms_norm on delta alone, then this one.
 template <typename T>
 __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* __restrict__ delta,
-                                    const float* __restrict__ weight, T* __restrict__ y, int64_t dim, float eps,
-                                    bool vec) {
+                                    const float* __restrict__ delta_weight, const float* __restrict__ weight,
+                                    T* __restrict__ y, int64_t dim, float eps, bool vec) {
   float* r = residual + blockIdx.x * dim;
   const float* d = delta ? delta + blockIdx.x * dim : nullptr;
   T* yr = y + blockIdx.x * dim;
+  __shared__ float sums[32];
   pdl_launch_dependents();
   pdl_wait();
+  float dscale = 1.0f;
+  if (d && delta_weight) {
+    float ds = 0.0f;
+    if (vec) {
+#pragma unroll 4
+      for (int64_t i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
+        const float4 e = *reinterpret_cast<const float4*>(d + i);
+        ds += e.x * e.x + e.y * e.y + e.z * e.z + e.w * e.w;
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) ds += d[i] * d[i];
+    }
+    dscale = rsqrtf(block_sum(ds, sums) / static_cast<float>(dim) + eps);
+  }
   float ss = 0.0f;
   if (vec) {
 #pragma unroll 4
     for (int64_t i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
       float4 v = *reinterpret_cast<const float4*>(r + i);
       if (d) {
-        const float4 e = *reinterpret_cast<const float4*>(d + i);
+        float4 e = *reinterpret_cast<const float4*>(d + i);
+        if (delta_weight) {
+          const float4 g = *reinterpret_cast<const float4*>(delta_weight + i);
+          e = make_float4(e.x * dscale * g.x, e.y * dscale * g.y, e.z * dscale * g.z, e.w * dscale * g.w);
+        }
         v.x += e.x, v.y += e.y, v.z += e.z, v.w += e.w;
         *reinterpret_cast<float4*>(r + i) = v;
       }
@@ -79,22 +104,13 @@ __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* _
     }
   } else {
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-      const float v = d ? r[i] + d[i] : r[i];
+      const float e = d ? (delta_weight ? d[i] * dscale * delta_weight[i] : d[i]) : 0.0f;
+      const float v = d ? r[i] + e : r[i];
       if (d) r[i] = v;
       ss += v * v;
     }
   }
-  __shared__ float warp_sums[32];
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    ss = threadIdx.x < (blockDim.x >> 5) ? warp_sums[threadIdx.x] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-    if (threadIdx.x == 0) warp_sums[0] = ss;
-  }
-  __syncthreads();
-  const float scale = rsqrtf(warp_sums[0] / static_cast<float>(dim) + eps);
+  const float scale = rsqrtf(block_sum(ss, sums) / static_cast<float>(dim) + eps);
   if (vec) {
 #pragma unroll 4
     for (int64_t i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
@@ -812,16 +828,21 @@ Status embedding(CudaBackend& b, const Tensor& table, const int32_t* ids, int64_
 
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, void* y, DType y_dtype,
                     int64_t n, int64_t dim, float eps) {
+  return add_normed_rms_norm(b, residual, delta, nullptr, weight, y, y_dtype, n, dim, eps);
+}
+
+Status add_normed_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* delta_weight,
+                           const float* weight, void* y, DType y_dtype, int64_t n, int64_t dim, float eps) {
   if (n == 0) return ok_status();
   const unsigned grid = static_cast<unsigned>(n);
   // float4 rows: dim a multiple of 4, every row 16-byte aligned (y's 4 elements: 16 or 8 bytes).
   auto aligned = [](const void* p, uintptr_t a) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % a == 0; };
-  const bool vec = dim % 4 == 0 && aligned(residual, 16) && aligned(delta, 16) && aligned(weight, 16) &&
-                   aligned(y, y_dtype == DType::kF32 ? 16 : 8);
+  const bool vec = dim % 4 == 0 && aligned(residual, 16) && aligned(delta, 16) && aligned(delta_weight, 16) &&
+                   aligned(weight, 16) && aligned(y, y_dtype == DType::kF32 ? 16 : 8);
   switch (y_dtype) {
-    case DType::kF32: launch_pdl(add_rms_norm_kernel<float>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<float*>(y), dim, eps, vec); break;
-    case DType::kF16: launch_pdl(add_rms_norm_kernel<__half>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<__half*>(y), dim, eps, vec); break;
-    case DType::kBF16: launch_pdl(add_rms_norm_kernel<__nv_bfloat16>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, weight, static_cast<__nv_bfloat16*>(y), dim, eps, vec); break;
+    case DType::kF32: launch_pdl(add_rms_norm_kernel<float>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, delta_weight, weight, static_cast<float*>(y), dim, eps, vec); break;
+    case DType::kF16: launch_pdl(add_rms_norm_kernel<__half>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, delta_weight, weight, static_cast<__half*>(y), dim, eps, vec); break;
+    case DType::kBF16: launch_pdl(add_rms_norm_kernel<__nv_bfloat16>, dim3(grid), dim3(256), 0, stream_of(b), residual, delta, delta_weight, weight, static_cast<__nv_bfloat16*>(y), dim, eps, vec); break;
     default: return invalid_argument_error("cuda add_rms_norm: output dtype must be f32, f16 or bf16");
   }
   return launched("add_rms_norm_kernel");

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -665,14 +666,19 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
               cuda::decode_fused(w.w_down, total) && cuda::input_dtype(w.w_gate_up.first()) == cuda::input_dtype(w.w_down);
     }
     fused_attention = fused_attention && (fused || c.n_expert > 0);  // the residual whole in x after every layer
-    // Otherwise: add delta (if any) to the residual and normalize it with norm_w, then project the
-    // norm by wt into outs. The norm's output is rounded for the projection's GEMM (in h, which
-    // has room for it) or, where this projection alone takes the decode kernel, stays f32 for it.
-    auto norm_then_split = [&](const float* add, const Tensor& norm_w, const WeightStack& wt,
+    // Otherwise: add delta (if any; normalized by add_norm first where that is set: a post norm)
+    // to the residual and normalize it with norm_w, then project the norm by wt into outs. The
+    // norm's output is rounded for the projection's GEMM (in h, which has room for it) or, where
+    // this projection alone takes the decode kernel, stays f32 for it.
+    // A post norm's weights still to apply to delta where it joins the residual (gemma2, gemma3:
+    // one kernel for the post norm, the residual add and the next norm).
+    const float* delta_norm = nullptr;
+    auto norm_then_split = [&](const float* add, const float* add_norm, const Tensor& norm_w, const WeightStack& wt,
                                std::span<const cuda::MatmulOut> outs) -> Status {
       const bool gemv = decode_fused(wt, total);
       const DType dt = gemv ? DType::kF32 : input_dtype(wt);
-      COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, add, norm_w.data_as<float>(), h, dt, total, e, c.rms_eps));
+      COMBS_RETURN_IF_ERROR(
+          cuda::add_normed_rms_norm(b, x, add, add_norm, norm_w.data_as<float>(), h, dt, total, e, c.rms_eps));
       return matmul_split(b, wt, h, total, outs, /*rounded=*/dt != DType::kF32);
     };
     const cuda::MatmulOut gate_up[] = {{I.gate.data_as<float>(), ff}, {I.up.data_as<float>(), ff}};
@@ -711,7 +717,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(matmul_split(b, w.wqkv, x, total, qkv, false, w.attn_norm.data_as<float>(), c.rms_eps));
       } else {
         // The previous layer's MLP output joins the residual here, fused with this layer's norm.
-        COMBS_RETURN_IF_ERROR(norm_then_split(l == 0 ? nullptr : delta, w.attn_norm, w.wqkv, qkv));
+        COMBS_RETURN_IF_ERROR(norm_then_split(l == 0 ? nullptr : delta, delta_norm, w.attn_norm, w.wqkv, qkv));
       }
       if (c.qk_norm) {  // every head of q and k, in place, before the step's RoPE
         COMBS_RETURN_IF_ERROR(cuda::heads_rms_norm(b, q, w.q_norm.data_as<float>(), total * nq, k,
@@ -738,15 +744,13 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       } else {
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, delta, bias(w.bo)));
         COMBS_RETURN_IF_ERROR(all_reduce(delta));
-        if (c.post_norms) {
-          COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_attn_norm.data_as<float>(), delta, total, e, c.rms_eps));
-        }
+        delta_norm = c.post_norms ? w.post_attn_norm.data_as<float>() : nullptr;
         if (c.n_expert > 0) {  // the residual add, the norm in f32, then the experts into delta
-          COMBS_RETURN_IF_ERROR(
-              cuda::add_rms_norm(b, x, delta, w.ffn_norm.data_as<float>(), h, total, e, c.rms_eps));
+          COMBS_RETURN_IF_ERROR(cuda::add_normed_rms_norm(b, x, delta, delta_norm, w.ffn_norm.data_as<float>(), h,
+                                                          DType::kF32, total, e, c.rms_eps));
           COMBS_RETURN_IF_ERROR(experts(w, delta, /*accumulate=*/false));
         } else {
-          COMBS_RETURN_IF_ERROR(norm_then_split(delta, w.ffn_norm, w.w_gate_up, gate_up));
+          COMBS_RETURN_IF_ERROR(norm_then_split(delta, delta_norm, w.ffn_norm, w.w_gate_up, gate_up));
           if (c.activation == Activation::kGeluTanh) {
             COMBS_RETURN_IF_ERROR(
                 cuda::gelu_tanh_mul(b, I.gate.data_as<float>(), I.up.data_as<float>(), total * ff));
@@ -757,9 +761,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
           }
         }
         COMBS_RETURN_IF_ERROR(all_reduce(delta));  // (the experts' or the FFN's parts)
-        if (c.post_norms) {
-          COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, delta, nullptr, w.post_ffn_norm.data_as<float>(), delta, total, e, c.rms_eps));
-        }
+        delta_norm = c.post_norms ? w.post_ffn_norm.data_as<float>() : nullptr;
       }
     }
     if (fused_attention && n_out == total && cuda::decode_fused(I.output, n_out)) {
@@ -768,7 +770,9 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       COMBS_RETURN_IF_ERROR(cuda::matmul_split(b, I.output, x, total, logits_out, I.output_norm.data_as<float>(), c.rms_eps));
     } else {
       // The last residual add, the wanted rows, the final norm and the logits.
-      COMBS_RETURN_IF_ERROR(cuda::add_rms_norm(b, x, fused_attention ? nullptr : delta, I.output_norm.data_as<float>(), h, total, e, c.rms_eps));
+      COMBS_RETURN_IF_ERROR(cuda::add_normed_rms_norm(b, x, fused_attention ? nullptr : delta,
+                                                      fused_attention ? nullptr : delta_norm,
+                                                      I.output_norm.data_as<float>(), h, DType::kF32, total, e, c.rms_eps));
       COMBS_RETURN_IF_ERROR(cuda::gather_rows(b, h, d_rows, n_out, e, I.last.data_as<float>()));
       COMBS_RETURN_IF_ERROR(cuda::matmul(b, I.output, I.last.data_as<float>(), n_out, I.part.data_as<float>()));
     }

@@ -105,6 +105,11 @@ Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const f
 // float4 where dim and every pointer allow it.)
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, void* y, DType y_dtype,
                     int64_t n, int64_t dim, float eps);
+// As above with delta RMS-normalized first and times delta_weight (a post norm, gemma2's and
+// gemma3's: the numbers of add_rms_norm(delta, delta_weight) into delta, then add_rms_norm; one
+// launch, and delta itself unchanged). delta_weight null: add_rms_norm.
+Status add_normed_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* delta_weight,
+                           const float* weight, void* y, DType y_dtype, int64_t n, int64_t dim, float eps);
 
 // The per-head RMSNorm of q and k (qwen3's, gemma3's), in place, in one launch: each of q_rows
 // rows of q (dim wide) times q_weight, each of k_rows rows of k times k_weight (a warp a row: a
