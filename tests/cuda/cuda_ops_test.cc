@@ -160,7 +160,7 @@ TEST_CASE("cuda errors come back as status", "[cuda]") {
   const cuda::MatmulOut all_rows[] = {{nullptr, 8}};
   CHECK(cuda::matmul_split(*gpu, w16, nullptr, 1, all_rows).code() == StatusCode::kInvalidArgument);
   CHECK(cuda::matmul_rounded(*gpu, w16, nullptr, 1, nullptr).code() == StatusCode::kInvalidArgument);
-  CHECK(cuda::matmul_gate_up_silu(*gpu, w16, nullptr, 1, nullptr, 1e-5f, nullptr).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::matmul_gate_up(*gpu, w16, nullptr, 1, nullptr, 1e-5f, nullptr).code() == StatusCode::kInvalidArgument);
   // Block weights whose rows are not whole blocks (32 elements of Q4_K's 256): refused before a kernel runs.
   Tensor q = gpu->alloc(Shape{8, 32}, DType::kQ4_K).value();
   CHECK(cuda::matmul(*gpu, q, nullptr, 1, nullptr).code() == StatusCode::kInvalidArgument);
@@ -269,9 +269,24 @@ TEST_CASE("cuda decode mlp pairs gate and up rows and projects their rounded pro
       Tensor h = gpu->alloc(Shape{n, ff}, dt).value();
       std::vector<uint16_t> nan16(static_cast<size_t>(n * ff), 0xFFFF);  // NaN in f16 and bf16: every element must be written
       REQUIRE(gpu->copy(Tensor::wrap(nan16.data(), Shape{n, ff}, dt), h).ok());
-      REQUIRE(cuda::matmul_gate_up_silu(*gpu, wgu_d, x_d.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, h.data()).ok());
+      REQUIRE(cuda::matmul_gate_up(*gpu, wgu_d, x_d.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, h.data()).ok());
       const auto got = download_16bit(*gpu, h);
       CHECK(max_rel_err(got, want) < (dt == DType::kBF16 ? 8e-3 : 1e-3));  // one rounding to dt
+      {  // gemma's pair: GELU (tanh) of the gate, on the same projections
+        std::vector<float> want_gelu(gf.size());
+        for (size_t i = 0; i < want_gelu.size(); ++i) {
+          const double gv = gf[i];
+          want_gelu[i] = static_cast<float>(0.5 * gv * (1.0 + std::tanh(0.7978845608028654 * (gv + 0.044715 * gv * gv * gv))) * uf[i]);
+        }
+        Tensor hg = gpu->alloc(Shape{n, ff}, dt).value();
+        REQUIRE(gpu->copy(Tensor::wrap(nan16.data(), Shape{n, ff}, dt), hg).ok());
+        REQUIRE(cuda::matmul_gate_up(*gpu, wgu_d, x_d.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, hg.data(),
+                                     cuda::GateActivation::kGeluTanh)
+                    .ok());
+        // (--use_fast_math makes the device's tanhf tanh.approx, ~2^-11 relative: with f16's
+        // rounding, up to ~1.5e-3 measured on the H100.)
+        CHECK(max_rel_err(download_16bit(*gpu, hg), want_gelu) < (dt == DType::kBF16 ? 8e-3 : 2.5e-3));
+      }
       // The down projection of the rounded product against the f32 path on the same values, then
       // with the residual add.
       Tensor got_f32 = upload(*gpu, got, Shape{n * ff}), y1 = poisoned(*gpu, n * out), y2 = poisoned(*gpu, n * out);
@@ -291,7 +306,7 @@ TEST_CASE("cuda decode mlp pairs gate and up rows and projects their rounded pro
     auto x = random_floats(rng, n * ff);
     Tensor x_dt = upload(*gpu, x, Shape{n, ff}, dt), y1 = poisoned(*gpu, n * out), y2 = poisoned(*gpu, n * out);
     Tensor x_f32 = upload(*gpu, download_16bit(*gpu, x_dt), Shape{n * ff}), h = poisoned(*gpu, n * ff);
-    CHECK(cuda::matmul_gate_up_silu(*gpu, wgu_d, x_f32.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, h.data()).code() ==
+    CHECK(cuda::matmul_gate_up(*gpu, wgu_d, x_f32.data_as<float>(), n, g_d.data_as<float>(), 1e-5f, h.data()).code() ==
           StatusCode::kInvalidArgument);
     REQUIRE(cuda::matmul_rounded(*gpu, wdn_d, x_dt.data(), n, y1.data_as<float>()).ok());
     REQUIRE(cuda::matmul(*gpu, wdn_d, x_f32.data_as<float>(), n, y2.data_as<float>()).ok());

@@ -273,7 +273,7 @@ TEST_CASE("cuda block-quantized embedding equals the cpu's values and fused proj
       }
       // Gate rows 0..63, up rows 64..127: h = silu(gate) * up, f32.
       const Tensor h = upload(*gpu, std::vector<float>(static_cast<size_t>(n * out / 2), std::nanf("")), Shape{n, out / 2});
-      REQUIRE(cuda::matmul_gate_up_silu(*gpu, wd, xd.data_as<float>(), n, nwd.data_as<float>(), 1e-5f, h.data()).ok());
+      REQUIRE(cuda::matmul_gate_up(*gpu, wd, xd.data_as<float>(), n, nwd.data_as<float>(), 1e-5f, h.data()).ok());
       const std::vector<float> hg = download(*gpu, h);
       for (int64_t t = 0; t < n; ++t) {
         for (int64_t o = 0; o < out / 2; ++o) {
@@ -284,6 +284,21 @@ TEST_CASE("cuda block-quantized embedding equals the cpu's values and fused proj
           const double tol = std::abs(u) * 1.1 * tg + std::abs(silu) * tu + tg * tu + 1e-5;
           INFO("token " << t << " unit " << o);
           REQUIRE(std::abs(hg[t * (out / 2) + o] - silu * u) <= tol);
+        }
+      }
+      // gemma's pair: GELU (tanh) of the gate; |gelu'| <= 1.13.
+      REQUIRE(cuda::matmul_gate_up(*gpu, wd, xd.data_as<float>(), n, nwd.data_as<float>(), 1e-5f, h.data(),
+                                   cuda::GateActivation::kGeluTanh)
+                  .ok());
+      const std::vector<float> hgelu = download(*gpu, h);
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t o = 0; o < out / 2; ++o) {
+          double tg, tu;
+          const double g = ref(o, t, &tg), u = ref(o + out / 2, t, &tu);
+          const double gelu = 0.5 * g * (1.0 + std::tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)));
+          const double tol = std::abs(u) * 1.13 * tg + std::abs(gelu) * tu + tg * tu + 1e-5;
+          INFO("gelu: token " << t << " unit " << o);
+          REQUIRE(std::abs(hgelu[t * (out / 2) + o] - gelu * u) <= tol);
         }
       }
     }
@@ -415,7 +430,7 @@ TEST_CASE("cuda block-quantized projections at a real model's shapes follow floa
       const int64_t out_cols = c.pairs ? c.out / 2 : c.out;
       const Tensor yd = upload(*gpu, std::vector<float>(static_cast<size_t>(n * out_cols), std::nanf("")), Shape{n, out_cols});
       if (c.pairs) {
-        REQUIRE(cuda::matmul_gate_up_silu(*gpu, wd, xd.data_as<float>(), n, nullptr, 0.0f, yd.data()).ok());
+        REQUIRE(cuda::matmul_gate_up(*gpu, wd, xd.data_as<float>(), n, nullptr, 0.0f, yd.data()).ok());
       } else {
         REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, yd.data_as<float>()).ok());
       }

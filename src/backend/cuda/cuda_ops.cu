@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
         if (!up) {
           gate[r] = v;
         } else if (lane == 0 && r < n) {
-          reinterpret_cast<T*>(outs.y[0])[r * units + row] = from_f32<T>(silu(gate[r]) * v);
+          reinterpret_cast<T*>(outs.y[0])[r * units + row] = from_f32<T>(gated(outs, gate[r], v));
         }
       }
       return;
@@ -754,16 +754,17 @@ Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int6
   return n == 0 ? ok_status() : gemm_parts(b, w, x, n, outs);
 }
 
-Status matmul_gate_up_silu(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
-                           float eps, void* h) {
-  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul_gate_up_silu"));
+Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
+                           float eps, void* h, GateActivation act) {
+  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul_gate_up"));
   if (w.dim(0) % 2 != 0) {
-    return invalid_argument_error("cuda matmul_gate_up_silu: weight must hold gate and up rows (an even count), not " +
+    return invalid_argument_error("cuda matmul_gate_up: weight must hold gate and up rows (an even count), not " +
                                   w.shape().to_string());
   }
   if (n == 0) return ok_status();
-  if (!gemv_fits(w, n)) return invalid_argument_error("cuda matmul_gate_up_silu: needs decode_fused(w, n)");
-  GemvOut g{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false, norm_weight, eps};
+  if (!gemv_fits(w, n)) return invalid_argument_error("cuda matmul_gate_up: needs decode_fused(w, n)");
+  GemvOut g{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false, norm_weight, eps,
+            act == GateActivation::kGeluTanh};
   if (is_block_quant(w.dtype())) return quant_decode(b, w, x, n, g, /*pairs=*/true);
   gemv</*XT=*/false, /*PAIRS=*/true>(w, x, g, static_cast<int>(n), stream_of(b));
   return launched("gemv_kernel");
@@ -911,7 +912,7 @@ Status elementwise(CudaBackend& b, float* x, const float* y, int64_t n, F f, con
 
 struct GeluTanhMul {
   __device__ float operator()(float g, float u) const {
-    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+    return gelu_tanh(g) * u;
   }
 };
 struct Scale {

@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       for (int r = 0; r < N; ++r) {
         if (r >= n) break;
         if constexpr (PAIRS) {
-          outs.y[0][r * rows + row] = silu(acc[r]) * acc_up[r];
+          outs.y[0][r * rows + row] = gated(outs, acc[r], acc_up[r]);
         } else {
           float* dst = to.y + r * to.rows + to.index;
           *dst = (outs.accumulate ? *dst : 0.0f) + acc[r] + (to.bias ? to.bias[to.index] : 0.0f);

@@ -666,6 +666,13 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
               cuda::decode_fused(w.w_down, total) && cuda::input_dtype(w.w_gate_up.first()) == cuda::input_dtype(w.w_down);
     }
     fused_attention = fused_attention && (fused || c.n_expert > 0);  // the residual whole in x after every layer
+    // The general path's dense FFN, decode-sized (gemma's post norms, GELU): one kernel for the
+    // gate/up pair and its product, the down projection on that product as it is.
+    auto decode_pairs = [&](const Impl::Layer& w) {
+      return (c.activation == Activation::kSilu || c.activation == Activation::kGeluTanh) && c.n_expert == 0 &&
+             decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 && cuda::decode_fused(w.w_down, total) &&
+             cuda::input_dtype(w.w_gate_up.first()) == cuda::input_dtype(w.w_down);
+    };
     // Otherwise: add delta (if any; normalized by add_norm first where that is set: a post norm)
     // to the residual and normalize it with norm_w, then project the norm by wt into outs. The
     // norm's output is rounded for the projection's GEMM (in h, which has room for it) or, where
@@ -732,7 +739,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
         COMBS_RETURN_IF_ERROR(cuda::matmul(b, w.wo, att, total, x, bias(w.bo), /*accumulate=*/lead));
         COMBS_RETURN_IF_ERROR(all_reduce(x));
         // silu(gate) * up in the weights' dtype, over the gate buffer (half its bytes).
-        COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up_silu(b, w.w_gate_up.first(), x, total, w.ffn_norm.data_as<float>(), c.rms_eps, I.gate.data()));
+        COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up(b, w.w_gate_up.first(), x, total, w.ffn_norm.data_as<float>(), c.rms_eps, I.gate.data()));
         COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, x, /*accumulate=*/lead));
         COMBS_RETURN_IF_ERROR(all_reduce(x));
       } else if (fused_attention) {  // a mixture of experts, decode-sized: the residual stays in x
@@ -749,6 +756,14 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
           COMBS_RETURN_IF_ERROR(cuda::add_normed_rms_norm(b, x, delta, delta_norm, w.ffn_norm.data_as<float>(), h,
                                                           DType::kF32, total, e, c.rms_eps));
           COMBS_RETURN_IF_ERROR(experts(w, delta, /*accumulate=*/false));
+        } else if (decode_pairs(w)) {  // the pair's product from one kernel, in the down projection's dtype
+          COMBS_RETURN_IF_ERROR(cuda::add_normed_rms_norm(b, x, delta, delta_norm, w.ffn_norm.data_as<float>(), h,
+                                                          DType::kF32, total, e, c.rms_eps));
+          COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up(b, w.w_gate_up.first(), h, total, nullptr, 0.0f, I.gate.data(),
+                                                     c.activation == Activation::kGeluTanh
+                                                         ? cuda::GateActivation::kGeluTanh
+                                                         : cuda::GateActivation::kSilu));
+          COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, delta));
         } else {
           COMBS_RETURN_IF_ERROR(norm_then_split(delta, delta_norm, w.ffn_norm, w.w_gate_up, gate_up));
           if (c.activation == Activation::kGeluTanh) {

@@ -72,17 +72,18 @@ Status matmul_split_parts(CudaBackend& b, std::span<const Tensor> parts, std::sp
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs);
 
 // The MLP's first half for decode (only where decode_fused(w, n)): w [2 ff, in] holds the gate rows,
-// then the up rows; h [n, ff] = silu(norm(x) gate^T) * (norm(x) up^T) in w's dtype (the down
-// projection's input, for matmul_rounded; f32 for block types), one pass over the weights.
-// norm_weight as matmul_split's.
-Status matmul_gate_up_silu(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
-                           float eps, void* h);
+// then the up rows; h [n, ff] = act(norm(x) gate^T) * (norm(x) up^T) in w's dtype (the down
+// projection's input, for matmul_rounded; f32 for block types), one pass over the weights. act:
+// silu, or GELU's tanh approximation (gemma's). norm_weight as matmul_split's (null: x as it is).
+enum class GateActivation : uint8_t { kSilu, kGeluTanh };
+Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
+                           float eps, void* h, GateActivation act = GateActivation::kSilu);
 
-// The dtype x takes for matmul_rounded / matmul_split_rounded / matmul_gate_up_silu's output: w's
+// The dtype x takes for matmul_rounded / matmul_split_rounded / matmul_gate_up's output: w's
 // own for F16/BF16, f32 for F32 and the block types.
 DType input_dtype(const Tensor& w);
 
-// y (+)= x @ w^T for x [n, in] already in input_dtype(w): matmul_gate_up_silu's output, or
+// y (+)= x @ w^T for x [n, in] already in input_dtype(w): matmul_gate_up's output, or
 // add_rms_norm's y_dtype output.
 Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, float* y, bool accumulate = false);
 
