@@ -229,19 +229,9 @@ TEST_CASE("speculation on a split pool: n-gram and draft-model drafts give one g
   testing::TinyModel m("tiny", DType::kF32);
   // The draft model is the target itself (the same vocabulary; every greedy draft right), run
   // by the same kind of runner: split too, with its own split pool.
-  // The n-gram method's drafts: the known continuation with every third position wrong, so
+  // The n-gram method's drafts: the known continuation with a third of its positions wrong, so
   // that steps accept some drafts and pop the rest from the split pool.
-  class Replay final : public Proposer {
-   public:
-    using Proposer::propose;
-    std::vector<int32_t> truth;
-    void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) override {
-      out->clear();
-      for (size_t p = history.size(); p < truth.size() && static_cast<int>(out->size()) < max; ++p)
-        out->push_back(p % 3 == 0 ? (truth[p] + 1) % 200 : truth[p]);
-    }
-  };
-  auto replay = std::make_shared<Replay>();
+  std::shared_ptr<testing::ReplayProposer> replay;  // made once the greedy tokens are known
   auto make = [&](bool split, bool draft) {
     EngineOptions eo;
     eo.kv_memory_bytes = 32 << 20;
@@ -260,8 +250,9 @@ TEST_CASE("speculation on a split pool: n-gram and draft-model drafts give one g
   const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9};
   const std::vector<int32_t> expected = testing::run(*whole, whole->create_session().value(), testing::request(prompt, 96));
   REQUIRE(expected.size() == 96);
-  replay->truth = prompt;
-  replay->truth.insert(replay->truth.end(), expected.begin(), expected.end());
+  std::vector<int32_t> truth = prompt;
+  truth.insert(truth.end(), expected.begin(), expected.end());
+  replay = std::make_shared<testing::ReplayProposer>(std::move(truth), 1.0 / 3);
   for (auto method : {SpeculationParams::Method::kNgram, SpeculationParams::Method::kDraft}) {
     const bool draft = method == SpeculationParams::Method::kDraft;
     INFO((draft ? "draft model" : "n-gram"));

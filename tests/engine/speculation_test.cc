@@ -19,26 +19,6 @@ using namespace combs::testing;
 
 namespace {
 
-// Drafts the known continuation `truth` (from the history's length on), each token wrong (another
-// id) with probability `error`, decided by the position so that the drafts are reproducible.
-class ReplayProposer final : public Proposer {
- public:
-  using Proposer::propose;
-  ReplayProposer(std::vector<int32_t> truth, double error) : truth_(std::move(truth)), error_(error) {}
-  void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) override {
-    out->clear();
-    for (size_t p = history.size(); p < truth_.size() && static_cast<int>(out->size()) < max; ++p) {
-      Rng rng(p * 7919 + 1);
-      out->push_back(rng.uniform(0.0f, 1.0f) < error_ ? (truth_[p] + 1 + static_cast<int32_t>(rng.integer(0, 200))) % 259
-                                                       : truth_[p]);
-    }
-  }
-
- private:
-  std::vector<int32_t> truth_;
-  double error_;
-};
-
 SpeculationParams ngram(int max_draft = 4) { return speculation(SpeculationParams::Method::kNgram, max_draft); }
 
 GenerateRequest speculative(GenerateRequest r, int max_draft = 4) {

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "combs/engine/engine.h"
+#include "combs/engine/speculation.h"
+#include "support/random.h"
 
 namespace combs::testing {
 
@@ -43,6 +45,27 @@ struct Collector {
 
 // A request of exactly max_tokens new tokens (ignore_eos), top-k 40 at `temperature` (0: greedy).
 // Speculation by `method`, up to max_draft tokens a step.
+// A bench-style proposer: drafts the known continuation `truth` (from the history's length on),
+// each token wrong (another id of a 259-token vocabulary, the tiny models') with probability
+// `error`, decided by the position so that the drafts are reproducible.
+class ReplayProposer final : public Proposer {
+ public:
+  using Proposer::propose;
+  ReplayProposer(std::vector<int32_t> truth, double error) : truth_(std::move(truth)), error_(error) {}
+  void propose(std::span<const int32_t> history, int max, std::vector<int32_t>* out) override {
+    out->clear();
+    for (size_t p = history.size(); p < truth_.size() && static_cast<int>(out->size()) < max; ++p) {
+      Rng rng(p * 7919 + 1);
+      out->push_back(rng.uniform(0.0f, 1.0f) < error_ ? (truth_[p] + 1 + static_cast<int32_t>(rng.integer(0, 200))) % 259
+                                                       : truth_[p]);
+    }
+  }
+
+ private:
+  std::vector<int32_t> truth_;
+  double error_;
+};
+
 inline SpeculationParams speculation(SpeculationParams::Method method, int max_draft = 4) {
   SpeculationParams p;
   p.method = method;

@@ -755,7 +755,7 @@ Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int6
 }
 
 Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
-                           float eps, void* h, GateActivation act) {
+                      float eps, void* h, GateActivation act) {
   COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul_gate_up"));
   if (w.dim(0) % 2 != 0) {
     return invalid_argument_error("cuda matmul_gate_up: weight must hold gate and up rows (an even count), not " +

@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -658,21 +657,21 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     // Fused, rank 0 adds its part to the residual x and the others write theirs over their copy
     // of x, so the all-reduce of x leaves every rank the residual plus every part; in the general
     // path the parts in delta are summed before they join the residual.
+    // A dense FFN, decode-sized, whose gate/up pair and product come from one kernel and whose
+    // down projection takes that product as it is (the fused path's, and the general path's for
+    // gemma's post norms and GELU).
+    auto decode_pairs = [&](const Impl::Layer& w) {
+      return (c.activation == Activation::kSilu || c.activation == Activation::kGeluTanh) &&
+             decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 && cuda::decode_fused(w.w_down, total) &&
+             cuda::input_dtype(w.w_gate_up.first()) == cuda::input_dtype(w.w_down);
+    };
     bool fused_attention = !c.post_norms;
     bool fused = !c.post_norms && c.activation == Activation::kSilu && c.n_expert == 0;
     for (const Impl::Layer& w : I.layers) {
       fused_attention = fused_attention && decode_fused(w.wqkv, total) && cuda::decode_fused(w.wo, total);
-      fused = fused && fused_attention && decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 &&
-              cuda::decode_fused(w.w_down, total) && cuda::input_dtype(w.w_gate_up.first()) == cuda::input_dtype(w.w_down);
+      fused = fused && fused_attention && decode_pairs(w);
     }
     fused_attention = fused_attention && (fused || c.n_expert > 0);  // the residual whole in x after every layer
-    // The general path's dense FFN, decode-sized (gemma's post norms, GELU): one kernel for the
-    // gate/up pair and its product, the down projection on that product as it is.
-    auto decode_pairs = [&](const Impl::Layer& w) {
-      return (c.activation == Activation::kSilu || c.activation == Activation::kGeluTanh) && c.n_expert == 0 &&
-             decode_fused(w.w_gate_up, total) && w.w_gate_up.parts.size() == 1 && cuda::decode_fused(w.w_down, total) &&
-             cuda::input_dtype(w.w_gate_up.first()) == cuda::input_dtype(w.w_down);
-    };
     // Otherwise: add delta (if any; normalized by add_norm first where that is set: a post norm)
     // to the residual and normalize it with norm_w, then project the norm by wt into outs. The
     // norm's output is rounded for the projection's GEMM (in h, which has room for it) or, where

@@ -77,7 +77,7 @@ Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int6
 // silu, or GELU's tanh approximation (gemma's). norm_weight as matmul_split's (null: x as it is).
 enum class GateActivation : uint8_t { kSilu, kGeluTanh };
 Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
-                           float eps, void* h, GateActivation act = GateActivation::kSilu);
+                      float eps, void* h, GateActivation act = GateActivation::kSilu);
 
 // The dtype x takes for matmul_rounded / matmul_split_rounded / matmul_gate_up's output: w's
 // own for F16/BF16, f32 for F32 and the block types.
