@@ -486,6 +486,9 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
   // only where a value sits on a rounding boundary: a step d of that group, at most a couple of
   // times a row. Tolerance: 1e-4 of the absolute sum, plus two steps of the largest |w_down|, per
   // expert, weighted. A wrong expert, weight, row or slot is off by about the value itself.
+  // Batched steps (cuda::experts_batched: tensor cores) round x and the hidden values to
+  // BF16 instead, and widen the weights to BF16: the reference takes the BF16 weights, and a
+  // hidden value's step is its BF16 ulp. n 150: experts with more pairs than a tile (64).
   auto gpu = gpu_or_skip();
   if (!gpu) return;
   std::mt19937 rng(17);
@@ -504,11 +507,12 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
                        Case{DType::kQ8_0, 256, 64, 8, 8, false, false, true, true},
                        Case{DType::kQ4_K, 2048, 256, 8, 2, true, false, false},     // rows > 1024: a warp a row
                        Case{DType::kQ4_K, 1024, 768, 16, 4, true, false, true}}) {  // (down: 768, 8 lanes a row)
-    for (const int64_t n : {int64_t{1}, int64_t{5}, int64_t{40}}) {
+    for (const int64_t n : {int64_t{1}, int64_t{5}, int64_t{40}, int64_t{150}}) {
       const int E = c.n_expert, k = c.k;
+      const bool batched = cuda::experts_batched(n, k, E);
       const int64_t in = c.in, ff = c.ff;
       INFO(dtype_name(c.type) << " experts " << E << " k " << k << " in " << in << " ff " << ff
-                              << " n " << n << (c.oss ? " gpt-oss" : ""));
+                              << " n " << n << (c.oss ? " gpt-oss" : "") << (batched ? " batched" : ""));
       // Weights: random values in the block type; their exact values back on the host.
       auto quantized = [&](int64_t rows, int64_t cols, std::vector<float>* exact) {
         const auto v = random_floats(rng, static_cast<size_t>(E * rows * cols), 0.1f);
@@ -572,9 +576,24 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
       for (size_t i = 0; i < weights.size(); ++i)
         CHECK(std::abs(got_w[i] - weights[i]) <= 2e-6 * weights[i] + 1e-9);
 
+      // The rounding of x, and of the hidden values (half_step: half a rounding step, per value
+      // or per group), by the path this step takes.
+      auto round_x = [&](const std::vector<float>& v, int64_t cols, std::vector<float>* r, std::vector<double>* half_step) {
+        if (!batched) return round_8bit(v, cols, r, half_step);
+        r->resize(v.size());
+        half_step->resize(v.size());
+        for (size_t i = 0; i < v.size(); ++i) {
+          (*r)[i] = to_bf16_and_back(v[i]);
+          (*half_step)[i] = std::ldexp(std::abs(double(v[i])), -8);
+        }
+      };
+      if (batched) {
+        for (auto& v : gu) v = to_bf16_and_back(v);
+        for (auto& v : dn) v = to_bf16_and_back(v);
+      }
       std::vector<float> xr;
       std::vector<double> half_step;
-      round_8bit(h, in, &xr, &half_step);
+      round_x(h, in, &xr, &half_step);
       double worst = 0;
       for (int64_t t = 0; t < n; ++t) {
         std::vector<double> want(static_cast<size_t>(in), 0.0), tol(static_cast<size_t>(in), 1e-6);
@@ -599,7 +618,7 @@ TEST_CASE("cuda experts route as the cpu does and follow float64 through each ch
           }
           std::vector<float> hr;
           std::vector<double> hstep;
-          round_8bit(hid, ff, &hr, &hstep);
+          round_x(hid, ff, &hr, &hstep);
           const double step = 2 * *std::max_element(hstep.begin(), hstep.end());
           const float* d = dn.data() + static_cast<int64_t>(e) * in * ff;
           for (int64_t o = 0; o < in; ++o) {

@@ -1,6 +1,7 @@
 // Mixtures of experts on the device (cuda_ops.h's experts_ffn): routing, the chosen experts'
-// products (quant_matmul.h's quant_gemv_experts) and each token's weighted sum, all launches on
-// the stream (no host round trip: a decode step stays one CUDA graph).
+// products (quant_matmul.h's quant_gemv_experts for decode-sized steps, quant_mma_experts on
+// tensor cores for larger ones) and each token's weighted sum, all launches on the stream (no
+// host round trip: a decode step stays one CUDA graph).
 #include <algorithm>
 #include <string>
 
@@ -258,14 +259,27 @@ Status experts_ffn(CudaBackend& b, const ExpertsFfn& f, float* router_logits, co
                    s.order, s.start),
         "route_kernel"));
   }
-  COMBS_RETURN_IF_ERROR(quantize_activations(st, h, n, in, nullptr, 0.0f, s.xq));
-  COMBS_RETURN_IF_ERROR(
-      quant_gemv_experts(st, gu, s.xq, n, s.order, s.start, f.k, /*pairs=*/true, s.hidden,
-                         {f.gate_up_bias, f.swiglu_alpha, f.swiglu_limit}, n_expert, lo));
-  COMBS_RETURN_IF_ERROR(quantize_activations(st, s.hidden, n * f.k, ff, nullptr, 0.0f, s.xq));
-  COMBS_RETURN_IF_ERROR(
-      quant_gemv_experts(st, down, s.xq, n * f.k, s.order, s.start, 1, /*pairs=*/false, s.out,
-                         {f.down_bias}, n_expert, lo));
+  if (experts_batched(n, f.k, n_expert)) {
+    // Tensor cores, the activations in BF16: h's copy in out (free until the down product writes
+    // it), the hidden products in hidden's first half and the tile list after them.
+    const int64_t pairs = n * f.k;
+    auto* xs = reinterpret_cast<__nv_bfloat16*>(s.out);
+    auto* hidden = reinterpret_cast<__nv_bfloat16*>(s.hidden);
+    void* tiles = reinterpret_cast<uint8_t*>(s.hidden) + (pairs * ff * 2 + 15) / 16 * 16;
+    COMBS_RETURN_IF_ERROR(round_bf16(st, h, n * in, xs));
+    COMBS_RETURN_IF_ERROR(expert_tiles(st, s.start, n_expert, pairs, held, tiles));
+    COMBS_RETURN_IF_ERROR(quant_mma_experts(st, gu, xs, pairs, s.order, tiles, f.k, /*is_pairs=*/true, hidden,
+                                            {f.gate_up_bias, f.swiglu_alpha, f.swiglu_limit}, lo));
+    COMBS_RETURN_IF_ERROR(
+        quant_mma_experts(st, down, hidden, pairs, s.order, tiles, 1, /*is_pairs=*/false, s.out, {f.down_bias}, lo));
+  } else {
+    COMBS_RETURN_IF_ERROR(quantize_activations(st, h, n, in, nullptr, 0.0f, s.xq));
+    COMBS_RETURN_IF_ERROR(quant_gemv_experts(st, gu, s.xq, n, s.order, s.start, f.k, /*pairs=*/true, s.hidden,
+                                             {f.gate_up_bias, f.swiglu_alpha, f.swiglu_limit}, n_expert, lo));
+    COMBS_RETURN_IF_ERROR(quantize_activations(st, s.hidden, n * f.k, ff, nullptr, 0.0f, s.xq));
+    COMBS_RETURN_IF_ERROR(quant_gemv_experts(st, down, s.xq, n * f.k, s.order, s.start, 1, /*pairs=*/false, s.out,
+                                             {f.down_bias}, n_expert, lo));
+  }
   const int per = in % 4 == 0 ? 4 : 1;
   const dim3 grid(static_cast<unsigned>((in / per + kCombineThreads - 1) / kCombineThreads), static_cast<unsigned>(n));
   return cuda_status(launch_pdl(combine_kernel, grid, dim3(kCombineThreads), 0, st, s.out, s.weights,

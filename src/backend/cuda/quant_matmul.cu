@@ -614,34 +614,34 @@ __host__ __device__ constexpr int64_t mma_smem_bytes(int64_t chunk_bytes, int nt
   return 2 * kMmaRows * stage_bytes(chunk_bytes) + (8 * nt + kMmaRows) * kMmaChunk * 2;
 }
 
-template <DType T, int NT>
-__global__ void __launch_bounds__(kMmaWarps * 32)
-    quant_mma_kernel(const uint8_t* __restrict__ w, const __nv_bfloat16* __restrict__ x, GemvOut outs, int n, int64_t in,
-                     float* __restrict__ partial, int* __restrict__ arrived) {
+// The main loop of the batch kernels (quant_mma_kernel, expert_mma_kernel): acc += the block's
+// kMmaRows weight rows times its 8 NT rows of x over chunks [c_begin, c_end). w_row(r): row r's
+// blocks (nullptr: no such row, zeros); x_row(j): x's row j, BF16 (nullptr: zeros). before_x()
+// runs between the first chunk's weights requested and x's (the wait for the kernel that wrote
+// x). acc[nt] holds this warp's rows warp * 16 + g (+ 8) and x rows nt * 8 + 2 t (+ 1), as mma16816's C.
+// x_row(0) is never nullptr (a block has a row of x at least: the address the zero-filled pieces name).
+template <DType T, int NT, typename WRow, typename XRow, typename BeforeX>
+__device__ __forceinline__ void mma_chunks(uint8_t* smem, WRow w_row, XRow x_row, int64_t in, int c_begin, int c_end,
+                                           BeforeX before_x, float (&acc)[NT][4]) {
   constexpr int kStaged = static_cast<int>(stage_bytes(kMmaChunkBytes<T>)), kXRows = 8 * NT, kThreads = kMmaWarps * 32;
-  extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* wbuf = smem;
   uint4* xbuf = reinterpret_cast<uint4*>(smem + 2 * kMmaRows * kStaged);  // 16-byte pieces, swizzled
   uint4* tile = xbuf + kXRows * (kMmaChunk / 8);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
-  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
-  const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>;
-  const int chunks = static_cast<int>((units + kMmaChunkUnits - 1) / kMmaChunkUnits), splits = gridDim.y;
-  const int c_begin = chunks * blockIdx.y / splits, c_end = chunks * (blockIdx.y + 1) / splits;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t units = in / 32;
   auto chunk_units = [&](int c) {
     const int64_t left = units - int64_t{c} * kMmaChunkUnits;
     return static_cast<int>(left < kMmaChunkUnits ? left : kMmaChunkUnits);
   };
   // Chunk c of the block's row r in global memory (a chunk's units are whole blocks).
-  auto source = [&](int r, int c) { return w + (row0 + r) * row_bytes + int64_t{c} * kMmaChunkBytes<T>; };
+  auto source = [&](int r, int c) { return w_row(r) + int64_t{c} * kMmaChunkBytes<T>; };
   auto stage_w = [&](int c, int slot) {
     const int bytes = chunk_units(c) / kUnits<T> * kBlockBytes<T>;
     constexpr int kPieces = kStaged / 16;
 #pragma unroll 4
     for (int i = tid; i < kMmaRows * kPieces; i += kThreads) {
       const int r = i / kPieces, p = i % kPieces;
-      if (row0 + r >= rows) continue;
+      if (w_row(r) == nullptr) continue;
       const uint8_t* src = source(r, c);
       const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t{15});
       const int end = static_cast<int>(src - base) + bytes;
@@ -650,18 +650,17 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   };
   auto stage_x = [&](int c) {
     const int pieces = chunk_units(c) * 4;  // 16 bytes: 8 values
-    const __nv_bfloat16* src = x + int64_t{c} * kMmaChunk;
 #pragma unroll 4
     for (int i = tid; i < kXRows * 32; i += kThreads) {
       const int r = i / 32, p = i % 32;
       if (p >= pieces) continue;
-      const bool live = r < n;
-      cp_async16(smem_addr(xbuf + swizzled(r, p)), src + (live ? r * in + p * 8 : 0), live);
+      const __nv_bfloat16* row = x_row(r);
+      cp_async16(smem_addr(xbuf + swizzled(r, p)), row ? row + int64_t{c} * kMmaChunk + p * 8 : x_row(0), row != nullptr);
     }
   };
   // Unit j of the chunk of row r (staged), widened into the tile.
   auto widen = [&](int r, int j, const uint8_t* staged) {
-    if (row0 + r >= rows) {
+    if (w_row(r) == nullptr) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) tile[swizzled(r, 4 * j + e)] = make_uint4(0, 0, 0, 0);
       return;
@@ -680,13 +679,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   };
   // The groups in flight, oldest first: w(c), x(c), w(c + 1); x has one buffer (the next chunk's
   // x is asked for once the products of this one are done, and arrives during the next widening).
-  pdl_launch_dependents();
   if (c_begin < c_end) stage_w(c_begin, 0);
   cp_async_commit();
-  pdl_wait();
+  before_x();
   if (c_begin < c_end) stage_x(c_begin);
   cp_async_commit();
-  float acc[NT][4] = {};
   // ldmatrix.x4 addresses, a lane a row of one 8x8 matrix: A's four (rows 0-7 / 8-15 of the warp's
   // 16, k 0-7 / 8-15 of a step) make a[0..3]; x's four (n-tiles nt / nt + 1, k 0-7 / 8-15) make
   // b0, b1 of both.
@@ -703,7 +700,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     // Widen: consecutive threads take a row's consecutive units (their scales are the same bytes;
     // lanes on different rows' scales would meet in a few banks).
     const uint8_t* staged0 = wbuf + slot * kMmaRows * kStaged;
-    auto staged_row = [&](int r) { return staged0 + r * kStaged + (reinterpret_cast<uintptr_t>(source(r, c)) & 15); };
+    auto staged_row = [&](int r) {
+      return staged0 + r * kStaged + (w_row(r) ? reinterpret_cast<uintptr_t>(source(r, c)) & 15 : 0);
+    };
     if (cu == kMmaChunkUnits) {
 #pragma unroll
       for (int i = tid; i < kMmaRows * kMmaChunkUnits; i += kThreads) {
@@ -734,6 +733,25 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     cp_async_commit();
   }
   cp_async_wait<0>();
+}
+
+template <DType T, int NT>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    quant_mma_kernel(const uint8_t* __restrict__ w, const __nv_bfloat16* __restrict__ x, GemvOut outs, int n, int64_t in,
+                     float* __restrict__ partial, int* __restrict__ arrived) {
+  constexpr int kXRows = 8 * NT;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>;
+  const int chunks = static_cast<int>((units + kMmaChunkUnits - 1) / kMmaChunkUnits), splits = gridDim.y;
+  const int c_begin = chunks * blockIdx.y / splits, c_end = chunks * (blockIdx.y + 1) / splits;
+  pdl_launch_dependents();
+  float acc[NT][4] = {};
+  mma_chunks<T, NT>(
+      smem, [&](int r) { return row0 + r < rows ? w + (row0 + r) * row_bytes : nullptr; },
+      [&](int r) { return r < n ? x + r * in : nullptr; }, in, c_begin, c_end, [] { pdl_wait(); }, acc);
   if (splits > 1) {
     // This block's sums to its slice of `partial` ([tile][split][kMmaRows][8 NT]); the last to arrive adds them.
     float* mine = partial + (static_cast<int64_t>(blockIdx.x) * splits + blockIdx.y) * kMmaRows * kXRows;
@@ -783,6 +801,140 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       }
     }
   }
+}
+
+// The chosen experts' products of a batched step (quant_mma_experts): block (x, y) takes weight
+// rows x (kMmaRows of them, or for PAIRS kMmaRows / 2 gate rows and their up rows, so that a
+// block forms its rows' silu(gate) * up itself) of the expert of tile y of expert_tiles_kernel's
+// list, and that tile's pairs (up to 8 NT) as the x rows: each pair's sum is its own, whatever
+// other pairs share its tile. Blocks past the list's count return at once.
+constexpr int kExpertMmaNT = 8, kExpertTilePairs = 8 * kExpertMmaNT;
+
+// The list of (expert, first pair in order, pairs) tiles of up to kExpertTilePairs pairs, the
+// chosen experts' in their chosen order: tiles[0].x the count (at most `bound`), then the tiles.
+// One warp.
+__global__ void expert_tiles_kernel(const int32_t* __restrict__ start, int n_expert, int4* __restrict__ tiles, int bound) {
+  pdl_launch_dependents();
+  pdl_wait();  // the routing (start)
+  const int lane = threadIdx.x, chosen = start[n_expert + 1];
+  int running = 0;
+  for (int base = 0; base < chosen; base += 32) {
+    const int c = base + lane;
+    int e = 0, first = 0, count = 0;
+    if (c < chosen) e = start[n_expert + 2 + c], first = start[e], count = start[e + 1] - first;
+    const int mine = (count + kExpertTilePairs - 1) / kExpertTilePairs;
+    int incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffff, incl, o);
+      if (lane >= o) incl += v;
+    }
+    for (int i = 0, at = running + incl - mine; i < mine && at + i < bound; ++i) {
+      tiles[1 + at + i] = make_int4(e, first + i * kExpertTilePairs, min(kExpertTilePairs, count - i * kExpertTilePairs), 0);
+    }
+    running += __shfl_sync(0xffffffff, incl, 31);
+  }
+  if (lane == 0) tiles[0] = make_int4(min(running, bound), 0, 0, 0);
+}
+
+template <DType T, bool PAIRS>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    expert_mma_kernel(const uint8_t* __restrict__ w, int64_t expert_bytes, int64_t rows,
+                      const __nv_bfloat16* __restrict__ x, int64_t in, const int32_t* __restrict__ order,
+                      const int4* __restrict__ tiles, int first_expert, int x_div, void* __restrict__ y,
+                      ExpertEpilogue ep) {
+  constexpr int NT = kExpertMmaNT;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int pair_of[kExpertTilePairs];
+  pdl_launch_dependents();
+  pdl_wait();  // the tiles, x and the routing come from the kernels before
+  if (static_cast<int>(blockIdx.y) >= tiles[0].x) return;
+  const int4 tile = tiles[1 + blockIdx.y];
+  const int e = tile.x, count = tile.z;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  if (tid < kExpertTilePairs) pair_of[tid] = tid < count ? order[tile.y + tid] : -1;
+  __syncthreads();
+  const uint8_t* we = w + static_cast<int64_t>(e - first_expert) * expert_bytes;
+  const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>;
+  constexpr int kOwn = PAIRS ? kMmaRows / 2 : kMmaRows;  // the block's output rows
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kOwn;
+  const int chunks = static_cast<int>((units + kMmaChunkUnits - 1) / kMmaChunkUnits);
+  float acc[NT][4] = {};
+  mma_chunks<T, NT>(
+      smem,
+      [&](int r) -> const uint8_t* {
+        const int64_t row = r0 + r % kOwn;  // (PAIRS: rows kOwn.. are the up rows, `rows` on)
+        return row < rows ? we + (row + (PAIRS && r >= kOwn ? rows : 0)) * row_bytes : nullptr;
+      },
+      [&](int j) -> const __nv_bfloat16* {
+        return pair_of[j] < 0 ? nullptr : x + static_cast<int64_t>(pair_of[j] / x_div) * in;
+      },
+      in, 0, chunks, [] {}, acc);
+  const float* bias = ep.bias ? ep.bias + static_cast<int64_t>(e - first_expert) * (PAIRS ? 2 * rows : rows) : nullptr;
+  if constexpr (PAIRS) {
+    // The gate and up sums meet in shared memory ([kMmaRows][kExpertTilePairs + 1] f32), then each
+    // thread forms a row's product for a pair: consecutive threads, consecutive rows of y.
+    constexpr int kStride = kExpertTilePairs + 1;
+    float* sums = reinterpret_cast<float*>(smem);
+    __syncthreads();  // every warp is done with the tiles
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sums[(warp * 16 + g + 8 * h) * kStride + nt * 8 + 2 * t] = acc[nt][2 * h];
+        sums[(warp * 16 + g + 8 * h) * kStride + nt * 8 + 2 * t + 1] = acc[nt][2 * h + 1];
+      }
+    }
+    __syncthreads();
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(y);
+    for (int i = tid; i < kOwn * kExpertTilePairs; i += kMmaWarps * 32) {
+      const int r = i % kOwn, j = i / kOwn;
+      const int64_t row = r0 + r;
+      if (j >= count || row >= rows) continue;
+      float v = sums[r * kStride + j], up = sums[(kOwn + r) * kStride + j];
+      if (bias) v += bias[row], up += bias[rows + row];
+      if (ep.limit > 0.0f) {  // gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit)
+        const float gl = fminf(v, ep.limit), u = fminf(fmaxf(up, -ep.limit), ep.limit);
+        v = gl / (1.0f + expf(-ep.alpha * gl)) * (u + 1.0f);
+      } else {
+        v = silu(v) * up;
+      }
+      out[static_cast<int64_t>(pair_of[j]) * rows + row] = __float2bfloat16_rn(v);
+    }
+  } else {
+    float* out = static_cast<float*>(y);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = r0 + warp * 16 + g + 8 * h;
+      if (row >= rows) continue;
+      const float b = bias ? bias[row] : 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int j = nt * 8 + 2 * t + k;
+          if (j < count) out[static_cast<int64_t>(pair_of[j]) * rows + row] = acc[nt][2 * h + k] + b;
+        }
+      }
+    }
+  }
+}
+
+// expert_mma_kernel's shared memory (allowed past 48 KB once).
+template <DType T, bool PAIRS>
+size_t expert_mma_smem() {
+  static const size_t bytes = [] {
+    const auto b = static_cast<size_t>(mma_smem_bytes(kMmaChunkBytes<T>, kExpertMmaNT));
+    cudaFuncSetAttribute(expert_mma_kernel<T, PAIRS>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(b));
+    return b;
+  }();
+  return bytes;
+}
+
+__global__ void round_bf16_kernel(const float* __restrict__ x, __nv_bfloat16* __restrict__ y, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  pdl_launch_dependents();
+  pdl_wait();
+  if (i < n) y[i] = __float2bfloat16_rn(x[i]);
 }
 
 // f(std::integral_constant<DType, T>) for w's block type T.
@@ -1048,6 +1200,55 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
     };
     if (pairs) return short_rows ? go(expert_gemv_kernel<T, 4, true, 8>) : go(expert_gemv_kernel<T, 4, true, 32>);
     return short_rows ? go(expert_gemv_kernel<T, 4, false, 8>) : go(expert_gemv_kernel<T, 4, false, 32>);
+  });
+}
+
+Status round_bf16(cudaStream_t st, const float* x, int64_t n, __nv_bfloat16* y) {
+  if (n == 0) return ok_status();
+  return cuda_status(launch_pdl(round_bf16_kernel, dim3(blocks_for(n, 256)), dim3(256), 0, st, x, y, n), "round_bf16_kernel");
+}
+
+int expert_tile_bound(int64_t pairs, int held) {
+  return static_cast<int>((pairs + kExpertTilePairs - 1) / kExpertTilePairs + std::min<int64_t>(held, pairs));
+}
+
+size_t expert_tiles_bytes(int64_t pairs, int held) { return static_cast<size_t>(1 + expert_tile_bound(pairs, held)) * 16; }
+
+Status expert_tiles(cudaStream_t st, const int32_t* start, int n_expert, int64_t pairs, int held, void* tiles) {
+  if (reinterpret_cast<uintptr_t>(tiles) % 16 != 0) return invalid_argument_error("cuda expert_tiles: tiles not 16-byte aligned");
+  return cuda_status(launch_pdl(expert_tiles_kernel, dim3(1), dim3(32), 0, st, start, n_expert, static_cast<int4*>(tiles),
+                                expert_tile_bound(pairs, held)),
+                     "expert_tiles_kernel");
+}
+
+Status quant_mma_experts(cudaStream_t st, const Tensor& w, const __nv_bfloat16* x, int64_t pairs, const int32_t* order,
+                         const void* tiles, int x_div, bool is_pairs, void* y, ExpertEpilogue epilogue, int first_expert) {
+  if (!is_block_quant(w.dtype()) || w.rank() != 3 || w.dim(2) % dtype_block_elems(w.dtype()) != 0 ||
+      (is_pairs && w.dim(1) % 2 != 0)) {
+    return invalid_argument_error(
+        "cuda quant_mma_experts: a 3-D block-quantized weight of whole blocks per row, not " +
+        std::string(dtype_name(w.dtype())) + " " + w.shape().to_string());
+  }
+  const int64_t in = w.dim(2), rows = is_pairs ? w.dim(1) / 2 : w.dim(1);
+  if (in % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) {
+    return invalid_argument_error("cuda quant_mma_experts: x rows must start 16-byte aligned");
+  }
+  if (pairs == 0) return ok_status();
+  const int held = static_cast<int>(w.dim(0));
+  const int64_t expert_bytes = static_cast<int64_t>(nbytes_for(w.dtype(), w.dim(1) * in));
+  const int own = is_pairs ? kMmaRows / 2 : kMmaRows;
+  const dim3 grid(blocks_for(rows, own), static_cast<unsigned>(expert_tile_bound(pairs, held)));
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data());
+  const int4* list = static_cast<const int4*>(tiles);
+  return for_block_type(w.dtype(), [&](auto tag) -> Status {
+    constexpr DType T = decltype(tag)::value;
+    auto go = [&](auto kernel, size_t smem) {
+      return cuda_status(launch_pdl(kernel, grid, dim3(kMmaWarps * 32), smem, st, wp, expert_bytes, rows, x, in, order,
+                                    list, first_expert, x_div, y, epilogue),
+                         "expert_mma_kernel");
+    };
+    return is_pairs ? go(expert_mma_kernel<T, true>, expert_mma_smem<T, true>())
+                    : go(expert_mma_kernel<T, false>, expert_mma_smem<T, false>());
   });
 }
 

@@ -14,6 +14,8 @@
 // the tiles, which were faster there).
 // Larger batches (prefill): rows of the weights dequantized to BF16 in a scratch tile of at most
 // kQuantTileBytes, one cuBLAS GEMM per tile.
+// A mixture's experts: decode-sized steps as decode (quant_gemv_experts), larger ones as quant_mma
+// over each expert's pairs, 64 at a time (quant_mma_experts).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -76,6 +78,23 @@ struct ExpertEpilogue {
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,
                           const int32_t* order, const int32_t* start, int x_div, bool pairs,
                           float* y, ExpertEpilogue epilogue = {}, int experts = 0, int first_expert = 0);
+
+// The chosen experts' products of a batched step (prefill, many sessions) on tensor cores: as
+// quant_gemv_experts, with x [.., in] rounded to BF16 (round_bf16; pair p takes row p / x_div) and
+// the blocks widened to BF16 in shared memory as quant_mma widens them; each tile of up to 64 of an
+// expert's pairs reads that expert's weights once. tiles: expert_tiles' list for these pairs
+// (made once a routing, for both products). is_pairs: y [pairs, out / 2] BF16 = silu(gate) * up
+// (or the epilogue's clamped SwiGLU), the down product's x; else y [pairs, out] f32.
+// The list holds at most expert_tile_bound(pairs, held) tiles: a tile for every 64 pairs and one
+// more for each expert chosen (held: the experts w holds).
+int expert_tile_bound(int64_t pairs, int held);
+size_t expert_tiles_bytes(int64_t pairs, int held);
+Status expert_tiles(cudaStream_t st, const int32_t* start, int n_expert, int64_t pairs, int held, void* tiles);
+Status quant_mma_experts(cudaStream_t st, const Tensor& w, const __nv_bfloat16* x, int64_t pairs, const int32_t* order,
+                         const void* tiles, int x_div, bool is_pairs, void* y, ExpertEpilogue epilogue = {},
+                         int first_expert = 0);
+// y [n] = x [n] rounded to BF16 (nearest even).
+Status round_bf16(cudaStream_t st, const float* x, int64_t n, __nv_bfloat16* y);
 
 // out [rows, in] = rows [row0, row0 + rows) of w dequantized to BF16.
 Status dequantize_rows_bf16(cudaStream_t st, const Tensor& w, int64_t row0, int64_t rows, __nv_bfloat16* out);
