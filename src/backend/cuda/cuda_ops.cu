@@ -9,6 +9,7 @@
 #include "cuda_check.h"
 #include "float_convert.h"
 #include "gemv_out.h"
+#include "kernel_smem.h"
 #include "pdl.h"
 #include "quant_matmul.h"
 
@@ -409,9 +410,8 @@ constexpr size_t kGemvMaxShared = 96 * 1024;  // x staged per block; larger goes
 template <typename T, int N, bool XT, bool PAIRS>
 void launch_gemv_n(const T* w, const void* x, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
   // Persistent blocks: as many as stay resident (computed once per kernel for the largest x).
+  allow_dynamic_smem<gemv_kernel<T, N, XT, PAIRS>>(kGemvMaxShared);
   static const int resident = [] {
-    cudaFuncSetAttribute(gemv_kernel<T, N, XT, PAIRS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(kGemvMaxShared));
     int device = 0, sms = 0, per_sm = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);

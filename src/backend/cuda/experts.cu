@@ -259,7 +259,7 @@ Status experts_ffn(CudaBackend& b, const ExpertsFfn& f, float* router_logits, co
                    s.order, s.start),
         "route_kernel"));
   }
-  if (experts_batched(n, f.k, n_expert)) {
+  if (experts_batched(n, f.k, n_expert) && expert_tile_bound(n * f.k, held) <= kMaxExpertTiles) {
     // Tensor cores, the activations in BF16: h's copy in out (free until the down product writes
     // it), the hidden products in hidden's first half and the tile list after them.
     const int64_t pairs = n * f.k;

@@ -13,6 +13,7 @@
 
 #include "combs/backend/dtype.h"
 #include "cuda_check.h"
+#include "kernel_smem.h"
 #include "async_copy.h"
 #include "mma.h"
 #include "pdl.h"
@@ -919,14 +920,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
 }
 
-// expert_mma_kernel's shared memory (allowed past 48 KB once).
+// expert_mma_kernel's shared memory (allowed past 48 KB on the current device).
 template <DType T, bool PAIRS>
 size_t expert_mma_smem() {
-  static const size_t bytes = [] {
-    const auto b = static_cast<size_t>(mma_smem_bytes(kMmaChunkBytes<T>, kExpertMmaNT));
-    cudaFuncSetAttribute(expert_mma_kernel<T, PAIRS>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(b));
-    return b;
-  }();
+  constexpr auto bytes = static_cast<size_t>(mma_smem_bytes(kMmaChunkBytes<T>, kExpertMmaNT));
+  allow_dynamic_smem<expert_mma_kernel<T, PAIRS>>(bytes);
   return bytes;
 }
 
@@ -998,9 +996,8 @@ template <DType T, int N, bool PAIRS>
 struct GemvVariant {
   template <bool kSplit>
   static int resident_blocks() {  // per multiprocessor, by registers
+    allow_dynamic_smem<quant_gemv_kernel<T, N, PAIRS, kSplit>>(kMaxStageBytes);
     static const int per_sm = [] {
-      cudaFuncSetAttribute(quant_gemv_kernel<T, N, PAIRS, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(kMaxStageBytes));
       int blocks = 0;
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, quant_gemv_kernel<T, N, PAIRS, kSplit>, kMaxWarps * 32, 0);
       cudaGetLastError();
@@ -1045,15 +1042,12 @@ int64_t mma_tiles(int64_t rows) { return (rows + kMmaRows - 1) / kMmaRows; }
 size_t mma_counter_bytes(int64_t rows) { return static_cast<size_t>((mma_tiles(rows) * 4 + 255) / 256 * 256); }
 constexpr int kMaxMmaSplits = 16;
 
-// One instantiation of the batch kernel and its launch (its shared memory allowed past 48 KB once).
+// One instantiation of the batch kernel and its launch.
 template <DType T, int NT>
 struct MmaVariant {
-  static size_t smem() {
-    static const size_t bytes = [] {
-      const auto b = static_cast<size_t>(mma_smem_bytes(kMmaChunkBytes<T>, NT));
-      cudaFuncSetAttribute(quant_mma_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(b));
-      return b;
-    }();
+  static size_t smem() {  // (allowed past 48 KB on the current device)
+    constexpr auto bytes = static_cast<size_t>(mma_smem_bytes(kMmaChunkBytes<T>, NT));
+    allow_dynamic_smem<quant_mma_kernel<T, NT>>(bytes);
     return bytes;
   }
   // Blocks resident on the device at once.
@@ -1235,6 +1229,9 @@ Status quant_mma_experts(cudaStream_t st, const Tensor& w, const __nv_bfloat16* 
   }
   if (pairs == 0) return ok_status();
   const int held = static_cast<int>(w.dim(0));
+  if (expert_tile_bound(pairs, held) > kMaxExpertTiles) {
+    return invalid_argument_error("cuda quant_mma_experts: " + std::to_string(pairs) + " pairs (more tiles than a grid holds)");
+  }
   const int64_t expert_bytes = static_cast<int64_t>(nbytes_for(w.dtype(), w.dim(1) * in));
   const int own = is_pairs ? kMmaRows / 2 : kMmaRows;
   const dim3 grid(blocks_for(rows, own), static_cast<unsigned>(expert_tile_bound(pairs, held)));

@@ -87,6 +87,8 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
 // (or the epilogue's clamped SwiGLU), the down product's x; else y [pairs, out] f32.
 // The list holds at most expert_tile_bound(pairs, held) tiles: a tile for every 64 pairs and one
 // more for each expert chosen (held: the experts w holds).
+// (At most kMaxExpertTiles: a grid's rows.)
+constexpr int kMaxExpertTiles = 65535;
 int expert_tile_bound(int64_t pairs, int held);
 size_t expert_tiles_bytes(int64_t pairs, int held);
 Status expert_tiles(cudaStream_t st, const int32_t* start, int n_expert, int64_t pairs, int held, void* tiles);

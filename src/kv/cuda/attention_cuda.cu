@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backend/cuda/async_copy.h"
+#include "backend/cuda/kernel_smem.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/float_convert.h"
 #include "backend/cuda/mma.h"
@@ -664,11 +665,8 @@ __global__ void manual_attention_kernel(const Meta M, const float* __restrict__ 
 }
 
 template <typename T, int HD, int R>
-cudaError_t flash_attr() {
-  static const cudaError_t attr =  // once per kernel (prefill with head_dim 128 takes 64 KB)
-      cudaFuncSetAttribute(flash_kernel<T, HD, R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           FlashShape<HD, R>::kSmemBytes);
-  return attr;
+cudaError_t flash_attr() {  // (prefill with head_dim 128 takes 64 KB)
+  return cuda::allow_dynamic_smem<flash_kernel<T, HD, R>>(FlashShape<HD, R>::kSmemBytes);
 }
 
 // Blocks of the decode kernel resident on the whole device at once.

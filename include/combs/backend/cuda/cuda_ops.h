@@ -182,8 +182,9 @@ struct ExpertsFfn {
 // Device scratch for n tokens: ids, weights, order [n k]; start [expert_start_size(n_expert)]
 // (each expert's first pair in order, then the count of experts chosen and their ids: the
 // products' blocks go to chosen experts only; its last entry a counter the router's kernel uses
-// and leaves at zero: zero it once when the scratch is allocated); xq (expert_activation_bytes); hidden [n k, ff];
-// out [n k, in].
+// and leaves at zero: zero it once when the scratch is allocated); xq (expert_activation_bytes);
+// hidden [n k, ff] (f32: batched steps keep there the BF16 products and, after them, their tile
+// list of at most 16 (n k / 64 + n_expert + 2) bytes); out [n k, in].
 struct ExpertScratch {
   int32_t* ids;
   float* weights;
