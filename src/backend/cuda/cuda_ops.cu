@@ -21,14 +21,6 @@ cudaStream_t stream_of(CudaBackend& b) { return static_cast<cudaStream_t>(b.stre
 
 Status launched(const char* kernel) { return cuda_status(cudaGetLastError(), kernel); }
 
-template <typename T>
-__global__ void convert_kernel(const float* __restrict__ x, T* __restrict__ y, int64_t n) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  pdl_launch_dependents();
-  pdl_wait();
-  if (i < n) y[i] = from_f32<T>(x[i]);
-}
-
 __global__ void add_bias_kernel(float* __restrict__ y, const float* __restrict__ bias, int64_t n, int64_t out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n * out) y[i] += bias[i % out];

@@ -13,6 +13,7 @@
 
 #include "combs/backend/dtype.h"
 #include "cuda_check.h"
+#include "float_convert.h"
 #include "kernel_smem.h"
 #include "async_copy.h"
 #include "mma.h"
@@ -464,6 +465,16 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   cp_async_wait<0>();
 }
 
+// An expert's gate/up product: silu(gate) * up, or gpt-oss's clamped SwiGLU where ep.limit > 0
+// (g = min(gate, limit), u = clamp(up, -limit, limit), g sigmoid(alpha g) (u + 1)).
+__device__ __forceinline__ float expert_gated(float gate, float up, const ExpertEpilogue& ep) {
+  if (ep.limit > 0.0f) {
+    const float g = fminf(gate, ep.limit), u = fminf(fmaxf(up, -ep.limit), ep.limit);
+    return g / (1.0f + expf(-ep.alpha * g)) * (u + 1.0f);
+  }
+  return silu(gate) * up;
+}
+
 // The experts' products (quant_matmul.h, quant_gemv_experts): block (x, c) takes the c-th chosen
 // expert's weights, a warp 32 / LPR rows at a time (LPR lanes a row, LPR units apart: short rows
 // take fewer lanes, so that a warp has several rows' loads in flight), and that expert's (token,
@@ -541,12 +552,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
         if (bias) v += bias[row];
         if constexpr (PAIRS) {
           if (bias) up += bias[rows + row];
-          if (ep.limit > 0.0f) {  // gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit)
-            const float g = fminf(v, ep.limit), u = fminf(fmaxf(up, -ep.limit), ep.limit);
-            v = g / (1.0f + expf(-ep.alpha * g)) * (u + 1.0f);
-          } else {
-            v = silu(v) * up;
-          }
+          v = expert_gated(v, up, ep);
         }
         if (sl == 0 && pair[r] >= 0) y[static_cast<int64_t>(pair[r]) * rows + row] = v;
       }
@@ -893,13 +899,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       if (j >= count || row >= rows) continue;
       float v = sums[r * kStride + j], up = sums[(kOwn + r) * kStride + j];
       if (bias) v += bias[row], up += bias[rows + row];
-      if (ep.limit > 0.0f) {  // gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit)
-        const float gl = fminf(v, ep.limit), u = fminf(fmaxf(up, -ep.limit), ep.limit);
-        v = gl / (1.0f + expf(-ep.alpha * gl)) * (u + 1.0f);
-      } else {
-        v = silu(v) * up;
-      }
-      out[static_cast<int64_t>(pair_of[j]) * rows + row] = __float2bfloat16_rn(v);
+      out[static_cast<int64_t>(pair_of[j]) * rows + row] = __float2bfloat16_rn(expert_gated(v, up, ep));
     }
   } else {
     float* out = static_cast<float*>(y);
@@ -928,13 +928,6 @@ size_t expert_mma_smem() {
   return bytes;
 }
 
-__global__ void round_bf16_kernel(const float* __restrict__ x, __nv_bfloat16* __restrict__ y, int64_t n) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  pdl_launch_dependents();
-  pdl_wait();
-  if (i < n) y[i] = __float2bfloat16_rn(x[i]);
-}
-
 // f(std::integral_constant<DType, T>) for w's block type T.
 template <typename F>
 Status for_block_type(DType t, F&& f) {
@@ -953,6 +946,17 @@ Status for_block_type(DType t, F&& f) {
 Status check_block_weight(const Tensor& w, const char* op) {
   if (!is_block_quant(w.dtype()) || w.rank() != 2 || w.dim(1) % dtype_block_elems(w.dtype()) != 0) {
     return invalid_argument_error(std::string(op) + ": a 2-D block-quantized weight of whole blocks per row, not " +
+                                  std::string(dtype_name(w.dtype())) + " " + w.shape().to_string());
+  }
+  return ok_status();
+}
+
+// A mixture's stacked experts [n_expert, out, in]: a block type, whole blocks a row, and gate/up
+// pairs (an even `out`) where pairs.
+Status check_expert_weight(const Tensor& w, bool pairs, const char* op) {
+  if (!is_block_quant(w.dtype()) || w.rank() != 3 || w.dim(2) % dtype_block_elems(w.dtype()) != 0 ||
+      (pairs && w.dim(1) % 2 != 0)) {
+    return invalid_argument_error(std::string(op) + ": a 3-D block-quantized weight of whole blocks per row, not " +
                                   std::string(dtype_name(w.dtype())) + " " + w.shape().to_string());
   }
   return ok_status();
@@ -1163,12 +1167,7 @@ Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int 
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,
                           const int32_t* order, const int32_t* start, int x_div, bool pairs,
                           float* y, ExpertEpilogue epilogue, int experts, int first_expert) {
-  if (!is_block_quant(w.dtype()) || w.rank() != 3 || w.dim(2) % dtype_block_elems(w.dtype()) != 0 ||
-      (pairs && w.dim(1) % 2 != 0)) {
-    return invalid_argument_error(
-        "cuda quant_gemv_experts: a 3-D block-quantized weight of whole blocks per row, not " +
-        std::string(dtype_name(w.dtype())) + " " + w.shape().to_string());
-  }
+  COMBS_RETURN_IF_ERROR(check_expert_weight(w, pairs, "cuda quant_gemv_experts"));
   if (x_rows == 0) return ok_status();
   const int64_t in = w.dim(2), rows = pairs ? w.dim(1) / 2 : w.dim(1);
   const int8_t* q = static_cast<const int8_t*>(xq);
@@ -1199,14 +1198,13 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
 
 Status round_bf16(cudaStream_t st, const float* x, int64_t n, __nv_bfloat16* y) {
   if (n == 0) return ok_status();
-  return cuda_status(launch_pdl(round_bf16_kernel, dim3(blocks_for(n, 256)), dim3(256), 0, st, x, y, n), "round_bf16_kernel");
+  return cuda_status(launch_pdl(convert_kernel<__nv_bfloat16>, dim3(blocks_for(n, 256)), dim3(256), 0, st, x, y, n),
+                     "convert_kernel");
 }
 
 int expert_tile_bound(int64_t pairs, int held) {
   return static_cast<int>((pairs + kExpertTilePairs - 1) / kExpertTilePairs + std::min<int64_t>(held, pairs));
 }
-
-size_t expert_tiles_bytes(int64_t pairs, int held) { return static_cast<size_t>(1 + expert_tile_bound(pairs, held)) * 16; }
 
 Status expert_tiles(cudaStream_t st, const int32_t* start, int n_expert, int64_t pairs, int held, void* tiles) {
   if (reinterpret_cast<uintptr_t>(tiles) % 16 != 0) return invalid_argument_error("cuda expert_tiles: tiles not 16-byte aligned");
@@ -1217,12 +1215,7 @@ Status expert_tiles(cudaStream_t st, const int32_t* start, int n_expert, int64_t
 
 Status quant_mma_experts(cudaStream_t st, const Tensor& w, const __nv_bfloat16* x, int64_t pairs, const int32_t* order,
                          const void* tiles, int x_div, bool is_pairs, void* y, ExpertEpilogue epilogue, int first_expert) {
-  if (!is_block_quant(w.dtype()) || w.rank() != 3 || w.dim(2) % dtype_block_elems(w.dtype()) != 0 ||
-      (is_pairs && w.dim(1) % 2 != 0)) {
-    return invalid_argument_error(
-        "cuda quant_mma_experts: a 3-D block-quantized weight of whole blocks per row, not " +
-        std::string(dtype_name(w.dtype())) + " " + w.shape().to_string());
-  }
+  COMBS_RETURN_IF_ERROR(check_expert_weight(w, is_pairs, "cuda quant_mma_experts"));
   const int64_t in = w.dim(2), rows = is_pairs ? w.dim(1) / 2 : w.dim(1);
   if (in % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) {
     return invalid_argument_error("cuda quant_mma_experts: x rows must start 16-byte aligned");

@@ -90,7 +90,6 @@ Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int6
 // (At most kMaxExpertTiles: a grid's rows.)
 constexpr int kMaxExpertTiles = 65535;
 int expert_tile_bound(int64_t pairs, int held);
-size_t expert_tiles_bytes(int64_t pairs, int held);
 Status expert_tiles(cudaStream_t st, const int32_t* start, int n_expert, int64_t pairs, int held, void* tiles);
 Status quant_mma_experts(cudaStream_t st, const Tensor& w, const __nv_bfloat16* x, int64_t pairs, const int32_t* order,
                          const void* tiles, int x_div, bool is_pairs, void* y, ExpertEpilogue epilogue = {},

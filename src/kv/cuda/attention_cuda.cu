@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "backend/cuda/async_copy.h"
-#include "backend/cuda/kernel_smem.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/float_convert.h"
+#include "backend/cuda/kernel_smem.h"
 #include "backend/cuda/mma.h"
 #include "backend/cuda/pdl.h"
 #include "combs/base/hash.h"

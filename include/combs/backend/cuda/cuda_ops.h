@@ -152,8 +152,8 @@ Status sample_rows(CudaBackend& b, float* logits, int64_t rows, int64_t n_vocab,
 // each chosen expert's down(silu(gate h) * up h) with h rounded to 8 bits as the decode kernels
 // round it (to BF16 in batched steps: below), the token's experts weighted and summed in slot
 // order into y [n, in] (+= with accumulate), plus sigmoid(shared_logit[t]) * shared[t] where
-// shared is set (qwen2moe's shared expert, computed by the caller). Experts in a block type: gate_up [n_expert, 2 ff, in], each
-// expert's gate rows then its up rows; down [n_expert, in, ff].
+// shared is set (qwen2moe's shared expert, computed by the caller). Experts in a block type:
+// gate_up [n_expert, 2 ff, in], each expert's gate rows then its up rows; down [n_expert, in, ff].
 // gpt-oss: softmax_chosen routes as cpu::route_experts' softmax_chosen; gate_up_bias [n_expert,
 // 2 ff] (each expert's gate then up biases) and down_bias [n_expert, in] join the products before
 // the activation and the weighting; swiglu_limit > 0 takes the clamped SwiGLU (cpu::swiglu_oai_mul
