@@ -183,6 +183,9 @@ struct Engine::Impl {
   std::unique_ptr<HostPagePool> host;    // the host tier; null: none (or it does not pay)
   std::unique_ptr<PrefixCache> prefix;   // null when off; goes before the pool
   std::string model_fingerprint;
+  // The window of a model whose every layer is windowed, when pages behind it are released
+  // (EngineOptions::release_behind_window); 0: none are.
+  int64_t release_window = 0;
 
   std::mutex mu;
   std::condition_variable wake;
@@ -243,6 +246,11 @@ struct Engine::Impl {
                                                   std::unique_ptr<Active> a);
   // The prefix cache's key of history page i of s (the chain extended as needed).
   const Digest& page_key(Session& s, int64_t i);
+  // Drops s's cached positions from `keep` on; where the window of the next position would then
+  // read released positions, the whole cache goes (it rebuilds from the history by prefill).
+  void truncate_cache(Session& s, int64_t keep);
+  // Gives back s's pages behind its window, less the rollback margin (see release_window).
+  void release_behind_window(Session& s);
   // After s's history shrank: its chain keeps only the pages still whole.
   void trim_chain(Session& s) {
     s.chain.resize(std::min(s.chain.size(), s.history.size() / static_cast<size_t>(pool->page_size())));
@@ -388,6 +396,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
       o.max_tokens_per_request < 0) {
     return invalid_argument_error("engine: page_size, prefill_chunk, step_token_budget and max_sessions must be >= 1");
   }
+  if (o.window_rollback < 0) return invalid_argument_error("engine: window_rollback must be >= 0");
   if (!(o.kv_memory_fraction >= 0.0 && o.kv_memory_fraction <= 1.0)) {
     return invalid_argument_error("engine: kv_memory_fraction must be in [0, 1]");
   }
@@ -451,6 +460,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   }
   impl->model_fingerprint = to_hex(impl->model->file().fingerprint());
   if (o.prefix_cache) impl->prefix = std::make_unique<PrefixCache>(*impl->pool);
+  if (o.release_behind_window && c.sliding_window > 0 && !c.layer_windowed.empty() &&
+      std::all_of(c.layer_windowed.begin(), c.layer_windowed.end(), [](uint8_t w) { return w != 0; })) {
+    impl->release_window = c.sliding_window;
+  }
   for (SessionRecord& r : impl->options.restore) {  // a journal's sessions: histories, no pages
     if (static_cast<int>(impl->sessions.size()) >= impl->options.max_sessions) {
       return resource_exhausted_error("restoring session " + r.id + ": more sessions than --max-sessions " +
@@ -572,7 +585,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::Impl::start(Session* s, Genera
   }
   // Sampling needs the last position's logits: recompute it when the cache already holds it.
   const int64_t len = static_cast<int64_t>(s->history.size());
-  if (s->cache->seq_len() >= len) s->cache->popn(s->cache->seq_len() - len + 1);
+  truncate_cache(*s, len - 1);
   a->request = std::move(request);
   auto handle = a->handle;
   snapshot(*s);
@@ -652,8 +665,7 @@ StatusOr<std::shared_ptr<GenerateHandle>> Engine::chat(const SessionId& id, Chat
   COMBS_RETURN_IF_ERROR(validate(request.sampling.value_or(s->options.sampling), m.model->config().n_vocab));
   if (keep < s->history.size()) {  // roll back to where the rendering changes
     s->history.resize(keep);
-    const int64_t cached = s->cache->seq_len();
-    if (cached > static_cast<int64_t>(keep)) s->cache->popn(cached - static_cast<int64_t>(keep));
+    m.truncate_cache(*s, static_cast<int64_t>(keep));
     m.trim_chain(*s);
     s->host.trim(static_cast<int64_t>(keep));
     if (m.options.journal) m.options.journal->truncate(s->id, static_cast<int64_t>(keep));
@@ -716,8 +728,7 @@ StatusOr<int64_t> Engine::rollback(const SessionId& id, int64_t n) {
     return out_of_range_error("rollback: " + std::to_string(n) + " tokens asked, the session holds " + std::to_string(len));
   }
   s->history.resize(len - n);
-  const int64_t cached = s->cache->seq_len();
-  if (cached > len - n) s->cache->popn(cached - (len - n));
+  impl_->truncate_cache(*s, len - n);
   impl_->trim_chain(*s);
   s->host.trim(len - n);
   if (impl_->options.journal && n > 0) impl_->options.journal->truncate(s->id, len - n);
@@ -912,7 +923,14 @@ Status Engine::check_invariants() {
   const int ps = pool.page_size();
   for (auto& [id, s] : m.sessions) {
     std::span<const int32_t> table = s->cache->page_table();
-    for (int32_t p : table) ++holders[p];
+    const int64_t first_held = s->cache->first_held_position() / ps;
+    for (int64_t i = 0; i < static_cast<int64_t>(table.size()); ++i) {
+      if ((i < first_held) != (table[i] == pool.zero_page())) {
+        return internal_error("session " + id + ": page " + std::to_string(i) + " is " +
+                              (i < first_held ? "released but names a page" : "held but names the zero page"));
+      }
+      if (i >= first_held) ++holders[table[i]];
+    }
     const int64_t cached = s->cache->seq_len();
     if (cached > static_cast<int64_t>(s->history.size())) {
       return internal_error("session " + id + " caches more positions than its history holds");
@@ -924,7 +942,7 @@ Status Engine::check_invariants() {
       if (prev != s->chain[i]) return internal_error("session " + id + ": the key of page " + std::to_string(i) + " is stale");
     }
     if (!m.prefix) continue;
-    for (int64_t i = 0; i < cached / ps; ++i) {  // a cached page holds what its key says
+    for (int64_t i = first_held; i < cached / ps; ++i) {  // a cached page holds what its key says
       if (auto key = m.prefix->key_of(table[i]); key && *key != m.page_key(*s, i)) {
         return internal_error("session " + id + ": page " + std::to_string(i) + " is cached under another prefix's key");
       }
@@ -995,8 +1013,7 @@ void Engine::Impl::finish(Session& s, FinishKind kind, Status status,
   out.emplace_back(a.sink, std::move(e));
   if (kind == FinishKind::kError) {  // undo the request: its input and any tokens it generated
     s.history.resize(a.history_before);
-    const int64_t cached = s.cache->seq_len();
-    if (cached > static_cast<int64_t>(a.history_before)) s.cache->popn(cached - static_cast<int64_t>(a.history_before));
+    truncate_cache(s, static_cast<int64_t>(a.history_before));
     trim_chain(s);
     s.host.trim(static_cast<int64_t>(a.history_before));
     if (options.journal) options.journal->truncate(s.id, static_cast<int64_t>(a.history_before));
@@ -1086,7 +1103,7 @@ void Engine::Impl::verify(Session& s, std::span<const int32_t> tokens, int64_t r
     ++accepted;
   }
   // The cache holds the history's last position and every draft: the rejected ones go.
-  s.cache->popn(d - accepted);
+  truncate_cache(s, s.cache->seq_len() - (d - accepted));
   a.draft_length->observe(static_cast<int>(d), static_cast<int>(accepted));
   a.usage.drafted_tokens += d;
   a.usage.accepted_tokens += accepted;
@@ -1098,8 +1115,26 @@ void Engine::Impl::verify(Session& s, std::span<const int32_t> tokens, int64_t r
     if (emit(s, t, out)) break;
   }
   // A request that ended inside the run keeps no position past its history's last.
-  const int64_t keep = static_cast<int64_t>(s.history.size()) - 1;
-  if (s.cache->seq_len() > keep) s.cache->popn(s.cache->seq_len() - keep);
+  truncate_cache(s, static_cast<int64_t>(s.history.size()) - 1);
+}
+
+void Engine::Impl::truncate_cache(Session& s, int64_t keep) {
+  const int64_t len = std::min(s.cache->seq_len(), keep);
+  const int64_t held = s.cache->first_held_position();  // > 0 only with a release_window
+  if (held > 0 && len - release_window + 1 < held) {
+    s.cache->reset();
+    ++counts.window_rebuilds;
+  } else if (s.cache->seq_len() > len) {
+    s.cache->popn(s.cache->seq_len() - len);
+  }
+}
+
+void Engine::Impl::release_behind_window(Session& s) {
+  if (release_window == 0) return;
+  // The next position reads keys from seq_len() - window + 1 on; a rollback of up to
+  // window_rollback positions still finds its window held.
+  counts.window_pages_released +=
+      s.cache->release_before(s.cache->seq_len() - release_window + 1 - options.window_rollback);
 }
 
 const Digest& Engine::Impl::page_key(Session& s, int64_t i) {
@@ -1147,7 +1182,7 @@ void Engine::Impl::cache_filled_pages(Session& s, int64_t from, int64_t to) {
   if (!prefix) return;
   const int64_t ps = pool->page_size();
   std::span<const int32_t> table = s.cache->page_table();
-  for (int64_t i = from / ps; i < to / ps; ++i) {
+  for (int64_t i = std::max(from, s.cache->first_held_position()) / ps; i < to / ps; ++i) {
     if (!pool->is_cached(table[i])) prefix->insert(page_key(s, i), table[i]);
   }
 }
@@ -1202,7 +1237,9 @@ bool Engine::Impl::evict_one_idle(const std::set<Session*>& keep) {
 
 void Engine::Impl::offload(Session& s, const std::set<Session*>& keep) {
   const int64_t cached = s.cache->seq_len();
-  if (!host || cached == 0 || s.host.len() >= cached) {  // nothing to keep, or the host has it already
+  // Nothing to keep, the host has it already, or the cache released positions behind a window (a
+  // host copy holds a history's first positions on).
+  if (!host || cached == 0 || s.host.len() >= cached || s.cache->first_held_position() > 0) {
     s.cache->reset();
     return;
   }
@@ -1348,7 +1385,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
   for (Session* s : order) {
     const int64_t len = static_cast<int64_t>(s->history.size());
     if (s->cache->seq_len() >= len) {  // the last token's logits are needed again: recompute it
-      s->cache->popn(s->cache->seq_len() - len + 1);
+      truncate_cache(*s, len - 1);
       continue;  // next step
     }
     // A request that arrived earlier waits for pages it cannot get (it holds some): later ones take
@@ -1575,6 +1612,7 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
       } else {
         conclude(i, row);
       }
+      if (st.ok()) release_behind_window(*work[i].s);
       snapshot(*work[i].s);  // after a verification has dropped the rejected drafts
     }
   }

@@ -96,6 +96,23 @@ Status check_batch(std::span<const SeqAttention> seqs, int layer, int64_t* n_tok
   return ok_status();
 }
 
+// A layer with this window reads each sequence's keys from max(0, pos - window + 1) on (every
+// key without one): none of them may be released.
+Status check_window(std::span<const SeqAttention> seqs, int layer, int64_t window) {
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const SeqAttention& s = seqs[i];
+    const int64_t held = s.cache->first_held_position();
+    if (held == 0 || s.n_new == 0) continue;
+    const int64_t first = window > 0 ? std::max<int64_t>(0, s.pos - window + 1) : 0;
+    if (first < held) {
+      return failed_precondition_error("attention: sequence " + std::to_string(i) + ": layer " + std::to_string(layer) +
+                                       " reads position " + std::to_string(first) + ", but the cache released the positions before " +
+                                       std::to_string(held) + " (behind a sliding window): rebuild it");
+    }
+  }
+  return ok_status();
+}
+
 // The tensors of a batch of n_tokens: k and v always; q and out when out is set.
 Status check_tensors(const KVGeometry& g, DeviceType device, int64_t n_tokens, const Tensor& q, const Tensor& k,
                      const Tensor& v, const Tensor* out) {
@@ -166,6 +183,7 @@ Status attention_batch(std::span<const SeqAttention> seqs, int layer, const Tens
   Backend& backend = seqs[0].cache->backend();
   COMBS_RETURN_IF_ERROR(check_params(params));
   COMBS_RETURN_IF_ERROR(check_tensors(g, backend.device_type(), n_tokens, q, k, v, out));
+  if (out != nullptr) COMBS_RETURN_IF_ERROR(check_window(seqs, layer, params.window));
   COMBS_RETURN_IF_ERROR(reserve_batch_pages(seqs));
 
   // ---- Apply. ----
@@ -268,6 +286,7 @@ Status AttentionStep::run(int layer, const Tensor& q, const Tensor& k, const Ten
   if (rope_.inv_freq && (q.dtype() != DType::kF32 || k.dtype() != DType::kF32)) {
     return invalid_argument_error("attention step: q and k must be f32 to be rotated");
   }
+  COMBS_RETURN_IF_ERROR(check_window(seqs_, layer, params.window));
   for (size_t i = 0; i < seqs_.size(); ++i) work_[i].kv = seqs_[i].cache->layout(layer);
   if (backend.device_type() == DeviceType::kCuda) return plan_->launch(work_, q, k, v, &out, params, inv_freq);
   const float* freqs = inv_freq ? inv_freq : rope_.inv_freq;

@@ -39,31 +39,33 @@ StatusOr<std::unique_ptr<PagePool>> PagePool::create_sharded(std::span<Backend* 
     return invalid_argument_error("page pool: page_size must be in [1, 1048576], got " +
                                   std::to_string(options.page_size));
   }
-  if (options.num_pages < 1 || options.num_pages > std::numeric_limits<int32_t>::max()) {
-    return invalid_argument_error("page pool: num_pages must be in [1, 2^31), got " +
+  if (options.num_pages < 1 || options.num_pages >= std::numeric_limits<int32_t>::max()) {
+    return invalid_argument_error("page pool: num_pages must be in [1, 2^31 - 1), got " +
                                   std::to_string(options.num_pages) +
                                   " (is the KV memory budget smaller than one page of " +
                                   std::to_string(page_bytes(options.geometry, options.page_size)) +
                                   " bytes?)");
   }
-  const int n = static_cast<int>(shards.size());
-  if (n < 1 || options.geometry.n_kv_heads % n != 0) {
+  const int n_shards = static_cast<int>(shards.size());
+  if (n_shards < 1 || options.geometry.n_kv_heads % n_shards != 0) {
     return invalid_argument_error("page pool: " + std::to_string(options.geometry.n_kv_heads) +
-                                  " KV heads do not split evenly over " + std::to_string(n) + " shards");
+                                  " KV heads do not split evenly over " + std::to_string(n_shards) + " shards");
   }
   std::unique_ptr<PagePool> pool(new PagePool(options));
   KVGeometry g = options.geometry;
-  g.n_kv_heads /= n;
+  g.n_kv_heads /= n_shards;
   pool->shard_geometry_ = g;
-  const Shape arena{options.num_pages, g.n_kv_heads, options.page_size, g.head_dim};
+  const int64_t n = options.num_pages;
+  const Shape arena{n + 1, g.n_kv_heads, options.page_size, g.head_dim};  // the pages, then the zero page
   for (Backend* backend : shards) {
     Shard s;
     s.backend = backend;
     for (int layer = 0; layer < g.num_layers; ++layer) {
-      COMBS_ASSIGN_OR_RETURN(Tensor k, backend->alloc(arena, g.dtype));
-      COMBS_ASSIGN_OR_RETURN(Tensor v, backend->alloc(arena, g.dtype));
-      s.k.push_back(std::move(k));
-      s.v.push_back(std::move(v));
+      for (std::vector<Tensor>* kv : {&s.k, &s.v}) {
+        COMBS_ASSIGN_OR_RETURN(Tensor t, backend->alloc(arena, g.dtype));
+        COMBS_RETURN_IF_ERROR(backend->zero(t.rows(n, n + 1)));
+        kv->push_back(t.rows(0, n));
+      }
     }
     pool->shards_.push_back(std::move(s));
   }

@@ -28,7 +28,8 @@ int64_t PagedKVCache::first_written_page(int64_t end) const {
 int64_t PagedKVCache::pages_needed(int64_t end) const {
   const int64_t have = static_cast<int64_t>(table_.size());
   int64_t needed = std::max<int64_t>(0, pages_for_tokens(end, pool_->page_size()) - have);
-  for (int64_t i = first_written_page(end); i < have; ++i) {
+  // (Released pages lie before every layer's length: never written.)
+  for (int64_t i = std::max(first_written_page(end), released_); i < have; ++i) {
     if (pool_->refcount(table_[i]) > 1) ++needed;  // copy-on-write
   }
   return needed;
@@ -36,7 +37,7 @@ int64_t PagedKVCache::pages_needed(int64_t end) const {
 
 void PagedKVCache::reserve(int64_t end) {
   const int64_t have = static_cast<int64_t>(table_.size());
-  for (int64_t i = first_written_page(end); i < have; ++i) {
+  for (int64_t i = std::max(first_written_page(end), released_); i < have; ++i) {
     if (pool_->refcount(table_[i]) > 1) {
       const int32_t copy = *pool_->alloc();  // counted by pages_needed
       pool_->copy_page(table_[i], copy);
@@ -52,14 +53,19 @@ void PagedKVCache::reserve(int64_t end) {
 void PagedKVCache::release_pages_from(int64_t keep) {
   // Last page first, so that the pool's LIFO hands them out again in table order.
   while (static_cast<int64_t>(table_.size()) > keep) {
-    pool_->release(table_.back());
+    if (static_cast<int64_t>(table_.size()) > released_) pool_->release(table_.back());
     table_.pop_back();
   }
+  released_ = std::min(released_, static_cast<int64_t>(table_.size()));
 }
 
 int64_t PagedKVCache::popn(int64_t n) {
   const int64_t len = seq_len();
   n = std::clamp<int64_t>(n, 0, len);
+  if (len - n < first_held_position()) {  // what would be left is all released: nothing is held
+    reset();
+    return n;
+  }
   truncate_layers(len - n);
   release_pages_from(pages_for_tokens(len - n, pool_->page_size()));
   return n;
@@ -68,6 +74,18 @@ int64_t PagedKVCache::popn(int64_t n) {
 void PagedKVCache::reset() {
   truncate_layers(0);
   release_pages_from(0);
+}
+
+int64_t PagedKVCache::release_before(int64_t pos) {
+  int64_t end = pos;
+  for (int l = 0; l < geometry().num_layers; ++l) end = std::min(end, layer_len(l));
+  const int64_t upto = std::min(std::max<int64_t>(end, 0) / pool_->page_size(), static_cast<int64_t>(table_.size()));
+  const int64_t before = released_;
+  for (; released_ < upto; ++released_) {
+    pool_->release(table_[released_]);
+    table_[released_] = pool_->zero_page();
+  }
+  return released_ - before;
 }
 
 Status PagedKVCache::check_adoptable(const char* who, int64_t end) const {
@@ -111,7 +129,7 @@ Status PagedKVCache::adopt_filled_pages(std::span<const int32_t> pages, int64_t 
 
 int64_t PagedKVCache::pages_shared() const {
   auto lock = pool_->bookkeeping_lock();
-  return std::count_if(table_.begin(), table_.end(), [this](int32_t p) {
+  return std::count_if(table_.begin() + released_, table_.end(), [this](int32_t p) {
     return pool_->refcount(p) - (pool_->is_cached(p) ? 1 : 0) > 1;  // the prefix cache's is no holder
   });
 }
@@ -138,7 +156,8 @@ StatusOr<std::unique_ptr<PagedKVCache>> PagedKVCache::fork() const {
   } else {
     child->table_.assign(table_.begin(), table_.begin() + full);
   }
-  for (int64_t i = 0; i < full; ++i) pool_->retain(table_[i]);
+  for (int64_t i = released_; i < full; ++i) pool_->retain(table_[i]);
+  child->released_ = released_;
   child->grow_layers_to(len);
   return child;
 }

@@ -27,12 +27,15 @@ uint64_t name_seed(uint64_t seed, const std::string& name) {
   return h;
 }
 
-// Uniform in [center - half_width, center + half_width).
+// Uniform in [center - half_width, center + half_width). One rounding (a fused multiply-add)
+// whatever the build: a compiler free to contract a * b + c would give builds with and without
+// FMA instructions (-march=native vs portable) different files, and the references recorded on
+// them (tests/data/models) stale hashes.
 void fill_uniform(float* dst, int64_t n, uint64_t seed, float center, float half_width) {
   uint64_t s = seed;
   for (int64_t i = 0; i < n; ++i) {
     const double u = static_cast<double>(splitmix(s) >> 11) * 0x1.0p-53;
-    dst[i] = center + half_width * static_cast<float>(2.0 * u - 1.0);
+    dst[i] = std::fma(half_width, static_cast<float>(2.0 * u - 1.0), center);
   }
 }
 
@@ -130,6 +133,12 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
     s.n_layers = 6, s.sliding_window = 8, s.rms_eps = 1e-6f;
     s.rope_freq_base = 1000000.0f, s.rope_freq_base_swa = 10000.0f;
     s.rope_scaling = "linear", s.rope_scale_factor = 8.0f;
+    return s;
+  }
+  if (name == "gemma3-swa-tiny") {  // gemma3-tiny with every layer windowed (sliding_window_pattern 0)
+    tiny("gemma3");
+    s.n_layers = 4, s.sliding_window = 8, s.swa_all = true, s.rms_eps = 1e-6f;
+    s.rope_freq_base = 1000000.0f, s.rope_freq_base_swa = 10000.0f;
     return s;
   }
   if (name == "llama-yarn-tiny") {
@@ -246,7 +255,7 @@ Status write_random_model(const RandomModelOptions& o, const std::string& path) 
   w.set(a + "rope.dimension_count", Value::u32(rope_dim));
   w.set(a + "attention.layer_norm_rms_epsilon", Value::f32(s.rms_eps));
   if (s.sliding_window > 0) w.set(a + "attention.sliding_window", Value::u32(s.sliding_window));
-  if (s.swa_pattern > 0) w.set(a + "attention.sliding_window_pattern", Value::u32(s.swa_pattern));
+  if (s.swa_pattern > 0 || s.swa_all) w.set(a + "attention.sliding_window_pattern", Value::u32(s.swa_all ? 0 : s.swa_pattern));
   if (s.rope_freq_base_swa > 0) w.set(a + "rope.freq_base_swa", Value::f32(s.rope_freq_base_swa));
   if (s.attn_softcap > 0) w.set(a + "attn_logit_softcapping", Value::f32(s.attn_softcap));
   if (s.final_softcap > 0) w.set(a + "final_logit_softcapping", Value::f32(s.final_softcap));

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
                       {"threads", "0"}, {"kv-memory-mib", "0"}, {"kv-memory-fraction", "0.85"}, {"host-kv-memory-mib", "0"}, {"host-kv-restore", "auto"}, {"queue-timeout-s", "0"}, {"speculation", "off"}, {"max-draft", "4"}, {"draft-model", ""}, {"draft-kv-memory-mib", "256"}, {"max-sessions", "1024"}, {"max-context", "0"},
                       {"max-input-tokens", "0"}, {"max-new-tokens", "4096"}, {"max-message-bytes", "4194304"},
                       {"session-ttl-s", "1800"}, {"cache-dir", ""}, {"grace-s", "10"}, {"vocab", tools::default_vocab()}, {"chat-template", ""},
-                      {"api-keys", ""}, {"prefix-cache", "on"}, {"state-dir", ""}, {"durability", "full"}, {"journal-flush-ms", "200"}, {"prefix-cache-sharing", "key"}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}},
+                      {"api-keys", ""}, {"prefix-cache", "on"}, {"window-release", "on"}, {"window-rollback", "128"}, {"state-dir", ""}, {"durability", "full"}, {"journal-flush-ms", "200"}, {"prefix-cache-sharing", "key"}, {"tls-cert", ""}, {"tls-key", ""}, {"log-format", "text"}, {"log-level", "info"}, {"device", "auto"}},
                      {"drop-foreign-sessions"});
   flags.describe({
       {"config", "config file of 'name = value' lines (the flags below without --); the command line wins"},
@@ -77,6 +77,8 @@ int main(int argc, char** argv) {
       {"chat-template", "Jinja chat template for Chat (default: the model's tokenizer.chat_template; the default model carries Llama 3's)"},
       {"api-keys", "file of API keys, one a line; callers send 'authorization: Bearer <key>'"},
       {"prefix-cache", "on: sessions whose histories begin alike share the KV pages of the common prefix; off: never"},
+      {"window-release", "on: where every layer of the model attends through a sliding window, sessions give back the KV pages behind it; off: they keep them"},
+      {"window-rollback", "positions kept behind a sliding window so that a rollback of up to this many tokens needs no rebuild (with --window-release on)"},
       {"state-dir", "journal every session change in DIR/sessions.db (SQLite) and restore the sessions at start; none: sessions live in memory only"},
       {"durability", "full: a finished request's tokens survive a process or machine crash (fsync per commit); fast: a process crash loses nothing, a machine crash at most --journal-flush-ms"},
       {"journal-flush-ms", "--durability fast: how often the journal is synced to disk"},
@@ -236,6 +238,13 @@ int main(int argc, char** argv) {
     return std::fprintf(stderr, "combs-server: --prefix-cache %s: expected on or off\n", flags.str("prefix-cache").c_str()), 2;
   }
   eo.prefix_cache = flags.str("prefix-cache") == "on";
+  if (flags.str("window-release") != "on" && flags.str("window-release") != "off") {
+    return std::fprintf(stderr, "combs-server: --window-release %s: expected on or off\n", flags.str("window-release").c_str()), 2;
+  }
+  eo.release_behind_window = flags.str("window-release") == "on";
+  long long window_rollback;
+  if (!flags.integer("window-rollback", &window_rollback, 0, 1ll << 31)) return 2;
+  eo.window_rollback = window_rollback;
   if (flags.str("prefix-cache-sharing") != "key" && flags.str("prefix-cache-sharing") != "all") {
     return std::fprintf(stderr, "combs-server: --prefix-cache-sharing %s: expected key or all\n",
                         flags.str("prefix-cache-sharing").c_str()),

@@ -123,6 +123,8 @@ std::string Metrics::render() const {
       {"combs_prefix_cache_hit_tokens_total", {"Positions mapped from the prefix cache instead of prefilled.", st.prefix_hit_tokens}},
       {"combs_prefix_cache_evictions_total", {"Cached pages taken back for reuse.", st.cached_pages_reclaimed}},
       {"combs_preemptions_total", {"Waiting requests whose pages were taken so that others could run (they resume).", st.preemptions}},
+      {"combs_kv_window_pages_released_total", {"Pages given back from behind sessions' sliding windows (all-windowed models).", st.window_pages_released}},
+      {"combs_kv_window_rebuilds_total", {"Caches rebuilt for a rollback behind the positions a sliding window released.", st.window_rebuilds}},
       {"combs_queue_timeouts_total", {"Requests ended for waiting past --queue-timeout-s.", st.queue_timeouts}},
       {"combs_speculation_drafted_tokens_total", {"Tokens drafted by speculative decoding and verified.", st.drafted_tokens}},
       {"combs_speculation_accepted_tokens_total", {"Drafted tokens the model agreed with (each saved a forward).", st.accepted_tokens}},

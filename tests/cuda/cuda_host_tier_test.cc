@@ -1,6 +1,8 @@
 // The host tier on the GPU: pages copied to pinned host memory and back by one kernel hold the
 // same bytes; an engine on the GPU whose sessions go to the host and come back by copy (evicted
 // and preempted) gives the tokens of one that never runs short of pages; the start-up measurement.
+// Sessions of an all-windowed model that give back the pages behind their windows give the
+// tokens of an engine that keeps them.
 // [cuda]: skipped (and saying so) without a GPU.
 #include <catch2/catch.hpp>
 
@@ -98,4 +100,36 @@ TEST_CASE("an engine on the gpu whose sessions move to the host tier gives the t
                                    << " us/token, tier " << (ms.host_tier_active ? "on" : "off"));
   CHECK(ms.host_prefill_us_per_token > 0.0);
   CHECK(ms.host_copy_us_per_token > 0.0);
+}
+
+TEST_CASE("an engine on the gpu whose sessions release the pages behind their windows gives the tokens of one that keeps them", "[cuda]") {
+  if (!have_gpu()) return;
+  register_cuda_attention();
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  testing::TinyModel m("gemma3-swa-tiny", DType::kBF16);  // every layer windowed, 8 keys
+  auto engine = [&](bool release) {
+    EngineOptions eo;
+    eo.release_behind_window = release;
+    eo.window_rollback = 4;
+    eo.make_runner = make_cuda_runner(0);
+    return std::move(Engine::create(std::move(Model::load(m.path)).value(), eo)).value();
+  };
+  // One session runs at a time, so both engines' steps are the same (on the GPU a step's rounding
+  // depends on what shares it); the released engine reads the same keys through other page tables.
+  auto kept = engine(false), released = engine(true);
+  std::vector<int32_t> prompt(70);
+  for (auto& t : prompt) t = static_cast<int32_t>(rng.integer(3, m.n_vocab() - 1));
+  const SessionId a = kept->create_session().value(), b = released->create_session().value();
+  CHECK(run(*kept, a, request(prompt, 30)) == run(*released, b, request(prompt, 30)));
+  CHECK(released->info(b)->pages_held <= 3);  // the window and the margin
+  CHECK(kept->info(a)->pages_held == 7);
+  REQUIRE(kept->rollback(a, 3).ok());  // within the margin
+  REQUIRE(released->rollback(b, 3).ok());
+  CHECK(run(*kept, a, request({}, 10)) == run(*released, b, request({}, 10)));
+  const SessionId fa = kept->fork(a).value(), fb = released->fork(b).value();
+  CHECK(run(*kept, fa, request({9}, 12)) == run(*released, fb, request({9}, 12)));
+  CHECK(released->stats().window_pages_released > 0);
+  CHECK(released->check_invariants().ok());
+  CHECK(kept->check_invariants().ok());
 }

@@ -233,13 +233,17 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
   Rng seed_rng(test_seed());
   const uint64_t seed = seed_rng.integer(0, 1 << 30);
   // The prefix cache on or off; with it on, a host tier too (smaller than the pool: its copies
-  // are dropped as well as taken back, shared by forks and trimmed by rollbacks).
-  const int config = GENERATE(0, 1, 2);
-  const bool prefix_cache = config != 1, host_tier = config == 2;
-  INFO("seed " << seed << ", prefix cache " << (prefix_cache ? "on" : "off") << ", host tier " << (host_tier ? "on" : "off"));
-  ModelFile mf;
+  // are dropped as well as taken back, shared by forks and trimmed by rollbacks); and with both,
+  // a model whose every layer is windowed, its sessions releasing the pages behind their windows
+  // (rollbacks past the 2 positions kept rebuild).
+  const int config = GENERATE(0, 1, 2, 3);
+  const bool prefix_cache = config != 1, host_tier = config >= 2, windowed = config == 3;
+  INFO("seed " << seed << ", prefix cache " << (prefix_cache ? "on" : "off") << ", host tier " << (host_tier ? "on" : "off")
+                << ", windowed " << windowed);
+  ModelFile mf("bf16", windowed ? "gemma3-swa-tiny" : "tiny");
   EngineOptions o;
-  o.kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 40;  // 40 pages: eviction and waiting happen
+  o.kv_memory_bytes = 2 * 2 * 64 * 2 * 2 * 16 * 40;  // 40 pages (20 of the 4-layer model's): eviction and waiting happen
+  o.window_rollback = 2;
   o.max_context = 256;
   o.prefix_cache = prefix_cache;
   if (host_tier) {
@@ -323,6 +327,8 @@ TEST_CASE("thousands of mixed operations from many threads keep the page invaria
   CHECK(e->stats().host_pages_used == 0);
   if (host_tier) CHECK(e->stats().host_offloads > 0);
   if (host_tier) CHECK(e->stats().host_restores > 0);
+  if (windowed) CHECK(e->stats().window_pages_released > 0);
+  if (windowed) CHECK(e->stats().window_rebuilds > 0);
   REQUIRE(e->check_invariants().ok());
 }
 

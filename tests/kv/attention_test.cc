@@ -3,6 +3,7 @@
 // through popn, regrowth and reset; and batched vs one-by-one.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <sstream>
@@ -23,6 +24,7 @@ namespace {
 constexpr int kLayers = 2;
 constexpr int kKvHeads = 2;
 constexpr int64_t kCapacity = 96;
+constexpr int64_t kReleaseMargin = 20;
 
 struct Case {
   int n_rep;
@@ -32,10 +34,14 @@ struct Case {
   int64_t window = 0;  // sliding window (0: none)
   float softcap = 0.0f;
   bool sinks = false;  // a sink logit per query head (gpt-oss)
+  // After every step the paged caches release the pages behind the window, less kReleaseMargin
+  // positions (the most a scenario's popn drops).
+  bool release = false;
   std::string describe() const {
     std::ostringstream s;
     s << "n_rep " << n_rep << ", head_dim " << head_dim << ", page_size " << page_size << ", "
-      << dtype_name(dtype) << ", window " << window << ", softcap " << softcap << ", sinks " << sinks;
+      << dtype_name(dtype) << ", window " << window << ", softcap " << softcap << ", sinks " << sinks
+      << ", release " << release;
     return s.str();
   }
 };
@@ -96,7 +102,31 @@ class CrossCheck {
       require_close(m, want);
     }
     REQUIRE(paged_->seq_len() == pos + n_new);
-    REQUIRE(paged_->pages_used() == pages_for_tokens(pos + n_new, c_.page_size));
+    if (c_.release) {
+      const int64_t before = paged_->pages_used().value();
+      const int64_t n = paged_->release_before(pos + n_new - c_.window + 1 - kReleaseMargin);
+      REQUIRE(paged_manual_->release_before(pos + n_new - c_.window + 1 - kReleaseMargin) == n);
+      REQUIRE(paged_->pages_used() == before - n);
+      REQUIRE(paged_->first_held_position() == paged_manual_->first_held_position());
+      // (after a popn it may lie past this step's release point, never past what the window reads)
+      REQUIRE(paged_->first_held_position() <= std::max<int64_t>(0, pos + n_new - c_.window + 1));
+      released_ += n;
+    }
+    REQUIRE(paged_->pages_used() ==
+            pages_for_tokens(pos + n_new, c_.page_size) - paged_->first_held_position() / c_.page_size);
+  }
+
+  // Pages the caches gave back from behind the window, over the scenario.
+  int64_t released() const { return released_; }
+  // The zero page (the released positions' stand-in) still holds zeros in every layer.
+  void require_zero_page_intact() const {
+    const int64_t page = pool_->k_arena(0).numel() / pool_->num_pages();
+    for (int layer = 0; layer < kLayers; ++layer)
+      for (const Tensor* arena : {&pool_->k_arena(layer), &pool_->v_arena(layer)}) {
+        const auto* bytes = static_cast<const uint8_t*>(arena->data()) + arena->nbytes();
+        const size_t n = static_cast<size_t>(page) * dtype_size(arena->dtype());
+        REQUIRE(std::all_of(bytes, bytes + n, [](uint8_t b) { return b == 0; }));
+      }
   }
 
   void popn(int64_t n) {
@@ -105,7 +135,8 @@ class CrossCheck {
     REQUIRE(paged_manual_->popn(n) == std::min(n, len));
     REQUIRE(contiguous_->popn(n) == std::min(n, len));
     for (auto& r : refs_) r.truncate(std::max<int64_t>(0, len - n));
-    REQUIRE(paged_->pages_used() == pages_for_tokens(paged_->seq_len(), c_.page_size));
+    REQUIRE(paged_->pages_used() ==
+            pages_for_tokens(paged_->seq_len(), c_.page_size) - paged_->first_held_position() / c_.page_size);
   }
 
   void reset() {
@@ -127,12 +158,13 @@ class CrossCheck {
   std::unique_ptr<ContiguousKVCache> contiguous_;
   std::vector<ReferenceKV> refs_;
   std::vector<float> sinks_;
+  int64_t released_ = 0;
 };
 
 enum class Chunking { kOneChunk, kSeveralChunks, kTokenByToken };
 
-// Prefill by `chunking`, decode, popn and regrow, reset and reuse.
-void scenario(const Case& c, Chunking chunking, Rng& rng) {
+// Prefill by `chunking`, decode, popn and regrow, reset and reuse; the pages released (release).
+int64_t scenario(const Case& c, Chunking chunking, Rng& rng) {
   INFO(c.describe());
   CrossCheck x(c, rng);
   auto prefill = [&](int64_t total) {
@@ -150,9 +182,12 @@ void scenario(const Case& c, Chunking chunking, Rng& rng) {
   x.popn(rng.integer(1, 20));
   prefill(x.len() + rng.integer(10, 30));  // regrow into freed pages
   x.run(1);
+  const int64_t released = x.released();
   x.reset();
   prefill(rng.integer(5, 17));
   x.run(1);
+  x.require_zero_page_intact();
+  return released + x.released();
 }
 
 void scenario(Chunking chunking) {
@@ -193,6 +228,26 @@ TEST_CASE("sliding-window and softcapped attention matches the float64 reference
             scenario({head_dim == 40 ? 1 : 4, head_dim, page_size, dtype, window, softcap}, chunking, rng);
           }
   for (Chunking chunking : {Chunking::kOneChunk, Chunking::kTokenByToken}) scenario({2, 64, 16, DType::kF16, 0, 3.0f}, chunking, rng);
+}
+
+TEST_CASE("windowed attention over a cache that released the pages behind its window", "[kv]") {
+  // The paged caches (flash and manual) give back their pages behind the window after every step;
+  // their outputs still equal the contiguous cache's and the float64 reference's (popn of up to
+  // kReleaseMargin positions included), and the zero page that stands for the released positions
+  // is never written.
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  int64_t released = 0;
+  for (int64_t window : {1, 7, 16})
+    for (int page_size : {1, 3, 16})
+      for (int head_dim : {40, 64})
+        for (Chunking chunking : {Chunking::kOneChunk, Chunking::kSeveralChunks, Chunking::kTokenByToken}) {
+          const DType dtype = head_dim == 64 ? DType::kBF16 : DType::kF32;
+          Case c{head_dim == 40 ? 1 : 4, head_dim, page_size, dtype, window, 0.0f};
+          c.release = true;
+          released += scenario(c, chunking, rng);
+        }
+  CHECK(released > 0);
 }
 
 TEST_CASE("attention with sinks matches the float64 reference", "[kv]") {

@@ -95,6 +95,28 @@ TEST_CASE("pos other than the cached length is FAILED_PRECONDITION", "[kv]") {
   f.require_unchanged(5, 2);
 }
 
+TEST_CASE("a window or a global layer that reaches released positions is FAILED_PRECONDITION", "[kv]") {
+  Fixture f(8, 64);
+  INFO("seed " << f.rng.seed());
+  REQUIRE(grow(*f.cache, 21, f.rng).ok());
+  REQUIRE(f.cache->release_before(12) == 3);  // positions 0..11 (pages of 4)
+  Inputs in(f.rng, 1);
+  auto attend = [&](int64_t window) {
+    std::vector<float>& q = in.q;
+    return f.cache->attention(0, view(q, {1, kQ, kHd}), view(in.k, {1, kKv, kHd}), view(in.v, {1, kKv, kHd}), 21,
+                              AttentionParams(0.3f, window, 0.0f), view(in.out, {1, kQ, kHd}));
+  };
+  for (int64_t window : {0, 11, 100}) {  // position 21's window of 11 reads 11 on
+    const Status s = attend(window);
+    INFO("window " << window);
+    CHECK(s.code() == StatusCode::kFailedPrecondition);
+    CHECK_THAT(s.message(), Catch::Contains("released"));
+    f.require_unchanged(21, 8 - 3);
+  }
+  REQUIRE(attend(10).ok());  // reads 12 on
+  CHECK(f.cache->layer_len(0) == 22);
+}
+
 TEST_CASE("layer out of range is INVALID_ARGUMENT", "[kv]") {
   Fixture f;
   INFO("seed " << f.rng.seed());

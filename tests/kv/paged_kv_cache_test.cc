@@ -199,3 +199,51 @@ TEST_CASE("fork at a page edge copies nothing and fork fails cleanly without a f
   CHECK(refused.status().code() == StatusCode::kResourceExhausted);
   CHECK(f.pool->refcount(f.cache->page_table()[0]) == 2);  // unchanged by the failed fork
 }
+
+TEST_CASE("release_before gives back the full pages behind a position, and popn, fork and reset keep count", "[kv]") {
+  Fixture f(8, 16, 128);
+  INFO("seed " << f.rng.seed());
+  f.grow_to(70);  // pages 0..4, page 4 partly filled
+  const std::vector<int32_t> pages(f.cache->page_table().begin(), f.cache->page_table().end());
+  CHECK(f.cache->release_before(40) == 2);  // positions 0..31: pages 0 and 1
+  CHECK(f.cache->first_held_position() == 32);
+  CHECK(f.cache->seq_len() == 70);  // positions keep their places
+  CHECK(f.cache->pages_used() == 3);
+  CHECK(f.pool->num_free() == 5);
+  CHECK(f.cache->page_table()[0] == f.pool->zero_page());
+  CHECK(f.cache->page_table()[1] == f.pool->zero_page());
+  CHECK(f.cache->page_table()[2] == pages[2]);
+  CHECK(f.pool->refcount(pages[0]) == 0);
+  CHECK(f.cache->release_before(40) == 0);  // nothing more before 40
+  CHECK(f.cache->release_before(-5) == 0);
+  CHECK(f.cache->release_before(1000) == 2);  // up to the length: the partly filled page stays
+  CHECK(f.cache->first_held_position() == 64);
+  CHECK(f.cache->pages_used() == 1);
+
+  // A fork holds what its parent holds: the partly filled page copied, the released ones not.
+  auto forked = f.cache->fork();
+  REQUIRE(forked.ok());
+  std::unique_ptr<PagedKVCache> child = std::move(forked).value();
+  CHECK(child->first_held_position() == 64);
+  CHECK(child->pages_used() == 1);
+  CHECK(f.pool->num_free() == 6);
+  f.grow_to(100);  // both go on past the released pages
+  REQUIRE(grow(*child, 90, f.rng).ok());
+  CHECK(child->pages_used() == 2);
+
+  // popn within the held positions keeps the release; popn to before them leaves nothing held.
+  CHECK(f.cache->popn(30) == 30);
+  CHECK(f.cache->seq_len() == 70);
+  CHECK(f.cache->first_held_position() == 64);
+  CHECK(f.cache->popn(10) == 10);  // 60 < 64
+  CHECK(f.cache->seq_len() == 0);
+  CHECK(f.cache->first_held_position() == 0);
+  CHECK(f.cache->pages_used() == 0);
+  CHECK(f.pool->num_free() == 8 - 2);  // the child's two
+  f.grow_to(20);  // and it grows again from the start
+  CHECK(f.cache->pages_used() == 2);
+  child->reset();
+  CHECK(child->first_held_position() == 0);
+  f.cache->reset();
+  CHECK(f.pool->num_free() == 8);
+}

@@ -255,7 +255,7 @@ TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[m
 // mixtures of experts route each token to 2 of 4 or 8 experts (gpt-oss: 4 of 8).
 const char* const kArchShapes[] = {"tiny",          "qwen2-tiny",    "qwen3-tiny",   "gemma2-tiny",
                                    "gemma3-tiny",   "llama-yarn-tiny", "phi3-tiny",  "qwen3moe-tiny",
-                                   "qwen2moe-tiny", "mixtral-tiny",  "gpt-oss-tiny"};
+                                   "qwen2moe-tiny", "mixtral-tiny",  "gpt-oss-tiny", "gemma3-swa-tiny"};
 
 TEST_CASE("runner logits agree with the float64 reference in every weight dtype", "[model]") {
   Rng rng(test_seed());

@@ -18,10 +18,10 @@ struct ModelFile {
   TempDir dir;
   std::string path;
   // weights: bf16, or a llama.cpp file type such as q4_k_m (Q4_K with Q6_K on the output and on
-  // some layers' attn_v and ffn_down, quantized by combs).
-  explicit ModelFile(const std::string& weights = "bf16") {
+  // some layers' attn_v and ffn_down, quantized by combs). shape: random_model.h's tiny shapes.
+  explicit ModelFile(const std::string& weights = "bf16", const std::string& shape = "tiny") {
     RandomModelOptions o;
-    o.shape = std::move(named_shape("tiny")).value();
+    o.shape = std::move(named_shape(shape)).value();
     REQUIRE(set_weight_type(weights, &o).ok());
     o.seed = 3;
     path = dir.file("tiny.gguf");

@@ -39,6 +39,8 @@
 //   copying or rebuilding them, its tokens unchanged; so with kWait a request that fits the pool
 //   alone never fails for lack of pages — unless it waits longer than
 //   EngineOptions::queue_timeout (RESOURCE_EXHAUSTED, the request undone).
+// - Sliding windows: on a model whose every layer is windowed, a session holds only the pages its
+//   window (and a rollback margin) still reads (EngineOptions::release_behind_window).
 // - Prompts are prefilled in chunks whose boundaries are multiples of prefill_chunk positions,
 //   whatever else is in the step, and the runner is batch-invariant: a session's tokens do not
 //   depend on the other sessions sharing its steps.
@@ -121,6 +123,14 @@ struct EngineOptions {
   // create otherwise), run by make_runner's kind of runner with its own KV pages (DraftModel).
   std::shared_ptr<const Model> draft_model;
   int64_t draft_kv_memory_bytes = int64_t{256} << 20;
+  // A model whose every layer attends through a sliding window (ModelConfig::layer_windowed all
+  // set) reads no key behind it again: after each step a session's full pages behind its window
+  // go back to the pool, less window_rollback positions kept for a rollback (a client's, a chat
+  // edit's, a rejected draft's). A rollback further back rebuilds the session's cache from its
+  // history, as after an eviction (EngineStats::window_rebuilds). Off: pages stay until the
+  // session drops them.
+  bool release_behind_window = true;
+  int64_t window_rollback = 128;
 };
 
 struct SessionOptions {
@@ -226,6 +236,9 @@ struct EngineStats {
   int64_t prefix_lookups = 0, prefix_hits = 0, prefix_hit_tokens = 0;
   int64_t pages_cached = 0, pages_reclaimable = 0, cached_pages_reclaimed = 0;
   int64_t preemptions = 0;  // waiting requests whose pages were taken so that others could run
+  // Sliding windows (EngineOptions::release_behind_window): pages given back from behind the
+  // sessions' windows, and caches rebuilt for a rollback into released positions.
+  int64_t window_pages_released = 0, window_rebuilds = 0;
   int64_t queue_timeouts = 0;  // requests ended for waiting past EngineOptions::queue_timeout
   int64_t drafted_tokens = 0, accepted_tokens = 0;  // speculation
   // The draft model (all 0 without one): its forwards, the sessions it keeps a draft cache of, and

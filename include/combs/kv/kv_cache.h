@@ -15,7 +15,8 @@
 //
 // Errors (never aborts):
 //   INVALID_ARGUMENT     layer out of range; a shape, dtype, device or head-count mismatch
-//   FAILED_PRECONDITION  pos != layer_len(layer)
+//   FAILED_PRECONDITION  pos != layer_len(layer); the layer's window reaches positions the cache
+//                        released (first_held_position())
 //   RESOURCE_EXHAUSTED   pos + n_new > capacity(); the page pool has too few free pages
 // On error nothing changes (prepare, then apply).
 //
@@ -185,6 +186,10 @@ class KVCache {
   virtual std::optional<int64_t> pages_used() const = 0;
   // Most positions this cache can hold.
   virtual int64_t capacity() const = 0;
+  // Positions before this one were released (a paged cache's pages behind a sliding window,
+  // PagedKVCache::release_before): their K/V are gone, and an attention that would read one fails
+  // with FAILED_PRECONDITION. 0 for a cache that holds every position it has.
+  virtual int64_t first_held_position() const { return 0; }
 
   const KVGeometry& geometry() const { return geometry_; }
   Backend& backend() const { return *backend_; }

@@ -12,6 +12,11 @@
 // when the free list is empty (the reclaim hook tells the index first). So cached pages never make
 // an allocation fail: num_available() = free + reclaimable is what a caller can count on.
 //
+// The zero page: one more page in every arena, past the pool's own, filled with zeros at creation
+// and never handed out nor written. A cache's table names it for the positions it has released
+// (behind a sliding window, paged_kv_cache.h): a kernel that reads a released position reads zeros,
+// never another sequence's K/V nor memory outside the arenas.
+//
 // Bookkeeping (free list, counts) is plain host data; the arenas live on the backend's device.
 // Tensor parallelism shards a pool by KV heads over several devices (create_sharded): one
 // bookkeeping, so a page id names the same positions on every device, and on each shard's device
@@ -70,6 +75,8 @@ class PagePool {
   Backend& shard_backend(int shard) const { return *shards_[shard].backend; }
   int page_size() const { return options_.page_size; }
   int64_t num_pages() const { return options_.num_pages; }
+  // The zero page's id (num_pages()): no reference count, never in the free list or the index.
+  int32_t zero_page() const { return static_cast<int32_t>(options_.num_pages); }
   int64_t num_free() const {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     return static_cast<int64_t>(free_.size());
@@ -131,7 +138,8 @@ class PagePool {
   // Copies page src into page dst in every layer, K and V (on every shard).
   void copy_page(int32_t src, int32_t dst);
 
-  // Arena of one layer: [num_pages, n_kv_heads, page_size, head_dim] (a shard's heads).
+  // Arena of one layer: [num_pages, n_kv_heads, page_size, head_dim] (a shard's heads); the zero
+  // page follows its last page in memory.
   const Tensor& k_arena(int layer, int shard = 0) const { return shards_[shard].k[layer]; }
   const Tensor& v_arena(int layer, int shard = 0) const { return shards_[shard].v[layer]; }
   // Layout of a sequence with page table `pages` in `layer` (in a shard's arenas: its heads).
@@ -142,7 +150,7 @@ class PagePool {
 
   struct Shard {
     Backend* backend = nullptr;
-    std::vector<Tensor> k, v;  // per layer
+    std::vector<Tensor> k, v;  // per layer: the pool's pages (views; the zero page follows)
   };
   uint64_t id_;
   PagePoolOptions options_;

@@ -5,6 +5,14 @@
 // shares every full page by reference count and copies the partly filled last page; writing into a
 // page that is still shared (after a popn into it) first copies it (copy-on-write), so a sequence
 // never changes what another sees. Attention reads K/V in place in the pool's pages.
+//
+// Sliding windows: where every layer attends only to a window of recent keys, the pages behind it
+// are dead weight. release_before(pos) gives back the full pages wholly before pos; the table then
+// names the pool's zero page for them (seq_len() and every position's place stay as they were) and
+// first_held_position() says where the held positions begin. An attention whose window would read
+// a released position fails (FAILED_PRECONDITION) instead of reading the zero page; popn() to
+// before first_held_position() leaves nothing held, so the cache resets itself (a caller rebuilds
+// the positions from its tokens, as after an eviction).
 // Thread-compatible (see kv_cache.h); the pool must outlive the cache.
 #pragma once
 
@@ -39,14 +47,22 @@ class PagedKVCache final : public KVCache {
   // references).
   Status adopt_filled_pages(std::span<const int32_t> pages, int64_t end);
 
+  // Drops the last min(n, seq_len()) positions; to before first_held_position(), everything.
   int64_t popn(int64_t n) override;
   void reset() override;
+  // Pages held (released ones are not).
   std::optional<int64_t> pages_used() const override {
-    return static_cast<int64_t>(table_.size());
+    return static_cast<int64_t>(table_.size()) - released_;
   }
   int64_t capacity() const override { return max_seq_len_; }
+  int64_t first_held_position() const override { return released_ * pool_->page_size(); }
 
-  // Logical page -> physical page id.
+  // Gives back the pages that hold only positions before min(pos, the shortest layer's length)
+  // (full pages, none already released) and returns how many went. Their positions are then no
+  // longer held (see above). Prefix-cached pages stay in the pool's index.
+  int64_t release_before(int64_t pos);
+
+  // Logical page -> physical page id (the pool's zero_page() for a released page).
   std::span<const int32_t> page_table() const { return table_; }
   // Pages of this cache that another cache also holds (the prefix cache's reference aside).
   int64_t pages_shared() const;
@@ -71,6 +87,7 @@ class PagedKVCache final : public KVCache {
   PagePool* pool_;
   int64_t max_seq_len_;
   std::vector<int32_t> table_;
+  int64_t released_ = 0;  // the first released_ pages of table_ are released (the zero page)
 };
 
 // One shard of a paged cache whose pool is split over devices (PagePool::create_sharded): what
@@ -89,6 +106,7 @@ class PagedKVShard final : public KVCache {
   void reset() override {}
   std::optional<int64_t> pages_used() const override { return cache_ ? cache_->pages_used() : 0; }
   int64_t capacity() const override { return cache_ ? cache_->capacity() : 0; }
+  int64_t first_held_position() const override { return cache_ ? cache_->first_held_position() : 0; }
 
  protected:
   int64_t pages_needed(int64_t) const override { return 0; }

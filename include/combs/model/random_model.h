@@ -28,6 +28,7 @@ struct ModelShape {
   // Written only when set, so that a file relies on the architecture's defaults otherwise.
   int sliding_window = 0;          // attention.sliding_window
   int swa_pattern = 0;             // attention.sliding_window_pattern (every n-th layer global)
+  bool swa_all = false;            // attention.sliding_window_pattern = 0: every layer windowed
   float rope_freq_base_swa = 0.0f;  // rope.freq_base_swa
   float attn_softcap = 0.0f, final_softcap = 0.0f;  // attn_ / final_logit_softcapping
   std::string rope_scaling;        // rope.scaling.type: "linear" or "yarn"
@@ -43,7 +44,8 @@ struct ModelShape {
 };
 
 // Tiny shapes for tests (head_dim 64, small windows so that short contexts cross them): "tiny"
-// (llama), "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
+// (llama), "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "gemma3-swa-tiny" (every layer
+// windowed), "llama-yarn-tiny", "phi3-tiny",
 // and with experts "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny" (llama), "gpt-oss-tiny"; real shapes for
 // benchmarks: "llama-1b" (Llama-3.2-1B), "llama-8b" (Llama-3.1-8B), "qwen3-8b" (Qwen3-8B),
 // "gemma3-4b" (Gemma-3-4B), "qwen3-30b-a3b" (Qwen3-30B-A3B), "gpt-oss-20b".

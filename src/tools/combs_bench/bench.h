@@ -49,6 +49,7 @@ int run_prefix(int argc, char** argv);
 int run_journal(int argc, char** argv);
 int run_resume(int argc, char** argv);
 int run_spec(int argc, char** argv);
+int run_window(int argc, char** argv);
 int run_gpu(int argc, char** argv);  // where built with CUDA
 
 }  // namespace combs::bench

@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
       "  journal restart time with many sessions in the session journal\n"
       "  resume  an evicted session brought back: host tier copy vs recompute, per history length\n"
       "  spec    one session's decode with speculative decoding, across draft acceptance, against without\n"
+      "  window  an all-windowed model's sessions: the pages behind the window released vs kept\n"
       "  gpu     the CUDA backend: decode, prefill, many sessions, paged attention (CUDA builds)\n"
       "  (combs-bench SUBCOMMAND --help for the flags of each)\n";
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
@@ -40,6 +41,7 @@ int main(int argc, char** argv) {
   if (!std::strcmp(argv[1], "journal")) return combs::bench::run_journal(argc, argv);
   if (!std::strcmp(argv[1], "resume")) return combs::bench::run_resume(argc, argv);
   if (!std::strcmp(argv[1], "spec")) return combs::bench::run_spec(argc, argv);
+  if (!std::strcmp(argv[1], "window")) return combs::bench::run_window(argc, argv);
 #ifdef COMBS_HAVE_CUDA
   if (!std::strcmp(argv[1], "gpu")) return combs::bench::run_gpu(argc, argv);
 #endif
