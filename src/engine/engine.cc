@@ -460,10 +460,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Model> model, E
   }
   impl->model_fingerprint = to_hex(impl->model->file().fingerprint());
   if (o.prefix_cache) impl->prefix = std::make_unique<PrefixCache>(*impl->pool);
-  if (o.release_behind_window && c.sliding_window > 0 && !c.layer_windowed.empty() &&
-      std::all_of(c.layer_windowed.begin(), c.layer_windowed.end(), [](uint8_t w) { return w != 0; })) {
-    impl->release_window = c.sliding_window;
-  }
+  if (o.release_behind_window) impl->release_window = c.widest_window();
   for (SessionRecord& r : impl->options.restore) {  // a journal's sessions: histories, no pages
     if (static_cast<int>(impl->sessions.size()) >= impl->options.max_sessions) {
       return resource_exhausted_error("restoring session " + r.id + ": more sessions than --max-sessions " +
@@ -499,6 +496,7 @@ const Model& Engine::model() const { return *impl_->model; }
 int64_t Engine::max_context() const { return impl_->options.max_context; }
 int Engine::max_tokens_per_request() const { return impl_->options.max_tokens_per_request; }
 int64_t Engine::kv_capacity_tokens() const { return impl_->pool->num_pages() * impl_->pool->page_size(); }
+bool Engine::releases_behind_window() const { return impl_->release_window > 0; }
 
 StatusOr<SessionId> Engine::create_session(const SessionOptions& options) {
   COMBS_RETURN_IF_ERROR(validate(options.sampling, impl_->model->config().n_vocab));
@@ -1462,7 +1460,10 @@ void Engine::Impl::step(std::unique_lock<std::mutex>& lock) {
     while (need > pool->num_available() - reserved && evict_one_idle(chosen)) {
     }
     if (need > pool->num_available() - reserved) {
-      if (pages_for_tokens(cached + n, pool->page_size()) > pool->num_pages() || options.when_full == EngineOptions::WhenFull::kFail ||
+      // (It would hold its pages from the first it has not released: a session whose window
+      // releases them may have a history longer than the pool.)
+      const int64_t held_after = pages_for_tokens(cached + n, pool->page_size()) - s->cache->first_held_position() / pool->page_size();
+      if (held_after > pool->num_pages() || options.when_full == EngineOptions::WhenFull::kFail ||
           (work.empty() && [&] {  // nothing runs and nothing else can free pages for it
             for (Session* o : order)
               if (o != s && *o->cache->pages_used() > 0) return false;

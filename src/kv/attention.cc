@@ -97,7 +97,7 @@ Status check_batch(std::span<const SeqAttention> seqs, int layer, int64_t* n_tok
 }
 
 // A layer with this window reads each sequence's keys from max(0, pos - window + 1) on (every
-// key without one): none of them may be released.
+// key without one): none of them may be released. layer < 0: the widest of a step's layers.
 Status check_window(std::span<const SeqAttention> seqs, int layer, int64_t window) {
   for (size_t i = 0; i < seqs.size(); ++i) {
     const SeqAttention& s = seqs[i];
@@ -105,7 +105,8 @@ Status check_window(std::span<const SeqAttention> seqs, int layer, int64_t windo
     if (held == 0 || s.n_new == 0) continue;
     const int64_t first = window > 0 ? std::max<int64_t>(0, s.pos - window + 1) : 0;
     if (first < held) {
-      return failed_precondition_error("attention: sequence " + std::to_string(i) + ": layer " + std::to_string(layer) +
+      return failed_precondition_error("attention: sequence " + std::to_string(i) + ": " +
+                                       (layer < 0 ? std::string("a layer") : "layer " + std::to_string(layer)) +
                                        " reads position " + std::to_string(first) + ", but the cache released the positions before " +
                                        std::to_string(held) + " (behind a sliding window): rebuild it");
     }
@@ -218,11 +219,13 @@ AttentionStep::~AttentionStep() {
 }
 
 Status AttentionStep::begin(std::span<const SeqAttention> seqs, int n_q_heads, const AttentionRope* rope,
-                            AttentionImpl impl) {
+                            AttentionImpl impl, int64_t widest_window) {
   if (active_) return failed_precondition_error("attention step: begin() before the last step's commit() or cancel()");
   if (seqs.empty()) return invalid_argument_error("attention step: empty batch");
   int64_t n_tokens = 0;
   COMBS_RETURN_IF_ERROR(check_batch(seqs, -1, &n_tokens));
+  if (widest_window < 0) return invalid_argument_error("attention step: negative window " + std::to_string(widest_window));
+  COMBS_RETURN_IF_ERROR(check_window(seqs, -1, widest_window));
   const KVGeometry& g = seqs[0].cache->geometry();
   if (n_q_heads < 1 || n_q_heads % g.n_kv_heads != 0) {
     return invalid_argument_error("attention step: " + std::to_string(n_q_heads) +

@@ -513,7 +513,9 @@ int Runner::run(const httplib::Request&, httplib::Response& res, std::shared_ptr
     return e.http;
   };
   Params& p = job->params;
-  const int64_t context = std::min(engine.max_context(), engine.kv_capacity_tokens());
+  // (A session that releases the pages behind its window holds a window's worth, whatever its length.)
+  const int64_t context =
+      engine.releases_behind_window() ? engine.max_context() : std::min(engine.max_context(), engine.kv_capacity_tokens());
   job->prompt_tokens = static_cast<int64_t>(prompt.size());
   if (prompt.empty()) return fail(bad_request("the prompt is empty", job->chat ? "messages" : "prompt"));
   if (options.max_input_tokens > 0 && job->prompt_tokens > options.max_input_tokens) {

@@ -123,3 +123,38 @@ TEST_CASE("an all-windowed model's idle sessions fit a pool that could not hold 
   CHECK(released_prefilled == 2 * n);
   CHECK(kept_prefilled > 100);
 }
+
+TEST_CASE("an all-windowed model's sessions longer than the pool wait for pages rather than fail", "[engine]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf("bf16", "gemma3-swa-tiny");
+  // 12 pages; three sessions of 400-token prompts (25 pages of history each) at once: each holds
+  // at most a prefill chunk's pages (8) and its window's before the step releases them, so they
+  // take turns for pages, and each gives the tokens it gives alone in a roomy pool.
+  const int64_t per_page = 4 * 2 * 64 * 2 * 2 * 16;
+  EngineOptions tight = releasing();
+  tight.kv_memory_bytes = per_page * 12;
+  const int n = 3;
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < n; ++i) reqs.push_back(request(random_tokens(rng, 400, 3, 258), 8, 0.8f, i));
+  std::vector<std::vector<int32_t>> alone(n);
+  {
+    auto e = mf.engine(keeping());
+    for (int i = 0; i < n; ++i) alone[i] = run(*e, e->create_session().value(), reqs[i]);
+  }
+  auto e = mf.engine(tight);
+  std::vector<Collector> cs(n);
+  std::vector<SessionId> ids;
+  for (int i = 0; i < n; ++i) ids.push_back(e->create_session().value());
+  for (int i = 0; i < n; ++i) REQUIRE(e->generate(ids[i], reqs[i], cs[i].sink()).ok());
+  for (int i = 0; i < n; ++i) {
+    INFO("session " << i);
+    cs[i].wait();
+    INFO(cs[i].status.to_string());
+    REQUIRE(cs[i].finish == FinishKind::kLength);
+    CHECK(cs[i].tokens == alone[i]);
+  }
+  CHECK(e->releases_behind_window());
+  CHECK(e->kv_capacity_tokens() < 400);
+  REQUIRE(e->check_invariants().ok());
+}

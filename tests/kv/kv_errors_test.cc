@@ -115,6 +115,21 @@ TEST_CASE("a window or a global layer that reaches released positions is FAILED_
   }
   REQUIRE(attend(10).ok());  // reads 12 on
   CHECK(f.cache->layer_len(0) == 22);
+  // An attention step is refused at begin, before any page is reserved, by the widest window its
+  // layers attend with.
+  f.cache->popn(1);
+  AttentionStep step;
+  const SeqAttention next{f.cache.get(), 21, 3};
+  for (int64_t widest : {0, 11}) {
+    INFO("widest window " << widest);
+    const Status s = step.begin({&next, 1}, kQ, nullptr, AttentionImpl::kFlash, widest);
+    CHECK(s.code() == StatusCode::kFailedPrecondition);
+    CHECK_THAT(s.message(), Catch::Contains("released"));
+    f.require_unchanged(21, 8 - 3);
+  }
+  CHECK(step.begin({&next, 1}, kQ, nullptr, AttentionImpl::kFlash, -1).code() == StatusCode::kInvalidArgument);
+  REQUIRE(step.begin({&next, 1}, kQ, nullptr, AttentionImpl::kFlash, 10).ok());
+  step.cancel();
 }
 
 TEST_CASE("layer out of range is INVALID_ARGUMENT", "[kv]") {

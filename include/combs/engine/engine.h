@@ -302,6 +302,9 @@ class Engine {
   int64_t max_context() const;
   int max_tokens_per_request() const;
   int64_t kv_capacity_tokens() const;  // positions the page pool holds in all
+  // Whether sessions give back the pages behind their sliding window (EngineOptions::
+  // release_behind_window on an all-windowed model): a session's history may then outgrow the pool.
+  bool releases_behind_window() const;
   // OK while the model runner can serve; UNAVAILABLE once it cannot (ModelRunner::health: a
   // tensor-parallel group that lost a rank). Safe from any thread.
   Status runner_health() const;

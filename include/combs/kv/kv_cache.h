@@ -126,9 +126,13 @@ class AttentionStep {
   // Checks the batch as attention_batch does, for all layers at once (every layer of each cache
   // must hold exactly pos positions), reserves the pages of pos + n_new positions and does the
   // device's host work. With a rope (which must outlive the step), run() rotates q and k first.
+  // widest_window: the widest window run() will attend with (ModelConfig::widest_window; 0: a
+  // layer reads every key); a cache whose released positions (first_held_position) it would
+  // reach is refused here, FAILED_PRECONDITION, rather than in run() (a replayed CUDA graph calls
+  // no run(), and a tensor-parallel rank failing mid-step gives its group up).
   // Errors as attention_batch's; on error nothing changes.
   Status begin(std::span<const SeqAttention> seqs, int n_q_heads, const AttentionRope* rope = nullptr,
-               AttentionImpl impl = default_attention_impl());
+               AttentionImpl impl = default_attention_impl(), int64_t widest_window = 0);
   // Appends layer `layer`'s k, v and writes the attention of q into out (shapes as attention_batch;
   // out on the caches' backend, f32 on CUDA; q and k f32 with a rope, rotated in place). Lengths do
   // not move until commit(). inv_freq (with a rope): this layer's frequencies instead of the rope's

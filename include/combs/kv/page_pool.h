@@ -49,7 +49,8 @@ struct PagePoolOptions {
 
 // Bytes one page takes across all layers, K and V.
 int64_t page_bytes(const KVGeometry& geometry, int page_size);
-// How many pages fit in `budget_bytes` (0 when not even one does).
+// How many pages fit in `budget_bytes` (0 when not even one does). A pool of n pages allocates
+// n + 1 (the zero page): one page past the budget.
 int64_t pages_for_budget(const KVGeometry& geometry, int page_size, int64_t budget_bytes);
 // Pages needed to hold `tokens` positions: ceil(tokens / page_size).
 inline int64_t pages_for_tokens(int64_t tokens, int page_size) {

@@ -22,6 +22,7 @@
 // output o. Immutable after load; safe to share between threads.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -116,6 +117,13 @@ struct ModelConfig {
 
   // Keys layer `l` attends to back from each query (0: all).
   int window(int layer) const { return layer_windowed.empty() || !layer_windowed[layer] ? 0 : sliding_window; }
+  // The widest window over the layers: how far back any layer reads; 0 where a layer reads every
+  // key (or none is windowed).
+  int widest_window() const {
+    int w = n_layers > 0 ? window(0) : 0;
+    for (int l = 1; l < n_layers && w > 0; ++l) w = window(l) == 0 ? 0 : std::max(w, window(l));
+    return w;
+  }
 
   // What a KV cache of this model stores, in `dtype`.
   KVGeometry kv_geometry(DType dtype) const { return {n_layers, n_kv_heads, head_dim, dtype}; }

@@ -585,7 +585,7 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
   // Checks the caches, reserves their pages and uploads the attention metadata, for every layer;
   // RoPE runs inside the step, fused with the K/V append.
   const AttentionRope rope{I.inv_freq.data_as<float>(), c.rope_dim, c.rope_style == RopeStyle::kAdjacent};
-  if (Status s = I.step.begin(I.batch, static_cast<int>(nq), &rope); !s.ok()) {
+  if (Status s = I.step.begin(I.batch, static_cast<int>(nq), &rope, default_attention_impl(), c.widest_window()); !s.ok()) {
     // (Checks every rank makes alike fail on all: INVALID_ARGUMENT, FAILED_PRECONDITION; others
     // may be this device's alone.)
     if (I.tp && s.code() != StatusCode::kInvalidArgument && s.code() != StatusCode::kFailedPrecondition) {
