@@ -17,7 +17,7 @@ prompts=("1 5 9 200 17 33 101 250 7 64 12 99" "3 100 42 7 250 66 12"
   echo "# context 512) on combs-mkmodel files: tests/reference/record_llama_cpp_greedy.sh ($(date -u +%F))."
   echo "# shape|weight type|seed|FNV-1a 64 of the file|prompt ids|continuation ids"
   for shape in qwen3-tiny gemma2-tiny gemma3-tiny llama-yarn-tiny phi3-tiny qwen3moe-tiny qwen2moe-tiny mixtral-tiny \
-               gpt-oss-tiny; do
+               gpt-oss-tiny gemma3-swa-tiny; do
     types="f32 q8_0"
     case $shape in *moe-tiny|mixtral-tiny) types="f32 q8_0 q4_k_m";; esac  # experts arrive as Q4_K_M
     case $shape in gpt-oss-tiny) types="f32 q8_0 mxfp4_moe";; esac     # gpt-oss's as MXFP4
