@@ -77,9 +77,9 @@ void PagedKVCache::reset() {
 }
 
 int64_t PagedKVCache::release_before(int64_t pos) {
-  int64_t end = pos;
-  for (int l = 0; l < geometry().num_layers; ++l) end = std::min(end, layer_len(l));
-  const int64_t upto = std::min(std::max<int64_t>(end, 0) / pool_->page_size(), static_cast<int64_t>(table_.size()));
+  // The pages wholly before min(pos, the shortest layer's length): those before the first one a
+  // write from there would touch.
+  const int64_t upto = std::min(first_written_page(std::max<int64_t>(pos, 0)), static_cast<int64_t>(table_.size()));
   const int64_t before = released_;
   for (; released_ < upto; ++released_) {
     pool_->release(table_[released_]);

@@ -10,6 +10,8 @@
 
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/base/status.h"
+#include "combs/engine/engine.h"
+#include "combs/model/random_model.h"
 
 namespace combs::bench {
 
@@ -40,6 +42,13 @@ StatusOr<std::string> bench_vocab(const std::string& flag);
 // runs and by the peer, which reads the same files.
 StatusOr<std::string> bench_model(const std::string& dir, const std::string& shape, const std::string& dtype,
                                   const std::string& vocab_path);
+// The random-weight model of `options` as DIR/NAME.gguf, written there once (bench_model's, and
+// the benchmarks' that change a shape first).
+StatusOr<std::string> bench_model_file(const std::string& dir, const RandomModelOptions& options, const std::string& name);
+
+// A greedy request of `input` for max_tokens tokens that does not stop at an end of generation:
+// the benchmarks' requests.
+GenerateRequest greedy_request(std::vector<int32_t> input, int max_tokens);
 
 int run_kv(int argc, char** argv);
 int run_model(int argc, char** argv);

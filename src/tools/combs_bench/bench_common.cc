@@ -66,11 +66,25 @@ StatusOr<std::string> bench_model(const std::string& dir, const std::string& sha
   COMBS_RETURN_IF_ERROR(set_weight_type(dtype, &o));
   o.vocab_path = vocab_path;
   const std::string stem = vocab_path.empty() ? "v259" : std::filesystem::path(vocab_path).stem().string();
-  const std::string path = dir + "/" + shape + "-" + dtype + "-" + stem + ".gguf";
+  return bench_model_file(dir, o, shape + "-" + dtype + "-" + stem);
+}
+
+StatusOr<std::string> bench_model_file(const std::string& dir, const RandomModelOptions& options, const std::string& name) {
+  const std::string path = dir + "/" + name + ".gguf";
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  COMBS_RETURN_IF_ERROR(write_random_model_once(o, path));
+  COMBS_RETURN_IF_ERROR(write_random_model_once(options, path));
   return path;
+}
+
+GenerateRequest greedy_request(std::vector<int32_t> input, int max_tokens) {
+  GenerateRequest r;
+  r.input = std::move(input);
+  r.max_tokens = max_tokens;
+  r.ignore_eos = true;
+  r.sampling = SamplingParams{};
+  r.sampling->temperature = 0.0f;
+  return r;
 }
 
 }  // namespace combs::bench

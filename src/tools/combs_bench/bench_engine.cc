@@ -59,13 +59,9 @@ int run_engine(int argc, char** argv) {
     std::condition_variable cv;
     const double t0 = now_seconds();
     for (long long i = 0; i < n; ++i) {
-      GenerateRequest r;
-      for (long long k = 0; k < prompt; ++k) r.input.push_back(static_cast<int32_t>((i * 131 + k * 7 + 3) % vocab));
-      r.max_tokens = static_cast<int>(gen);
-      r.ignore_eos = true;
-      SamplingParams p;
-      p.temperature = 0.0f;
-      r.sampling = p;
+      std::vector<int32_t> input;
+      for (long long k = 0; k < prompt; ++k) input.push_back(static_cast<int32_t>((i * 131 + k * 7 + 3) % vocab));
+      GenerateRequest r = greedy_request(std::move(input), static_cast<int>(gen));
       auto id = (*engine)->create_session();
       auto h = (*engine)->generate(*id, std::move(r), [&, i](const GenerateEvent& e) {
         std::lock_guard<std::mutex> lock(mu);

@@ -121,13 +121,7 @@ int run_prefix(int argc, char** argv) {
       std::vector<double> first(n, 0.0);
       Status failed;
       auto submit = [&](long long i, std::vector<int32_t> prompt, int max_tokens, double* first_at) -> Status {
-        GenerateRequest r;
-        r.input = std::move(prompt);
-        r.max_tokens = max_tokens;
-        r.ignore_eos = true;
-        SamplingParams p;
-        p.temperature = 0.0f;
-        r.sampling = p;
+        GenerateRequest r = greedy_request(std::move(prompt), max_tokens);
         COMBS_ASSIGN_OR_RETURN(SessionId id, e.create_session());
         return e.generate(id, std::move(r), [&, i, first_at](const GenerateEvent& ev) {
                   std::lock_guard<std::mutex> lock(mu);

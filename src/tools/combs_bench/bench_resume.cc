@@ -28,12 +28,7 @@ namespace {
 
 // Seconds from submitting `input` (max_tokens 1) to its token.
 StatusOr<double> time_to_token(Engine& e, const SessionId& id, std::vector<int32_t> input, Usage* usage) {
-  GenerateRequest r;
-  r.input = std::move(input);
-  r.max_tokens = 1;
-  r.ignore_eos = true;
-  r.sampling = SamplingParams{};
-  r.sampling->temperature = 0.0f;
+  GenerateRequest r = greedy_request(std::move(input), 1);
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;

@@ -61,12 +61,7 @@ struct Run {
 };
 
 StatusOr<Run> decode(Engine& e, const std::vector<int32_t>& prompt, int n, const std::optional<SpeculationParams>& spec) {
-  GenerateRequest r;
-  r.input = prompt;
-  r.max_tokens = n;
-  r.ignore_eos = true;
-  r.sampling = SamplingParams{};
-  r.sampling->temperature = 0.0f;
+  GenerateRequest r = greedy_request(prompt, n);
   r.speculation = spec;
   std::mutex mu;
   std::condition_variable cv;

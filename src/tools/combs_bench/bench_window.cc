@@ -5,7 +5,6 @@
 // pages a session holds; then the cost of a rollback past the kept margin (a rebuild) against one
 // within it.
 #include <cstdio>
-#include <filesystem>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -13,7 +12,6 @@
 #include "bench.h"
 #include "combs/engine/engine.h"
 #include "combs/kv/page_pool.h"
-#include "combs/model/random_model.h"
 #include "common/flags.h"
 
 namespace combs::bench {
@@ -50,16 +48,6 @@ Status generate_all(Engine& e, const std::vector<SessionId>& ids, const std::vec
   return failed;
 }
 
-GenerateRequest greedy(std::vector<int32_t> input, int max_tokens) {
-  GenerateRequest r;
-  r.input = std::move(input);
-  r.max_tokens = max_tokens;
-  r.ignore_eos = true;
-  r.sampling = SamplingParams{};
-  r.sampling->temperature = 0.0f;
-  return r;
-}
-
 StatusOr<Turns> play(const std::string& path, bool release, int64_t sessions, int64_t prompt, int64_t gen,
                      int64_t pool_pages, int64_t rollback, int threads) {
   COMBS_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(path));
@@ -79,8 +67,8 @@ StatusOr<Turns> play(const std::string& path, bool release, int64_t sessions, in
     ids.push_back(id);
     std::vector<int32_t> p;
     for (int64_t k = 0; k < prompt; ++k) p.push_back(static_cast<int32_t>((i * 131 + k * 7 + 3) % vocab));
-    first.push_back(greedy(std::move(p), static_cast<int>(gen)));
-    second.push_back(greedy({static_cast<int32_t>((i + 5) % vocab)}, static_cast<int>(gen)));
+    first.push_back(greedy_request(std::move(p), static_cast<int>(gen)));
+    second.push_back(greedy_request({static_cast<int32_t>((i + 5) % vocab)}, static_cast<int>(gen)));
   }
   Turns t;
   std::vector<Usage> usage;
@@ -99,7 +87,7 @@ StatusOr<Turns> play(const std::string& path, bool release, int64_t sessions, in
   for (int64_t n : {std::max<int64_t>(1, rollback / 2), rollback + 64}) {
     COMBS_RETURN_IF_ERROR(e->rollback(last, n).status());
     t0 = now_seconds();
-    COMBS_RETURN_IF_ERROR(generate_all(*e, {last}, {greedy({}, 1)}, &one));
+    COMBS_RETURN_IF_ERROR(generate_all(*e, {last}, {greedy_request({}, 1)}, &one));
     (n <= rollback ? t.rollback_ms : t.rollback_far_ms) = (now_seconds() - t0) * 1e3;
   }
   t.stats = e->stats();
@@ -143,14 +131,11 @@ int run_window(int argc, char** argv) {
                         static_cast<long long>(o.shape.context_length)),
            2;
   }
-  const std::string path = flags.str("dir") + "/" + flags.str("shape") + "-swa" + std::to_string(window) + "-" +
-                           flags.str("dtype") + "-v259.gguf";
-  std::error_code ec;
-  std::filesystem::create_directories(flags.str("dir"), ec);
-  if (Status s = write_random_model_once(o, path); !s.ok()) {
-    return std::fprintf(stderr, "combs-bench window: %s\n", s.message().c_str()), 1;
-  }
-  const int64_t page = 16;  // EngineOptions' default page size
+  auto written = bench_model_file(flags.str("dir"), o,
+                                  flags.str("shape") + "-swa" + std::to_string(window) + "-" + flags.str("dtype") + "-v259");
+  if (!written.ok()) return std::fprintf(stderr, "combs-bench window: %s\n", written.status().message().c_str()), 1;
+  const std::string& path = *written;
+  const int64_t page = EngineOptions{}.page_size;  // the engines' (play() keeps the default)
   const int64_t pool_pages = fit * pages_for_tokens(prompt + 2 * gen + 1, page);
   std::printf("# combs-bench window: %s, %lld sessions, prompt %lld, %lld generated per turn (two turns), "
               "a pool of %lld pages (%lld whole histories), %lld positions kept behind the window; medians of %lld rounds\n\n",
