@@ -213,22 +213,23 @@ StatusOr<double> allreduce_us(int world, int64_t floats) {
 
 int run_gpu(int argc, char** argv) {
   tools::Flags flags("combs-bench gpu", {{"shapes", "llama-1b"}, {"dir", "/tmp/combs-bench-models"}, {"reps", "3"},
-                                         {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"},
+                                         {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"}, {"decode-prompt", "128"},
                                          {"only", ""}, {"vocab", tools::default_vocab()}, {"models", ""}, {"dtypes", "bf16"},
                                          {"tensor-parallel", "1"}});
   flags.describe({{"vocab", kVocabHelp},
                   {"dtypes", "weight types of the random models of --shapes (bf16, f16, q8_0, or a llama.cpp file type such as q4_k_m, quantized by combs; llama-quantize's files: --models)"},
                   {"models", "GGUF files to measure instead of --shapes (e.g. llama-quantize's); a row is labelled by the file's name"},
-                  {"tensor-parallel", "GPUs (0..N-1) each model is split over (NCCL), for every run; 1: one GPU, no NCCL"}});
+                  {"tensor-parallel", "GPUs (0..N-1) each model is split over (NCCL), for every run; 1: one GPU, no NCCL"},
+                  {"decode-prompt", "tokens before the one-session decode's 256 (e.g. 16384: a long context's decode, where sliding windows pay)"}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
     flags.print_usage("[--shapes llama-1b,llama-8b | --models FILE,...] [--dir DIR] [--reps N] [--sessions N] [--only decode|sampled|prefill|sessions|attention|models] [--vocab PATH|none]");
     return 0;
   }
-  long long reps, sessions, tp;
+  long long reps, sessions, tp, decode_prompt;
   std::vector<long long> contexts;
   if (!flags.integer("reps", &reps, 1, 100) || !flags.integer("sessions", &sessions, 1, 4096) ||
-      !flags.integer("tensor-parallel", &tp, 1, 64) ||
+      !flags.integer("tensor-parallel", &tp, 1, 64) || !flags.integer("decode-prompt", &decode_prompt, 1, 1 << 20) ||
       !flags.ints("attention-contexts", &contexts)) {
     return 2;
   }
@@ -238,10 +239,10 @@ int run_gpu(int argc, char** argv) {
     return std::fprintf(stderr, "combs-bench gpu: --only decode|sampled|prefill|sessions|attention|models\n"), 2;
   }
   // The workloads, one definition for the table and for --only: one session's decode (256 new
-  // tokens after a 128-token prompt), a 2,048-token prefill, `sessions` sessions' decode (128 new
-  // after 1,024-token prompts).
+  // tokens after a 128-token prompt, or --decode-prompt's), a 2,048-token prefill, `sessions`
+  // sessions' decode (128 new after 1,024-token prompts).
   auto decode_run = [&](ModelRunner& r, const SamplingParams* sampling = nullptr) {
-    return run_sessions(r, 1, 128, 256, int(reps), sampling);
+    return run_sessions(r, 1, int(decode_prompt), 256, int(reps), sampling);
   };
   auto prefill_run = [&](ModelRunner& r) { return run_sessions(r, 1, 2048, 1, int(reps)); };
   SamplingParams table_sampling;  // the table's "same sampling" column and --only sampled
@@ -296,10 +297,10 @@ int run_gpu(int argc, char** argv) {
     std::printf("\n");
   }
   if (only.empty()) {
-    std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a 128 prompt) | / bound | same without "
+    std::printf("| model | weights | bound tok/s | 1 session: decode tok/s (256 after a %lld prompt) | / bound | same without "
                 "CUDA graphs | same sampling (T 0.8, top-p 0.95) | prefill tok/s (2048 prompt) | %lld sessions: aggregate decode tok/s (1024 prompts, 128 new) |"
                 "\n|---|---|---|---|---|---|---|---|---|\n",
-                sessions);
+                decode_prompt, sessions);
   }
   // (label, file): --models as they are, else the random models.
   Measured measured;
