@@ -9,7 +9,7 @@
 # 8 chosen, experts 768 wide) in Q4_K_M as combs-mkmodel quantizes it (llama.cpp's mix), with
 # Qwen2's vocabulary (151,646 tokens), the same file for both programs; the measurements are
 # side_by_side_round.sh's (one session's decode, prefill of 2,048, 64 sessions), the table its
-# side_by_side.py's. Needs .gpu/libs, .gpu/VARIANT/{combs-bench,combs_cuda_tests}.gz and
+# side_by_side.py's. Needs .gpu/libs, .gpu/VARIANT/{combs-bench,combs_cuda_tests}.xz and
 # .gpu/llama-src.tar.xz, as side_by_side.sh.
 set -u
 PHASE=${1:?start or bench}; V=${2:-main}; ROUNDS=${3:-2}

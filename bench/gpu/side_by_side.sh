@@ -9,7 +9,7 @@
 #   one session's decode   combs: 256 new after a 128-token prompt   llama-bench -p 0 -n 256 -d 128
 #   prefill of 2,048       combs: one 2,048-token prompt             llama-bench -p 2048 -n 0, fastest -ub
 #   64 sessions            combs: 64 x 1,024-token prompts, 128 new  llama-batched-bench -npp 1024 -ntg 128 -npl 64
-# Needs, packed here: .gpu/libs (../shared/gpu/pack-libs.sh, gzipped), .gpu/VARIANT/combs-bench.gz
+# Needs, packed here: .gpu/libs (../shared/gpu/pack-libs.sh; unpack.sh unpacks them), .gpu/VARIANT/combs-bench.xz
 # (bench/gpu/pack.sh VARIANT) and .gpu/llama-src.tar.xz (bench/peer/build.sh tarball). Steps, each
 # skipped where its output exists (a second call on a warm machine resumes): the peer's CUDA build
 # (build/peer), the models (build/models, written while the peer builds), then ROUNDS rounds of
@@ -32,10 +32,9 @@ vocab_of() {
     *) echo "$repo/tests/data/vocab/ggml-vocab-llama-bpe.gguf" ;;
   esac
 }
-mkdir -p /tmp/gpulibs /tmp/bin/$V "$models"
-for f in "$repo"/.gpu/libs/*.gz; do [ -e "$f" ] && gunzip -c "$f" > /tmp/gpulibs/$(basename "$f" .gz); done
-gunzip -c "$repo/.gpu/$V/combs-bench.gz" > /tmp/bin/$V/combs-bench && chmod +x /tmp/bin/$V/combs-bench || exit 1
-export LD_LIBRARY_PATH=$repo/.gpu/libs:/tmp/gpulibs:/usr/local/cuda/lib64
+mkdir -p "$models"
+cd "$repo" && . bench/gpu/unpack.sh "$V"
+[ -x /tmp/bin/$V/combs-bench ] || { echo "no .gpu/$V/combs-bench.xz (bench/gpu/pack.sh $V)"; exit 1; }
 combs=/tmp/bin/$V/combs-bench
 . "$here/side_by_side_round.sh"
 
