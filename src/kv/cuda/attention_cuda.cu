@@ -329,20 +329,40 @@ using cuda::cp_async16;
 using cuda::cp_async_commit;
 using cuda::cp_async_wait;
 
-// Splits' partials the merge requests at once.
-constexpr int kMergeBatch = 16;
+// Splits' partials the merge requests at once, and the groups of threads a merge block divides a
+// row's splits into (each merges a quarter, then the four are merged in group order: a row's 128
+// splits were one thread's eight dependent round trips to L2).
+constexpr int kMergeBatch = 16, kMergeGroups = 4;
 
-// The log-sum-exp merge of one output row's splits (part_o [rows, grid_splits, hd], part_ml
-// [rows, grid_splits] of (m, l), exp2 units) for the four dimensions at d4: kMergeBatch splits'
-// partials requested at once (a loop waiting on each load would take a round trip to L2 per
-// split), read from L2 (__ldcg: other blocks wrote them), with a running maximum; empty splits
-// (m = -inf) count for nothing; query head `head`'s sink (L.sink_term) joins the denominator.
-__device__ inline float4 merge_splits4(const float* part_o, const float* part_ml, int64_t row, int grid_splits,
-                                       int splits, int hd, int d4, const LayerDev& layer, int head) {
+// A partial log-sum-exp merge: the running maximum (exp2 units), the denominator and four
+// output dimensions, all relative to the maximum.
+struct MergeState {
+  float mx = -INFINITY, l = 0.0f;
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+};
+
+// Folds (m, l, o) into st: empty parts (m = -inf) count for nothing.
+__device__ inline void merge_into(MergeState& st, float m, float l, float4 o) {
+  if (m == -INFINITY) return;
+  const float m_new = fmaxf(st.mx, m);
+  const float c = exp2f(st.mx - m_new), f = exp2f(m - m_new);  // c: 0 while st.mx is -inf
+  st.l = st.l * c + l * f;
+  st.o = make_float4(st.o.x * c + o.x * f, st.o.y * c + o.y * f, st.o.z * c + o.z * f, st.o.w * c + o.w * f);
+  st.mx = m_new;
+}
+
+// The log-sum-exp merge of splits [sp_begin, sp_end) of one output row (part_o [rows,
+// grid_splits, hd], part_ml [rows, grid_splits] of (m, l), exp2 units) for the four dimensions at
+// d4: kMergeBatch splits' partials requested at once (a loop waiting on each load would take a
+// round trip to L2 per split), read from L2 (__ldcg: other blocks wrote them), with a running
+// maximum; empty splits (m = -inf) count for nothing.
+__device__ inline MergeState merge_splits4(const float* part_o, const float* part_ml, int64_t row, int grid_splits,
+                                           int sp_begin, int sp_end, int hd, int d4) {
   constexpr int U = kMergeBatch;
   float mx = -INFINITY, L = 0.0f;
   float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int sp0 = 0; sp0 < splits; sp0 += U) {
+  const int splits = sp_end;
+  for (int sp0 = sp_begin; sp0 < splits; sp0 += U) {
     float2 ml[U];
     float4 po[U];
 #pragma unroll
@@ -369,8 +389,9 @@ __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml
       O.x += po[u].x * f, O.y += po[u].y * f, O.z += po[u].z * f, O.w += po[u].w * f;
     }
   }
-  L += layer.sink_term(head, mx);
-  return make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+  MergeState st;
+  st.mx = mx, st.l = L, st.o = O;
+  return st;
 }
 
 // The tensor-core kernels' shapes: prefill blocks of 4 warps (64 query rows) with 64-key tiles;
@@ -378,26 +399,34 @@ __device__ inline float4 merge_splits4(const float* part_o, const float* part_ml
 // two or three deep: 16 x 8k contexts 0.91 of copy bandwidth vs 0.89 / 0.62), or of 4 warps when
 // the group has more than 16 heads.
 // head_dim 256 (gemma) takes 16-key decode tiles (whole mma n-tiles) and 32-key prefill tiles (its
-// 128 output accumulators per lane leave no registers for wider score tiles).
+// 128 output accumulators per lane leave no registers for wider score tiles). Its decode blocks
+// are two warps that split the output dimensions (kDimWarps): each computes the whole score tile
+// (the same mma sequence, so the same scores and softmax) and P V for its 128 dimensions. One warp
+// holding all 256 needs Q's 64 fragment registers and 128 accumulators at once and spilled ~600
+// bytes a lane to local memory, which the 64 KB of shared memory a block leaves no L1 for.
 template <int HD, int R>
 struct FlashShape {
   static constexpr int kKeys = R == 1 ? (2048 / HD > 16 ? 2048 / HD : 16) : HD >= 256 ? 32 : 64;
   static constexpr int kStages = R == 1 ? 4 : HD == 64 ? 3 : 2;
   static constexpr int kSmemBytes = kStages * 2 * kKeys * HD * 2;
+  static constexpr int kDimWarps = R == 1 && HD >= 256 ? 2 : 1;
+  static constexpr int kThreads = R * kDimWarps * 32;
 };
 
 // tiles: null for decode (grid (tokens, n_kv, splits): one token per block); for prefill
 // (grid (tiles, n_kv)), per block (sequence, first new-token index of the tile).
 template <typename T, int HD, int R>
-__global__ void __launch_bounds__(R * 32)
+__global__ void __launch_bounds__(FlashShape<HD, R>::kThreads)
     flash_kernel(const Meta M, const int32_t* __restrict__ tiles, const float* __restrict__ q, float* __restrict__ out,
                  float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, int G, float scale_log2, LayerDev L) {
   constexpr int KT = FlashShape<HD, R>::kKeys, STAGES = FlashShape<HD, R>::kStages;
-  constexpr int NT = R * 32, CH = HD / 8, LOADS = KT * CH / NT;  // 16-byte chunks per row; per thread per tile
-  static_assert(KT * CH % NT == 0 && KT % 16 == 0, "tile shape");
+  constexpr int DW = FlashShape<HD, R>::kDimWarps, OD = HD / DW;  // warps sharing rows; output dims a warp
+  constexpr int NT = FlashShape<HD, R>::kThreads, CH = HD / 8, LOADS = KT * CH / NT;  // 16-byte chunks per row; per thread per tile
+  static_assert(KT * CH % NT == 0 && KT % 16 == 0 && OD % 16 == 0, "tile shape");
   extern __shared__ __align__(128) unsigned char flash_smem[];
   T* const smem = reinterpret_cast<T*>(flash_smem);
-  const int kvh = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, quad = lane % 4;
+  const int kvh = blockIdx.y, tid = threadIdx.x, lane = tid % 32, quad = lane % 4;
+  const int warp = tid / 32 / DW, dw = tid / 32 % DW;  // the warp's rows (16 from warp * 16) and output dims (from dw * OD)
   const bool decode = tiles == nullptr;
   const int seq = decode ? M.tok_seq[blockIdx.x] : tiles[2 * blockIdx.x];
   const SeqDev s = M.seqs[seq];
@@ -481,13 +510,13 @@ __global__ void __launch_bounds__(R * 32)
     }
   };
   auto sync = [] {
-    if constexpr (R == 1) __syncwarp();
+    if constexpr (NT == 32) __syncwarp();
     else __syncthreads();
   };
 
-  float o[HD / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float o[OD / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  for (int d = 0; d < OD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
   const int n_tiles = static_cast<int>((ke - kb + KT - 1) / KT);
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
@@ -555,7 +584,7 @@ __global__ void __launch_bounds__(R * 32)
       }
     }
 #pragma unroll
-    for (int d = 0; d < HD / 8; ++d) o[d][0] *= corr[0], o[d][1] *= corr[0], o[d][2] *= corr[1], o[d][3] *= corr[1];
+    for (int d = 0; d < OD / 8; ++d) o[d][0] *= corr[0], o[d][1] *= corr[0], o[d][2] *= corr[1], o[d][3] *= corr[1];
     // O += P V: the S accumulators of two n-tiles are the A fragment of 16 keys; ldmatrix.trans
     // gives V's B fragments for two 8-dim n-tiles.
 #pragma unroll
@@ -564,8 +593,8 @@ __global__ void __launch_bounds__(R * 32)
                              pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
       const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
-      for (int dp = 0; dp < HD / 16; ++dp) {
-        const int c = 2 * dp + (lane >> 4);
+      for (int dp = 0; dp < OD / 16; ++dp) {
+        const int c = 2 * (dw * (OD / 16) + dp) + (lane >> 4);
         uint32_t b[4];
         ldmatrix_x4_trans(b, vbase + (key * HD + ((c ^ (lane & 7)) * 8)) * 2);
         mma16816<T>(o[2 * dp], a, b[0], b[1]);
@@ -583,26 +612,29 @@ __global__ void __launch_bounds__(R * 32)
     if (orow[h] < 0) continue;
     if (splits == 1) {
       const float inv = 1.0f / (l[h] + L.sink_term(static_cast<int>(orow[h] % n_q), m[h]));
-      float* op = out + orow[h] * HD + 2 * quad;
+      float* op = out + orow[h] * HD + dw * OD + 2 * quad;
 #pragma unroll
-      for (int d = 0; d < HD / 8; ++d) *reinterpret_cast<float2*>(op + d * 8) = make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
+      for (int d = 0; d < OD / 8; ++d) *reinterpret_cast<float2*>(op + d * 8) = make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
     } else {
       const int64_t prow = orow[h] * gridDim.z + split;
-      float* op = part_o + prow * HD + 2 * quad;
+      float* op = part_o + prow * HD + dw * OD + 2 * quad;
 #pragma unroll
-      for (int d = 0; d < HD / 8; ++d) *reinterpret_cast<float2*>(op + d * 8) = make_float2(o[d][2 * h], o[d][2 * h + 1]);
-      if (quad == 0) part_ml[prow * 2] = m[h], part_ml[prow * 2 + 1] = l[h];
+      for (int d = 0; d < OD / 8; ++d) *reinterpret_cast<float2*>(op + d * 8) = make_float2(o[d][2 * h], o[d][2 * h + 1]);
+      if (quad == 0 && dw == 0) part_ml[prow * 2] = m[h], part_ml[prow * 2 + 1] = l[h];
     }
   }
 }
 
-// grid (tokens * n_q); block: head_dim / 4 threads (rounded up to a warp). The merge of a token's
-// splits, for the rows of sequences that ran in several (those in one split were written by the
-// attention kernel directly). head_dim: 64, 128 or 256. L: the layer's (for its sinks).
+// grid (tokens * n_q); block (head_dim / 4 threads rounded up to a warp, kMergeGroups). The merge
+// of a token's splits, for the rows of sequences that ran in several (those in one split were
+// written by the attention kernel directly): group g merges its share of the splits, group 0 the
+// groups' results in order, then query head's sink (L.sink_term) joins the denominator.
+// head_dim: 64, 128 or 256. L: the layer's (for its sinks).
 __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     float* __restrict__ out, int grid_splits, int hd, int n_q, LayerDev L) {
+  __shared__ MergeState groups[kMergeGroups - 1][64];
   const int64_t row = blockIdx.x;
-  const int d4 = threadIdx.x;
+  const int d4 = threadIdx.x, g = threadIdx.y;
   const SeqDev& s = meta.seqs[meta.tok_seq[row / n_q]];
   cuda::pdl_wait();
   // The attention is done: the next kernel (the output projection) may launch now and request its
@@ -610,9 +642,18 @@ __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ p
   // ends), but not earlier: launched while the attention runs, its loads slow the attention's more
   // (H200, llama-8b decode: 241 tok/s vs 239 launched at the merge's end, 227 at its start).
   cuda::pdl_launch_dependents();
-  if (d4 >= hd / 4 || s.n_new >= meta.prefill_min || s.splits == 1) return;
-  reinterpret_cast<float4*>(out + row * hd)[d4] =
-      merge_splits4(part_o, part_ml, row, grid_splits, s.splits, hd, d4, L, static_cast<int>(row % n_q));
+  if (s.n_new >= meta.prefill_min || s.splits == 1) return;  // the whole block's row
+  const bool active = d4 < hd / 4;
+  MergeState st;
+  if (active) {
+    st = merge_splits4(part_o, part_ml, row, grid_splits, s.splits * g / kMergeGroups, s.splits * (g + 1) / kMergeGroups, hd, d4);
+    if (g > 0) groups[g - 1][d4] = st;
+  }
+  __syncthreads();
+  if (!active || g > 0) return;
+  for (int i = 0; i < kMergeGroups - 1; ++i) merge_into(st, groups[i][d4].mx, groups[i][d4].l, groups[i][d4].o);
+  const float den = st.l + L.sink_term(static_cast<int>(row % n_q), st.mx);
+  reinterpret_cast<float4*>(out + row * hd)[d4] = make_float4(st.o.x / den, st.o.y / den, st.o.z / den, st.o.w / den);
 }
 
 // The reference: grid (tokens, n_q); scores of one row in scratch [tokens, n_q, max_ctx].
@@ -676,7 +717,7 @@ int flash_capacity_of() {
     int per_sm = 0, sms = 0, dev = 0;
     if (flash_attr<T, HD, R>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, flash_kernel<T, HD, R>, R * 32,
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, flash_kernel<T, HD, R>, FlashShape<HD, R>::kThreads,
                                                       FlashShape<HD, R>::kSmemBytes) != cudaSuccess) {
       return 1056;
     }
@@ -713,7 +754,7 @@ template <typename T, int HD, int R>
 cudaError_t launch_flash(dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles, const float* q, float* out,
                          float* part_o, float* part_ml, int n_kv, int G, float scale_log2, LayerDev L) {
   if (const cudaError_t e = flash_attr<T, HD, R>(); e != cudaSuccess) return e;
-  return cuda::launch_pdl(flash_kernel<T, HD, R>, grid, dim3(R * 32), FlashShape<HD, R>::kSmemBytes, st, M,
+  return cuda::launch_pdl(flash_kernel<T, HD, R>, grid, dim3(FlashShape<HD, R>::kThreads), FlashShape<HD, R>::kSmemBytes, st, M,
                           tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
 }
 
@@ -1007,8 +1048,9 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (grid_splits_ > 1) {
+    if (hd > 256) return internal_error("attention (cuda): split merge of head_dim above 256");
     const unsigned mthreads = static_cast<unsigned>((hd / 4 + 31) / 32 * 32);
-    cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(mthreads), 0, st, M, part_o_,
+    cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(mthreads, kMergeGroups), 0, st, M, part_o_,
                      part_ml_, out->data_as<float>(), grid_splits_, hd, n_q, L);
     COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }

@@ -115,9 +115,14 @@ StatusOr<Run> run_sessions(ModelRunner& runner, int n_seqs, int prompt, int gen,
 // head_dim 128, BF16 K/V; GB/s of K/V read, paged (page 16) and contiguous. Timed as a forward
 // runs it: an AttentionStep begun once (the host work, once per forward), then the device work of
 // one layer (K/V append, attention, split merge) 20 times back to back; median of 5 such rounds.
-StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, int n_seqs) {
-  const KVGeometry g{1, 8, 128, DType::kBF16};
-  const int nq = 32;
+// A decode-attention geometry: query heads, KV heads, head_dim (bf16 K/V).
+struct AttentionShape {
+  int nq, nkv, hd;
+};
+
+StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, const AttentionShape& a, int64_t ctx, int n_seqs) {
+  const KVGeometry g{1, a.nkv, a.hd, DType::kBF16};
+  const int nq = a.nq, nkv = a.nkv, hd = a.hd;
   COMBS_ASSIGN_OR_RETURN(auto pool, PagePool::create(b, {g, 16, pages_for_tokens(ctx + 1, 16) * n_seqs}));
   std::vector<std::unique_ptr<KVCache>> paged, flat;
   for (int s = 0; s < n_seqs; ++s) {
@@ -128,7 +133,7 @@ StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, i
   }
   // Fill: append ctx positions (values do not matter for speed; zeros).
   const int64_t chunk = 4096;
-  COMBS_ASSIGN_OR_RETURN(Tensor kv, b.alloc({chunk, 8, 128}, DType::kF32));
+  COMBS_ASSIGN_OR_RETURN(Tensor kv, b.alloc({chunk, nkv, hd}, DType::kF32));
   COMBS_RETURN_IF_ERROR(b.zero(kv));
   for (auto* set : {&paged, &flat}) {
     for (auto& cache : *set) {
@@ -139,9 +144,9 @@ StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, i
       }
     }
   }
-  COMBS_ASSIGN_OR_RETURN(Tensor q, b.alloc({n_seqs, nq, 128}, DType::kF32));
-  COMBS_ASSIGN_OR_RETURN(Tensor out, b.alloc({n_seqs, nq, 128}, DType::kF32));
-  COMBS_ASSIGN_OR_RETURN(Tensor k1, b.alloc({n_seqs, 8, 128}, DType::kF32));
+  COMBS_ASSIGN_OR_RETURN(Tensor q, b.alloc({n_seqs, nq, hd}, DType::kF32));
+  COMBS_ASSIGN_OR_RETURN(Tensor out, b.alloc({n_seqs, nq, hd}, DType::kF32));
+  COMBS_ASSIGN_OR_RETURN(Tensor k1, b.alloc({n_seqs, nkv, hd}, DType::kF32));
   COMBS_RETURN_IF_ERROR(b.zero(q));
   COMBS_RETURN_IF_ERROR(b.zero(k1));
   auto time = [&](std::vector<std::unique_ptr<KVCache>>& set) -> StatusOr<double> {
@@ -154,12 +159,12 @@ StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, int64_t ctx, i
     for (int r = 0; r < 6; ++r) {  // the first round warms up
       COMBS_RETURN_IF_ERROR(b.synchronize());
       const double t0 = now_seconds();
-      for (int i = 0; i < kRuns; ++i) COMBS_RETURN_IF_ERROR(step.run(0, q, k1, k1, 0.088f, out));
+      for (int i = 0; i < kRuns; ++i) COMBS_RETURN_IF_ERROR(step.run(0, q, k1, k1, 1.0f / std::sqrt(float(hd)), out));
       COMBS_RETURN_IF_ERROR(b.synchronize());
       if (r > 0) v.push_back((now_seconds() - t0) / kRuns);
     }
     step.cancel();
-    const double bytes = 2.0 * (ctx + 1) * 8 * 128 * 2 * n_seqs;  // K and V, bf16
+    const double bytes = 2.0 * (ctx + 1) * nkv * hd * 2 * n_seqs;  // K and V, bf16
     return bytes / median(v) / 1e9;
   };
   COMBS_ASSIGN_OR_RETURN(double paged_gbs, time(paged));
@@ -213,13 +218,14 @@ StatusOr<double> allreduce_us(int world, int64_t floats) {
 
 int run_gpu(int argc, char** argv) {
   tools::Flags flags("combs-bench gpu", {{"shapes", "llama-1b"}, {"dir", "/tmp/combs-bench-models"}, {"reps", "3"},
-                                         {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"}, {"decode-prompt", "128"},
+                                         {"sessions", "64"}, {"attention-contexts", "2048,8192,32768"}, {"attention-shapes", "32/8/128"}, {"decode-prompt", "128"},
                                          {"only", ""}, {"vocab", tools::default_vocab()}, {"models", ""}, {"dtypes", "bf16"},
                                          {"tensor-parallel", "1"}});
   flags.describe({{"vocab", kVocabHelp},
                   {"dtypes", "weight types of the random models of --shapes (bf16, f16, q8_0, or a llama.cpp file type such as q4_k_m, quantized by combs; llama-quantize's files: --models)"},
                   {"models", "GGUF files to measure instead of --shapes (e.g. llama-quantize's); a row is labelled by the file's name"},
                   {"tensor-parallel", "GPUs (0..N-1) each model is split over (NCCL), for every run; 1: one GPU, no NCCL"},
+ {"attention-shapes", "decode-attention geometries for --only attention: q heads/KV heads/head_dim, comma-separated (llama-8b 32/8/128, gemma3-4b 8/4/256)"},
                   {"decode-prompt", "tokens before the one-session decode's 256 (e.g. 16384: a long context's decode, where sliding windows pay)"}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
@@ -232,6 +238,16 @@ int run_gpu(int argc, char** argv) {
       !flags.integer("tensor-parallel", &tp, 1, 64) || !flags.integer("decode-prompt", &decode_prompt, 1, 1 << 20) ||
       !flags.ints("attention-contexts", &contexts)) {
     return 2;
+  }
+  std::vector<AttentionShape> attention_shapes;
+  for (const std::string& spec : split_list(flags.str("attention-shapes"))) {
+    AttentionShape a{};
+    char tail = 0;
+    if (std::sscanf(spec.c_str(), "%d/%d/%d%c", &a.nq, &a.nkv, &a.hd, &tail) != 3 || a.nkv < 1 || a.nq < a.nkv ||
+        a.nq % a.nkv != 0 || a.hd < 1 || a.hd > 1024) {
+      return std::fprintf(stderr, "combs-bench gpu: --attention-shapes: '%s' is not Q/KV/HEAD_DIM (Q a multiple of KV)\n", spec.c_str()), 2;
+    }
+    attention_shapes.push_back(a);
   }
   const std::string only = flags.str("only");
   if (!only.empty() && only != "decode" && only != "sampled" && only != "prefill" && only != "sessions" &&
@@ -357,14 +373,16 @@ int run_gpu(int argc, char** argv) {
     std::fflush(stdout);
   }
   if ((!only.empty() && only != "attention") || contexts.empty()) return 0;
-  std::printf("\n| decode attention (32 q / 8 kv heads, hd 128, bf16) | sequences | paged GB/s | contiguous GB/s | "
-              "paged / contiguous time | paged / copy bandwidth |\n|---|---|---|---|---|---|\n");
-  for (long long ctx : contexts) {
-    for (int n : {1, 16}) {
-      auto r = attention_gbs(**backend, ctx, n);
-      if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
-      std::printf("| context %lld | %d | %.0f | %.0f | %.2f | %.2f |\n", ctx, n, r->first, r->second,
-                  r->second / r->first, r->first * 1e9 / bw);
+  for (const AttentionShape& a : attention_shapes) {
+    std::printf("\n| decode attention (%d q / %d kv heads, hd %d, bf16) | sequences | paged GB/s | contiguous GB/s | "
+                "paged / contiguous time | paged / copy bandwidth |\n|---|---|---|---|---|---|\n", a.nq, a.nkv, a.hd);
+    for (long long ctx : contexts) {
+      for (int n : {1, 16}) {
+        auto r = attention_gbs(**backend, a, ctx, n);
+        if (!r.ok()) return std::fprintf(stderr, "combs-bench gpu: %s\n", r.status().to_string().c_str()), 1;
+        std::printf("| context %lld | %d | %.0f | %.0f | %.2f | %.2f |\n", ctx, n, r->first, r->second,
+                    r->second / r->first, r->first * 1e9 / bw);
+      }
     }
   }
   return 0;
