@@ -53,6 +53,69 @@ __device__ inline float block_sum(float v, float* sums) {
   return block_reduce(v, [](float a, float b) { return a + b; }, 0.0f, sums);
 }
 
+// Float4s of a row a thread of add_rms_norm_kernel keeps in registers (rows of up to 4,096 at 256
+// threads): a decode step's norm is one block, and its time the latency of its loads, so the
+// weights are requested before the wait for the kernel that wrote the residual and delta, and
+// those are read once, all at once (passes over memory were three dependent round trips).
+constexpr int kNormCached = 4;
+
+// add_rms_norm_kernel for rows of dim <= blockDim.x * 4 * kNormCached (16-byte aligned float4s):
+// the same numbers as its loops (each thread's sums in the same order).
+template <typename T>
+__device__ void add_rms_norm_cached(float* __restrict__ r, const float* __restrict__ d,
+                                    const float* __restrict__ delta_weight, const float* __restrict__ weight,
+                                    T* __restrict__ yr, int64_t dim, float eps, float* sums) {
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * 4;
+  float4 w[kNormCached], g[kNormCached], v[kNormCached], e[kNormCached];
+#pragma unroll
+  for (int j = 0; j < kNormCached; ++j) {
+    const int64_t i = threadIdx.x * 4 + j * stride;
+    if (i < dim) {
+      w[j] = *reinterpret_cast<const float4*>(weight + i);
+      if (delta_weight) g[j] = *reinterpret_cast<const float4*>(delta_weight + i);
+    }
+  }
+  pdl_wait();
+#pragma unroll
+  for (int j = 0; j < kNormCached; ++j) {
+    const int64_t i = threadIdx.x * 4 + j * stride;
+    if (i < dim) {
+      v[j] = *reinterpret_cast<const float4*>(r + i);
+      if (d) e[j] = *reinterpret_cast<const float4*>(d + i);
+    }
+  }
+  float dscale = 1.0f;
+  if (d && delta_weight) {
+    float ds = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kNormCached; ++j)
+      if (threadIdx.x * 4 + j * stride < dim) ds += e[j].x * e[j].x + e[j].y * e[j].y + e[j].z * e[j].z + e[j].w * e[j].w;
+    dscale = rsqrtf(block_sum(ds, sums) / static_cast<float>(dim) + eps);
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormCached; ++j) {
+    const int64_t i = threadIdx.x * 4 + j * stride;
+    if (i >= dim) continue;
+    if (d) {
+      float4 a = e[j];
+      if (delta_weight) a = make_float4(a.x * dscale * g[j].x, a.y * dscale * g[j].y, a.z * dscale * g[j].z, a.w * dscale * g[j].w);
+      v[j].x += a.x, v[j].y += a.y, v[j].z += a.z, v[j].w += a.w;
+      *reinterpret_cast<float4*>(r + i) = v[j];
+    }
+    ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  }
+  const float scale = rsqrtf(block_sum(ss, sums) / static_cast<float>(dim) + eps);
+#pragma unroll
+  for (int j = 0; j < kNormCached; ++j) {
+    const int64_t i = threadIdx.x * 4 + j * stride;
+    if (i < dim) {
+      store4(yr + i, make_float4(v[j].x * scale * w[j].x, v[j].y * scale * w[j].y, v[j].z * scale * w[j].z,
+                                 v[j].w * scale * w[j].w));
+    }
+  }
+}
+
 // delta_weight (post norms: gemma2's, gemma3's): delta is RMS-normalized and times delta_weight
 // before it joins the residual — the numbers of add_rms_norm on delta alone, then this one.
 template <typename T>
@@ -64,6 +127,9 @@ __global__ void add_rms_norm_kernel(float* __restrict__ residual, const float* _
   T* yr = y + blockIdx.x * dim;
   __shared__ float sums[32];
   pdl_launch_dependents();
+  if (vec && dim <= static_cast<int64_t>(blockDim.x) * 4 * kNormCached) {
+    return add_rms_norm_cached(r, d, delta_weight, weight, yr, dim, eps, sums);
+  }
   pdl_wait();
   float dscale = 1.0f;
   if (d && delta_weight) {
