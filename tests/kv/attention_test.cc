@@ -324,6 +324,38 @@ TEST_CASE("batched attention equals one sequence at a time", "[kv]") {
   }
 }
 
+// The engine rebuilds evicted pages by recomputing their tokens, perhaps in other chunks: a token's
+// attention must not depend on the chunk it is in. Whole prompts take the fast path's grouped
+// scores (many rows an item), single tokens its key-by-key ones (a few query heads): equal bits.
+TEST_CASE("a token's attention is the same bits in a long chunk and alone", "[kv]") {
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  for (int hd : {64, 128, 256}) {
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      INFO("head_dim " << hd << " " << dtype_name(dtype));
+      const int n_q = 8, n_kv = 2;
+      const int64_t n = 150;  // three key blocks, the last partial
+      CpuBackend backend({2});
+      PagePoolOptions o;
+      o.geometry = {1, n_kv, hd, dtype};
+      o.num_pages = 32;
+      auto pool = std::move(PagePool::create(backend, o)).value();
+      auto whole = std::move(PagedKVCache::create(*pool, n)).value();
+      auto one_by_one = std::move(PagedKVCache::create(*pool, n)).value();
+      auto q = rng.floats(n * n_q * hd, -2, 2), k = rng.floats(n * n_kv * hd), v = rng.floats(n * n_kv * hd);
+      std::vector<float> a(q.size()), b(q.size());
+      REQUIRE(whole->attention(0, view(q, {n, n_q, hd}), view(k, {n, n_kv, hd}), view(v, {n, n_kv, hd}), 0, 0.1f,
+                               view(a, {n, n_q, hd}))
+                  .ok());
+      for (int64_t t = 0; t < n; ++t) {
+        auto part = [&](std::vector<float>& x, int heads) { return Tensor::wrap(x.data() + t * heads * hd, {1, heads, hd}, DType::kF32); };
+        REQUIRE(one_by_one->attention(0, part(q, n_q), part(k, n_kv), part(v, n_kv), t, 0.1f, part(b, n_q)).ok());
+      }
+      REQUIRE(a == b);
+    }
+  }
+}
+
 TEST_CASE("attention over a long context with 16-bit q and out", "[kv]") {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());

@@ -9,7 +9,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -47,13 +47,70 @@ typedef float f32x16u __attribute__((vector_size(64), aligned(4)));  // unaligne
 typedef float f32x8 __attribute__((vector_size(32)));
 
 inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16u*>(p); }
+
+inline f32x16 splat16(float x) {
+  f32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = x;
+  return v;
+}
+
+// a * b + c, fused where the target has FMA. The scores' products are written with it: the
+// compiler contracts a * b + c into an FMA where it sees fit, differently in different code paths,
+// and a score must be the same bits in each (an intrinsic is never contracted).
+inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  f32x16 r;
+  __m256 x[2], y[2], z[2];
+  std::memcpy(x, &a, 64), std::memcpy(y, &b, 64), std::memcpy(z, &c, 64);
+  const __m256 lo = _mm256_fmadd_ps(x[0], y[0], z[0]), hi = _mm256_fmadd_ps(x[1], y[1], z[1]);
+  std::memcpy(&r, &lo, 32), std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
+  return a * b + c;
+#endif
+}
 inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16u*>(p) = v; }
-inline float hsum(f32x16 v) {
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// The sums of 16 vectors' lanes: lane j of the result is v[j]'s lanes summed, by the same tree for
+// every j (lanes i + 8, then i + 4, i + 2, i + 1 apart), the sixteen sums sharing each step's
+// shuffles and adds: 45 operations for 16 sums, where summing each vector on its own takes ~10.
+inline f32x16 hsum16(const f32x16* v) {
+  constexpr i32x16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  constexpr i32x16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  constexpr i32x16 lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  constexpr i32x16 hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  constexpr i32x16 lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  constexpr i32x16 hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  constexpr i32x16 lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  constexpr i32x16 hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  f32x16 a[8], b[4], c[2];
+  for (int m = 0; m < 8; ++m)  // vectors 2m, 2m + 1: lanes 0-7 and 8-15
+    a[m] = __builtin_shuffle(v[2 * m], v[2 * m + 1], lo8) + __builtin_shuffle(v[2 * m], v[2 * m + 1], hi8);
+  for (int m = 0; m < 4; ++m)  // vectors 4m .. 4m + 3: four lanes each
+    b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], lo4) + __builtin_shuffle(a[2 * m], a[2 * m + 1], hi4);
+  for (int m = 0; m < 2; ++m)  // vectors 8m .. 8m + 7: two lanes each
+    c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], lo2) + __builtin_shuffle(b[2 * m], b[2 * m + 1], hi2);
+  return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
+}
+
+// One vector's lanes summed by hsum16's tree (the same number as its lane for that vector).
+inline float hsum_tree(f32x16 v) {
   f32x8 lo, hi;
   std::memcpy(&lo, &v, sizeof lo);
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  const f32x8 s = lo + hi;
-  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+  const f32x8 s = lo + hi;  // lanes i and i + 8
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+// q . k over NV vectors of 16 before the lanes are summed: one chain, q[0] k[0] first.
+template <int NV>
+inline f32x16 dot_lanes(const f32x16* q, const float* k) {
+  f32x16 x = q[0] * load16(k);
+  for (int j = 1; j < NV; ++j) x = fma16(q[j], load16(k + 16 * j), x);
+  return x;
 }
 
 // s[r * stride + c] = q_r . k_c for rows r < n_rows and keys c < count[r].
@@ -336,8 +393,8 @@ void accumulate_group(float* acc, int hd, const float* p, int p_stride, const ch
       f32x16 v[kChunk];
       for (int j = 0; j < kChunk; ++j) v[j] = load_kv16<DT>(vrows[c], j0 + j);
       for (int r = 0; r < RG; ++r) {
-        const float pc = p[r * p_stride + c];
-        for (int j = 0; j < kChunk; ++j) a[r][j] += pc * v[j];
+        const f32x16 pc = splat16(p[r * p_stride + c]);
+        for (int j = 0; j < kChunk; ++j) a[r][j] = fma16(pc, v[j], a[r][j]);
       }
     }
     for (int r = 0; r < RG; ++r)
@@ -352,11 +409,12 @@ void accumulate_group(float* acc, int hd, const float* p, int p_stride, const ch
 template <int NV, DType DT>
 class HeadPass {
  public:
-  // `it` names this head; q, acc: [kRowBlock, hd] and s: [kRowBlock, kKeyBlock] scratch.
-  void begin(const Problem& pb, const Item& it, float* q, float* acc, float* s) {
+  // `it` names this head; q, acc: [kRowBlock, hd] and s: [kRowBlock, kKeyBlock] scratch; kf:
+  // [kKeyBlock, hd] (a key block's K in f32, rewritten by each block(): may be shared by passes).
+  void begin(const Problem& pb, const Item& it, float* q, float* acc, float* s, float* kf) {
     pb_ = &pb;
     it_ = it;
-    q_ = q, acc_ = acc, s_ = s;
+    q_ = q, acc_ = acc, s_ = s, kf_ = kf;
     rows_ = static_cast<int>(it.r1 - it.r0);
     pb.load_queries(it, q_);
     std::fill_n(acc_, rows_ * pb.hd, 0.0f);
@@ -391,27 +449,91 @@ class HeadPass {
       first[r] = static_cast<int>(std::clamp<int64_t>(pb_->first_key(horizon) - k0, 0, count[r]));
       max_count = std::max(max_count, count[r]);
     }
-    // Scores: each K row is loaded (and converted) once for all rows.
-    for (int c = 0; c < max_count; ++c) {
+    // Scores, q . k by the same operations whatever the rows or keys around it (dot_lanes, then
+    // hsum16's tree), so that a token's numbers do not depend on its chunk or its neighbours.
+    if (rows_ < kGroupedRows) {  // few rows (decode): each K row loaded once, summed on its own
+      // KU keys at a time: their chains are independent (one chain a score is a long one).
+      constexpr int KU = NV <= 8 ? 2 : 1;
+      for (int c0 = 0; c0 < max_count; c0 += KU) {
+        const int ku = std::min(KU, max_count - c0);
+        f32x16 k[KU][NV];
+        for (int u = 0; u < ku; ++u) {
+          const int c = c0 + u;
+          if (c < n_next) {  // spread over the block, so the prefetches do not queue up at once
+            prefetch_row(kpre[c], row_bytes);
+            prefetch_row(vpre[c], row_bytes);
+          }
+          for (int j = 0; j < NV; ++j) k[u][j] = load_kv16<DT>(krows[c], j);
+        }
+        for (int r = 0; r < rows_; ++r) {
+          const float* qr = q_ + r * hd;
+          f32x16 x[KU];
+          for (int u = 0; u < ku; ++u) x[u] = load16(qr) * k[u][0];
+          for (int j = 1; j < NV; ++j) {
+            const f32x16 qj = load16(qr + 16 * j);
+            for (int u = 0; u < ku; ++u) x[u] = fma16(qj, k[u][j], x[u]);
+          }
+          for (int u = 0; u < ku; ++u) {
+            const int c = c0 + u;
+            if (c < count[r] && c >= first[r]) s_[r * kKeyBlock + c] = hsum_tree(x[u]);
+          }
+        }
+      }
+    } else {
+      grouped_scores(count, first, max_count, n_next, kpre, vpre, krows, row_bytes);
+    }
+    softmax_and_values(count, first, max_count, vrows);
+  }
+
+  void end() {
+    const int hd = pb_->hd;
+    for (int r = 0; r < rows_; ++r) {
+      float* ar = acc_ + r * hd;
+      const float inv = pb_->denominator_inv(it_, it_.r0 + r, m_[r], l_[r], ar);
+      for (int d = 0; d < hd; ++d) ar[d] *= inv;
+      pb_->store_row(it_, it_.r0 + r, ar);
+    }
+  }
+
+ private:
+  // Rows of an item from which the scores take grouped_scores (fewer: decode's query heads).
+  static constexpr int kGroupedRows = 8;
+
+  // The scores of many rows (prefill): the block's K rows converted to f32 once (zeros up to a
+  // whole 16), then each row's 16 keys at a time, q in registers, the 16 sums reduced together
+  // (hsum16: ~3 operations a score where hsum_tree takes ~10). Keys outside a row's are computed
+  // too and zeroed by the softmax.
+  void grouped_scores(const int* count, const int* first, int max_count, int n_next, const char* const* kpre,
+                      const char* const* vpre, const char* const* krows, int64_t row_bytes) {
+    const int hd = pb_->hd;
+    const int key_groups = (max_count + 15) / 16;
+    for (int c = 0; c < key_groups * 16; ++c) {
+      float* kc = kf_ + c * hd;
+      if (c >= max_count) {
+        for (int j = 0; j < NV; ++j) store16(kc + 16 * j, f32x16{});
+        continue;
+      }
       if (c < n_next) {  // spread over the block, so the prefetches do not queue up at once
         prefetch_row(kpre[c], row_bytes);
         prefetch_row(vpre[c], row_bytes);
       }
-      f32x16 k[NV];
-      for (int j = 0; j < NV; ++j) k[j] = load_kv16<DT>(krows[c], j);
-      for (int r = 0; r < rows_; ++r) {
-        if (c >= count[r] || c < first[r]) continue;
-        const float* qr = q_ + r * hd;
-        f32x16 a0 = load16(qr) * k[0];
-        f32x16 a1 = NV > 1 ? load16(qr + 16) * k[1] : f32x16{};
-        for (int j = 2; j < NV; j += 2) {
-          a0 += load16(qr + 16 * j) * k[j];
-          if (j + 1 < NV) a1 += load16(qr + 16 * j + 16) * k[j + 1];
-        }
-        s_[r * kKeyBlock + c] = hsum(a0 + a1);
+      for (int j = 0; j < NV; ++j) store16(kc + 16 * j, load_kv16<DT>(krows[c], j));
+    }
+    for (int r = 0; r < rows_; ++r) {
+      if (first[r] >= count[r]) continue;
+      f32x16 qv[NV];
+      for (int j = 0; j < NV; ++j) qv[j] = load16(q_ + r * hd + 16 * j);
+      for (int g = first[r] / 16; g < (count[r] + 15) / 16; ++g) {
+        f32x16 a[16];
+        for (int c = 0; c < 16; ++c) a[c] = dot_lanes<NV>(qv, kf_ + (g * 16 + c) * hd);
+        store16(s_ + r * kKeyBlock + g * 16, hsum16(a));
       }
     }
-    // Online softmax; probabilities outside a row's keys are 0 so groups share one count.
+  }
+
+  // Online softmax; probabilities outside a row's keys are 0 so groups share one count; then P V.
+  void softmax_and_values(const int* count, const int* first, int max_count, const char* const* vrows) {
+    const int hd = pb_->hd;
     for (int r = 0; r < rows_; ++r) {
       float* sr = s_ + r * kKeyBlock;
       const int n = count[r], f = first[r];
@@ -452,17 +574,6 @@ class HeadPass {
     }
   }
 
-  void end() {
-    const int hd = pb_->hd;
-    for (int r = 0; r < rows_; ++r) {
-      float* ar = acc_ + r * hd;
-      const float inv = pb_->denominator_inv(it_, it_.r0 + r, m_[r], l_[r], ar);
-      for (int d = 0; d < hd; ++d) ar[d] *= inv;
-      pb_->store_row(it_, it_.r0 + r, ar);
-    }
-  }
-
- private:
   // Row addresses of blocks b .. b + kAhead in a ring; block b + kAhead is prefetched while
   // block b is computed.
   static constexpr int kAhead = 2, kRing = kAhead + 1;
@@ -478,7 +589,7 @@ class HeadPass {
 
   const Problem* pb_ = nullptr;
   Item it_{};
-  float *q_ = nullptr, *acc_ = nullptr, *s_ = nullptr;
+  float *q_ = nullptr, *acc_ = nullptr, *s_ = nullptr, *kf_ = nullptr;
   int rows_ = 0;
   int64_t key_end_ = 0, n_blocks_ = 0, first_block_ = 0;
   float m_[kRowBlock], l_[kRowBlock];
@@ -498,7 +609,7 @@ void flash_fast(const Problem& pb, const Item& it, Scratch& sc) {
     Item one = it;
     one.g = it.g + h;
     passes[h].begin(pb, one, sc.q.data() + h * kRowBlock * pb.hd, sc.acc.data() + h * kRowBlock * pb.hd,
-                    sc.s.data() + h * kRowBlock * kKeyBlock);
+                    sc.s.data() + h * kRowBlock * kKeyBlock, sc.kf.data());
   }
   const int64_t n_blocks = passes[0].n_blocks();
   for (int64_t blk = passes[0].first_block(); blk < n_blocks; ++blk)
