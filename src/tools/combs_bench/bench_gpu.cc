@@ -111,14 +111,15 @@ StatusOr<Run> run_sessions(ModelRunner& runner, int n_seqs, int prompt, int gen,
   return Run{median(tp), median(td), median(th), median(tg), median(ts)};
 }
 
-// Decode attention alone: one token over `ctx` keys for n_seqs sequences, 32 query / 8 KV heads,
-// head_dim 128, BF16 K/V; GB/s of K/V read, paged (page 16) and contiguous. Timed as a forward
-// runs it: an AttentionStep begun once (the host work, once per forward), then the device work of
-// one layer (K/V append, attention, split merge) 20 times back to back; median of 5 such rounds.
 // A decode-attention geometry: query heads, KV heads, head_dim (bf16 K/V).
 struct AttentionShape {
   int nq, nkv, hd;
 };
+
+// Decode attention alone: one token over `ctx` keys for n_seqs sequences of shape a, BF16 K/V; GB/s
+// of K/V read, paged (page 16) and contiguous. Timed as a forward runs it: an AttentionStep begun
+// once (the host work, once per forward), then the device work of one layer (K/V append, attention,
+// split merge) 20 times back to back; median of 5 such rounds.
 
 StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, const AttentionShape& a, int64_t ctx, int n_seqs) {
   const KVGeometry g{1, a.nkv, a.hd, DType::kBF16};
@@ -225,7 +226,7 @@ int run_gpu(int argc, char** argv) {
                   {"dtypes", "weight types of the random models of --shapes (bf16, f16, q8_0, or a llama.cpp file type such as q4_k_m, quantized by combs; llama-quantize's files: --models)"},
                   {"models", "GGUF files to measure instead of --shapes (e.g. llama-quantize's); a row is labelled by the file's name"},
                   {"tensor-parallel", "GPUs (0..N-1) each model is split over (NCCL), for every run; 1: one GPU, no NCCL"},
- {"attention-shapes", "decode-attention geometries for --only attention: q heads/KV heads/head_dim, comma-separated (llama-8b 32/8/128, gemma3-4b 8/4/256)"},
+                  {"attention-shapes", "decode-attention geometries for --only attention: q heads/KV heads/head_dim, comma-separated (llama-8b 32/8/128, gemma3-4b 8/4/256)"},
                   {"decode-prompt", "tokens before the one-session decode's 256 (e.g. 16384: a long context's decode, where sliding windows pay)"}});
   if (!flags.parse(argc, argv, 2)) return 2;
   if (flags.help_requested()) {
