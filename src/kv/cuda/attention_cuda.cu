@@ -361,13 +361,12 @@ __device__ inline MergeState merge_splits4(const float* part_o, const float* par
   constexpr int U = kMergeBatch;
   float mx = -INFINITY, L = 0.0f;
   float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const int splits = sp_end;
-  for (int sp0 = sp_begin; sp0 < splits; sp0 += U) {
+  for (int sp0 = sp_begin; sp0 < sp_end; sp0 += U) {
     float2 ml[U];
     float4 po[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (sp0 + u < splits) {
+      if (sp0 + u < sp_end) {
         ml[u] = __ldcg(reinterpret_cast<const float2*>(part_ml) + row * grid_splits + sp0 + u);
         po[u] = __ldcg(reinterpret_cast<const float4*>(part_o + (row * grid_splits + sp0 + u) * hd) + d4);
       }
@@ -375,7 +374,7 @@ __device__ inline MergeState merge_splits4(const float* part_o, const float* par
     float m_new = mx;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (sp0 + u < splits) m_new = fmaxf(m_new, ml[u].x);
+      if (sp0 + u < sp_end) m_new = fmaxf(m_new, ml[u].x);
     }
     if (m_new == -INFINITY) continue;  // only empty splits so far
     const float c = exp2f(mx - m_new);  // 0 while mx is -inf
@@ -383,15 +382,13 @@ __device__ inline MergeState merge_splits4(const float* part_o, const float* par
     mx = m_new;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (sp0 + u >= splits || ml[u].x == -INFINITY) continue;  // past the sequence's splits, or empty
+      if (sp0 + u >= sp_end || ml[u].x == -INFINITY) continue;  // past the range, or empty
       const float f = exp2f(ml[u].x - mx);
       L += ml[u].y * f;
       O.x += po[u].x * f, O.y += po[u].y * f, O.z += po[u].z * f, O.w += po[u].w * f;
     }
   }
-  MergeState st;
-  st.mx = mx, st.l = L, st.o = O;
-  return st;
+  return MergeState{mx, L, O};
 }
 
 // The tensor-core kernels' shapes: prefill blocks of 4 warps (64 query rows) with 64-key tiles;

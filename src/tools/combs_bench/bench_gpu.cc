@@ -120,7 +120,6 @@ struct AttentionShape {
 // of K/V read, paged (page 16) and contiguous. Timed as a forward runs it: an AttentionStep begun
 // once (the host work, once per forward), then the device work of one layer (K/V append, attention,
 // split merge) 20 times back to back; median of 5 such rounds.
-
 StatusOr<std::pair<double, double>> attention_gbs(CudaBackend& b, const AttentionShape& a, int64_t ctx, int n_seqs) {
   const KVGeometry g{1, a.nkv, a.hd, DType::kBF16};
   const int nq = a.nq, nkv = a.nkv, hd = a.hd;
