@@ -212,7 +212,8 @@ TEST_CASE("cuda argmax rows take the first of equal maxima", "[cuda]") {
   if (!gpu) return;
   std::mt19937 rng(41);
   // cols 1000 and a vocabulary's 128,256: four floats at a time; 1001 and a row start off 16 bytes:
-  // one at a time. Row 3 of the widest holds a tie within one thread (4,096 columns apart). NaN is
+  // one at a time. Row 3 of the widest holds a tie 4,096 columns apart (one thread's in a one-pass
+  // scan, two chunks' in the two-pass one). NaN is
   // never taken (row 4: NaN among numbers, as std::max_element after a number; row 5: all NaN: 0).
   for (int64_t cols : {1000, 1001, 128256}) {
     for (int64_t offset : {0, 1}) {
@@ -347,6 +348,75 @@ TEST_CASE("cuda decode projections fold the rms norm into their input and the re
   Tensor wd = upload(*gpu, w, Shape{out, in}, DType::kF32), x = poisoned(*gpu, in), g = poisoned(*gpu, in), y = poisoned(*gpu, out);
   const cuda::MatmulOut o[] = {{y.data_as<float>(), out}};
   CHECK(cuda::matmul_split(*gpu, wd, x.data_as<float>(), 1, o, g.data_as<float>(), 1e-5f).code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("a norm rounded to 8 bits in its kernel gives quantized projections the numbers of rounding after it", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(22);
+  // Rows of 2,560 (groups of 256, kept in registers), 96 (groups of 32) and 8,192 (past the
+  // registers: the f32 norm, then rounded); with and without a post norm on delta; 1 and 3 rows.
+  struct Case {
+    int64_t in;
+    DType wt;
+  };
+  for (const Case k : {Case{2560, DType::kQ4_K}, Case{96, DType::kQ4_0}, Case{8192, DType::kQ6_K}}) {
+    for (int64_t n : {1, 3}) {
+      for (bool post : {false, true}) {
+        INFO("in " << k.in << ", " << dtype_name(k.wt) << ", n " << n << ", post norm " << post);
+        const int64_t in = k.in, a = 64, kv = 32, ff = 64;
+        const auto x = random_floats(rng, n * in, 2.0f), delta = random_floats(rng, n * in), g = random_floats(rng, in),
+                   dg = random_floats(rng, in);
+        const auto w = random_floats(rng, (a + 2 * kv) * in, 0.05f), wv = random_floats(rng, kv * in, 0.05f),
+                   wgu = random_floats(rng, 2 * ff * in, 0.05f);
+        // Q and K in one tensor, V in another of another type (a Q4_K_M layer's parts).
+        const Tensor parts[] = {upload(*gpu, w, Shape{a + kv, in}, k.wt), upload(*gpu, wv, Shape{kv, in}, DType::kQ8_0)};
+        const size_t outputs[] = {2, 1};
+        const Tensor gate_up = upload(*gpu, wgu, Shape{2 * ff, in}, k.wt);
+        const Tensor dd = upload(*gpu, delta, Shape{n * in}), gd = upload(*gpu, g, Shape{in}), dgd = upload(*gpu, dg, Shape{in});
+        const float* post_w = post ? dgd.data_as<float>() : nullptr;
+        struct Got {
+          std::vector<float> residual, q, kv, h;
+        };
+        auto run = [&](bool q8) {
+          Tensor xd = upload(*gpu, x, Shape{n * in}), q = poisoned(*gpu, n * a), kvd = poisoned(*gpu, 2 * n * kv);
+          Tensor hd = poisoned(*gpu, n * ff);
+          Tensor y = gpu->alloc(Shape{std::max<int64_t>(n * in, static_cast<int64_t>(cuda::q8_bytes(n, in) / 4 + 1))}, DType::kF32).value();
+          const cuda::MatmulOut outs[] = {{q.data_as<float>(), a}, {kvd.data_as<float>(), kv}, {kvd.data_as<float>() + n * kv, kv}};
+          if (q8) {
+            REQUIRE(cuda::add_normed_rms_norm_q8(*gpu, xd.data_as<float>(), dd.data_as<float>(), post_w, gd.data_as<float>(),
+                                                 y.data(), n, in, 1e-6f).ok());
+            REQUIRE(cuda::matmul_split_parts_q8(*gpu, parts, outputs, y.data(), n, outs).ok());
+            REQUIRE(cuda::matmul_gate_up_q8(*gpu, gate_up, y.data(), n, hd.data(), cuda::GateActivation::kGeluTanh).ok());
+          } else {
+            REQUIRE(cuda::add_normed_rms_norm(*gpu, xd.data_as<float>(), dd.data_as<float>(), post_w, gd.data_as<float>(),
+                                              y.data(), DType::kF32, n, in, 1e-6f).ok());
+            REQUIRE(cuda::matmul_split_parts(*gpu, parts, outputs, y.data_as<float>(), n, outs).ok());
+            REQUIRE(cuda::matmul_gate_up(*gpu, gate_up, y.data_as<float>(), n, nullptr, 0.0f, hd.data(),
+                                         cuda::GateActivation::kGeluTanh).ok());
+          }
+          return Got{download(*gpu, xd), download(*gpu, q), download(*gpu, kvd), download(*gpu, hd)};
+        };
+        const Got want = run(false), got = run(true);
+        CHECK(got.residual == want.residual);
+        CHECK(got.q == want.q);  // bit for bit (NaN, the poison, fails ==)
+        CHECK(got.kv == want.kv);
+        CHECK(got.h == want.h);
+      }
+    }
+  }
+  // Weights that do not take 8-bit x, or more rows than the decode kernel takes, are refused.
+  const Tensor bf = upload(*gpu, random_floats(rng, 64 * 256), Shape{64, 256}, DType::kBF16);
+  const Tensor q4 = upload(*gpu, random_floats(rng, 64 * 256), Shape{64, 256}, DType::kQ4_K);
+  Tensor y = poisoned(*gpu, 16 * 256), out = poisoned(*gpu, 16 * 64);
+  const size_t one[] = {1};
+  const cuda::MatmulOut outs[] = {{out.data_as<float>(), 64}};
+  CHECK(cuda::matmul_split_parts_q8(*gpu, std::span(&bf, 1), one, y.data(), 1, outs).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::matmul_split_parts_q8(*gpu, std::span(&q4, 1), one, y.data(), 9, outs).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::matmul_gate_up_q8(*gpu, bf, y.data(), 1, out.data()).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::takes_q8(q4, 8));
+  CHECK_FALSE(cuda::takes_q8(q4, 9));
+  CHECK_FALSE(cuda::takes_q8(bf, 1));
 }
 
 TEST_CASE("cuda projections take a norm already rounded for them and batch equal parts", "[cuda]") {

@@ -59,12 +59,71 @@ __device__ inline float block_sum(float v, float* sums) {
 // those are read once, all at once (passes over memory were three dependent round trips).
 constexpr int kNormCached = 4;
 
+// A norm's output rounded to 8 bits for the quantized decode kernel (quant_matmul.h's activation
+// layout): row r's int8 values at q + r dim, its groups' scales at d + r (dim / group).
+struct Q8Out {
+  int8_t* q = nullptr;
+  float* d = nullptr;
+  int group = 0;  // 32 or 256
+};
+
+// y's float4 j of this thread (elements i..i+3, i = threadIdx.x * 4 + j * blockDim.x * 4) rounded
+// into q8 as quantize_act_kernel rounds y read back (the same max, quotient and rounding): a group
+// of 32 is 8 neighbouring lanes, one of 256 is two neighbouring warps (their maxima meet in
+// shared memory: one barrier).
+// (kGroup a constant: the four float4s' shuffles unrolled and interleaved, one chain's latency.)
+template <int kGroup>
+__device__ void round_q8(const float4 (&y)[kNormCached], int64_t dim, int8_t* qr, float* dr) {
+  __shared__ float warp_max[kNormCached][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * 4;
+  constexpr int kLanes = kGroup == 256 ? 32 : kGroup / 4;
+  float amax[kNormCached];
+#pragma unroll
+  for (int j = 0; j < kNormCached; ++j) {
+    amax[j] = 0.0f;
+    if (threadIdx.x * 4 + j * stride < dim) {
+      amax[j] = fmaxf(fmaxf(fmaxf(fmaxf(amax[j], fabsf(y[j].x)), fabsf(y[j].y)), fabsf(y[j].z)), fabsf(y[j].w));
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < kLanes; o <<= 1) {
+#pragma unroll
+    for (int j = 0; j < kNormCached; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffff, amax[j], o));
+  }
+  if constexpr (kGroup == 256) {
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < kNormCached; ++j) warp_max[j][warp] = amax[j];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kNormCached; ++j) amax[j] = fmaxf(warp_max[j][warp & ~1], warp_max[j][warp | 1]);
+  }
+#pragma unroll
+  for (int j = 0; j < kNormCached; ++j) {
+    const int64_t i = threadIdx.x * 4 + j * stride;
+    if (i >= dim) continue;
+    const float inv = amax[j] > 0.0f ? __fdiv_rn(127.0f, amax[j]) : 0.0f;
+    const float e[4] = {y[j].x, y[j].y, y[j].z, y[j].w};
+    uint32_t packed = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int q = min(127, max(-127, __float2int_rn(__fmul_rn(e[k], inv))));
+      packed |= static_cast<uint32_t>(q & 0xFF) << (8 * k);
+    }
+    *reinterpret_cast<uint32_t*>(qr + i) = packed;
+    if (i % kGroup == 0) dr[i / kGroup] = __fdiv_rn(amax[j], 127.0f);
+  }
+}
+
 // add_rms_norm_kernel for rows of dim <= blockDim.x * 4 * kNormCached (16-byte aligned float4s):
-// the same numbers as its loops (each thread's sums in the same order).
+// the same numbers as its loops (each thread's sums in the same order). q8.q set: y rounded to 8
+// bits into q8 instead (yr unused).
 template <typename T>
 __device__ void add_rms_norm_cached(float* __restrict__ r, const float* __restrict__ d,
                                     const float* __restrict__ delta_weight, const float* __restrict__ weight,
-                                    T* __restrict__ yr, int64_t dim, float eps, float* sums) {
+                                    T* __restrict__ yr, int64_t dim, float eps, float* sums, const Q8Out& q8 = {}) {
   const int64_t stride = static_cast<int64_t>(blockDim.x) * 4;
   float4 w[kNormCached], g[kNormCached], v[kNormCached], e[kNormCached];
 #pragma unroll
@@ -106,6 +165,16 @@ __device__ void add_rms_norm_cached(float* __restrict__ r, const float* __restri
     ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
   }
   const float scale = rsqrtf(block_sum(ss, sums) / static_cast<float>(dim) + eps);
+  if (q8.q) {
+    float4 y[kNormCached];
+#pragma unroll
+    for (int j = 0; j < kNormCached; ++j) {
+      y[j] = make_float4(v[j].x * scale * w[j].x, v[j].y * scale * w[j].y, v[j].z * scale * w[j].z, v[j].w * scale * w[j].w);
+    }
+    int8_t* qr = q8.q + blockIdx.x * dim;
+    float* dr = q8.d + blockIdx.x * (dim / q8.group);
+    return q8.group == 256 ? round_q8<256>(y, dim, qr, dr) : round_q8<32>(y, dim, qr, dr);
+  }
 #pragma unroll
   for (int j = 0; j < kNormCached; ++j) {
     const int64_t i = threadIdx.x * 4 + j * stride;
@@ -114,6 +183,16 @@ __device__ void add_rms_norm_cached(float* __restrict__ r, const float* __restri
                                  v[j].w * scale * w[j].w));
     }
   }
+}
+
+// add_rms_norm_kernel's cached rows with the output rounded to 8 bits (add_normed_rms_norm_q8).
+__global__ void add_rms_norm_q8_kernel(float* __restrict__ residual, const float* __restrict__ delta,
+                                       const float* __restrict__ delta_weight, const float* __restrict__ weight,
+                                       int64_t dim, float eps, Q8Out q8) {
+  __shared__ float sums[32];
+  pdl_launch_dependents();
+  add_rms_norm_cached<float>(residual + blockIdx.x * dim, delta ? delta + blockIdx.x * dim : nullptr, delta_weight,
+                             weight, nullptr, dim, eps, sums, q8);
 }
 
 // delta_weight (post norms: gemma2's, gemma3's): delta is RMS-normalized and times delta_weight
@@ -530,6 +609,53 @@ __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t
   if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(best < cols ? best : 0);
 }
 
+// Rows longer than kArgmaxChunk (a vocabulary's logits: one block scanning 262,144 took ~30 us of
+// a decode step) in two passes: block (c, r) takes the argmax of chunk c of row r (value and
+// index), then a block per row takes the argmax of its chunks' (the largest value, the lowest
+// index among equal ones: the same answer as one scan).
+constexpr int64_t kArgmaxChunk = 4096;
+__global__ void argmax_chunks_kernel(const float* __restrict__ x, int64_t cols, float* __restrict__ part_v,
+                                     int64_t* __restrict__ part_i, bool vec) {
+  __shared__ float fred[32];
+  __shared__ int64_t ired[32];
+  const float* r = x + blockIdx.y * cols;
+  const int64_t c0 = blockIdx.x * kArgmaxChunk, c1 = c0 + kArgmaxChunk < cols ? c0 + kArgmaxChunk : cols;
+  ArgMax a;
+  pdl_launch_dependents();
+  pdl_wait();  // the logits come from the projection before
+  if (vec) {  // (c0 and, with vec, cols are multiples of 4)
+    const float4* r4 = reinterpret_cast<const float4*>(r);
+#pragma unroll 4
+    for (int64_t i = c0 / 4 + threadIdx.x; i < c1 / 4; i += blockDim.x) {
+      const float4 v = r4[i];
+      a.take(v.x, 4 * i), a.take(v.y, 4 * i + 1), a.take(v.z, 4 * i + 2), a.take(v.w, 4 * i + 3);
+    }
+  } else {
+    for (int64_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) a.take(r[i], i);
+  }
+  const int64_t best = block_argmax(a, fred, ired);
+  if (threadIdx.x == 0) {
+    const int64_t at = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+    part_v[at] = best < cols ? r[best] : -INFINITY;
+    part_i[at] = best;
+  }
+}
+
+__global__ void argmax_merge_kernel(const float* __restrict__ part_v, const int64_t* __restrict__ part_i, int chunks,
+                                    int64_t cols, int32_t* __restrict__ out) {
+  __shared__ float fred[32];
+  __shared__ int64_t ired[32];
+  ArgMax a;
+  pdl_launch_dependents();
+  pdl_wait();
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    const int64_t at = static_cast<int64_t>(blockIdx.x) * chunks + c;
+    if (part_i[at] < cols) a.take(part_v[at], part_i[at]);
+  }
+  const int64_t best = block_argmax(a, fred, ired);
+  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(best < cols ? best : 0);
+}
+
 // Block b copies chunk b (grid-strided over chunks when there are more than the grid holds).
 // Either side may be mapped host memory: the loads or stores then cross the bus.
 __global__ void copy_chunks_kernel(const Backend::CopyChunk* __restrict__ chunks, int64_t n, size_t bytes, bool vec) {
@@ -828,6 +954,19 @@ Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n
   return launched("gemv_kernel");
 }
 
+Status matmul_gate_up_q8(CudaBackend& b, const Tensor& w, const void* xq, int64_t n, void* h, GateActivation act) {
+  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul_gate_up_q8"));
+  if (w.dim(0) % 2 != 0) {
+    return invalid_argument_error("cuda matmul_gate_up_q8: weight must hold gate and up rows (an even count), not " +
+                                  w.shape().to_string());
+  }
+  if (n == 0) return ok_status();
+  if (!takes_q8(w, n)) return invalid_argument_error("cuda matmul_gate_up_q8: needs takes_q8(w, n)");
+  GemvOut g{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false, nullptr, 0.0f,
+            act == GateActivation::kGeluTanh};
+  return quant_gemv(stream_of(b), w, xq, static_cast<int>(n), g, /*pairs=*/true);
+}
+
 Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, float* y, bool accumulate) {
   COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul"));
   if (input_dtype(w) == DType::kF32) return matmul(b, w, static_cast<const float*>(x), n, y, nullptr, accumulate);
@@ -907,6 +1046,51 @@ Status add_normed_rms_norm(CudaBackend& b, float* residual, const float* delta, 
   return launched("add_rms_norm_kernel");
 }
 
+bool takes_q8(const Tensor& w, int64_t n) { return is_block_quant(w.dtype()) && gemv_fits(w, n); }
+
+size_t q8_bytes(int64_t n, int64_t dim) { return activation_bytes(n, dim); }
+
+Status add_normed_rms_norm_q8(CudaBackend& b, float* residual, const float* delta, const float* delta_weight,
+                              const float* weight, void* xq, int64_t n, int64_t dim, float eps) {
+  if (n == 0) return ok_status();
+  if (dim % 32 != 0) return invalid_argument_error("cuda add_normed_rms_norm_q8: rows of " + std::to_string(dim) + " (not whole groups of 32)");
+  auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  constexpr int kThreads = 256;
+  if (dim <= kThreads * 4 * kNormCached && aligned(residual) && aligned(delta) && aligned(delta_weight) &&
+      aligned(weight) && aligned(xq)) {
+    int8_t* q = static_cast<int8_t*>(xq);
+    const Q8Out q8{q, reinterpret_cast<float*>(q + activation_scales_offset(n, dim)), static_cast<int>(activation_group(dim))};
+    launch_pdl(add_rms_norm_q8_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_of(b), residual, delta,
+               delta_weight, weight, dim, eps, q8);
+    return launched("add_rms_norm_q8_kernel");
+  }
+  // Longer or unaligned rows: the norm in f32 (scratch), then rounded (the same numbers).
+  COMBS_ASSIGN_OR_RETURN(void* y, b.scratch(static_cast<size_t>(n * dim) * sizeof(float)));
+  COMBS_RETURN_IF_ERROR(add_normed_rms_norm(b, residual, delta, delta_weight, weight, y, DType::kF32, n, dim, eps));
+  return quantize_activations(stream_of(b), static_cast<const float*>(y), n, dim, nullptr, 0.0f, xq);
+}
+
+Status matmul_split_parts_q8(CudaBackend& b, std::span<const Tensor> parts, std::span<const size_t> outputs,
+                             const void* xq, int64_t n, std::span<const MatmulOut> outs) {
+  if (parts.size() != outputs.size() || parts.empty()) return invalid_argument_error("cuda matmul_split_parts_q8: parts and outputs differ");
+  size_t at = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!takes_q8(parts[i], n) || parts[i].dim(1) != parts[0].dim(1)) {
+      return invalid_argument_error("cuda matmul_split_parts_q8: part " + std::to_string(i) + " (" + parts[i].shape().to_string() +
+                                    " " + std::string(dtype_name(parts[i].dtype())) + ") does not take 8-bit x for " +
+                                    std::to_string(n) + " rows");
+    }
+    if (at + outputs[i] > outs.size()) return invalid_argument_error("cuda matmul_split_parts_q8: more outputs than outs");
+    const auto part_outs = outs.subspan(at, outputs[i]);
+    COMBS_RETURN_IF_ERROR(check_split(parts[i], part_outs));
+    if (n > 0) {
+      COMBS_RETURN_IF_ERROR(quant_gemv(stream_of(b), parts[i], xq, static_cast<int>(n), gemv_out(part_outs, false, nullptr, 0.0f), false));
+    }
+    at += outputs[i];
+  }
+  return ok_status();
+}
+
 Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* weight, float* y, int64_t n,
                     int64_t dim, float eps) {
   return add_rms_norm(b, residual, delta, weight, y, DType::kF32, n, dim, eps);
@@ -940,8 +1124,21 @@ Status copy_chunks(CudaBackend& b, const Backend::CopyChunk* chunks, int64_t n, 
 Status argmax_rows(CudaBackend& b, const float* x, int64_t rows, int64_t cols, int32_t* out) {
   if (rows == 0) return ok_status();
   const bool vec = cols % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  launch_pdl(argmax_kernel, dim3(static_cast<unsigned>(rows)), dim3(1024), 0, stream_of(b), x, cols, out, vec);
-  return launched("argmax_kernel");
+  const int64_t chunks = (cols + kArgmaxChunk - 1) / kArgmaxChunk;
+  if (chunks <= 1 || rows > 65535) {
+    launch_pdl(argmax_kernel, dim3(static_cast<unsigned>(rows)), dim3(1024), 0, stream_of(b), x, cols, out, vec);
+    return launched("argmax_kernel");
+  }
+  const size_t n = static_cast<size_t>(rows * chunks);
+  COMBS_ASSIGN_OR_RETURN(void* part, b.scratch(n * (sizeof(int64_t) + sizeof(float))));
+  int64_t* part_i = static_cast<int64_t*>(part);
+  float* part_v = reinterpret_cast<float*>(part_i + n);
+  launch_pdl(argmax_chunks_kernel, dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(rows)), dim3(256), 0,
+             stream_of(b), x, cols, part_v, part_i, vec);
+  COMBS_RETURN_IF_ERROR(launched("argmax_chunks_kernel"));
+  launch_pdl(argmax_merge_kernel, dim3(static_cast<unsigned>(rows)), dim3(256), 0, stream_of(b), part_v, part_i,
+             static_cast<int>(chunks), cols, out);
+  return launched("argmax_merge_kernel");
 }
 
 Status silu_mul(CudaBackend& b, float* gate, const float* up, int64_t n) {

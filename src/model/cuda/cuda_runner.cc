@@ -679,8 +679,19 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
     // A post norm's weights still to apply to delta where it joins the residual (gemma2, gemma3:
     // one kernel for the post norm, the residual add and the next norm).
     const float* delta_norm = nullptr;
+    // Where every part takes x rounded to 8 bits, the norm's kernel rounds it (into h): no
+    // rounding kernel between the norm and the projection.
+    auto takes_q8 = [&](const WeightStack& wt) {
+      bool all = true;
+      for (const Tensor& p : wt.parts) all = all && cuda::takes_q8(p, total) && p.dim(1) == wt.first().dim(1);
+      return all;
+    };
     auto norm_then_split = [&](const float* add, const float* add_norm, const Tensor& norm_w, const WeightStack& wt,
                                std::span<const cuda::MatmulOut> outs) -> Status {
+      if (takes_q8(wt)) {
+        COMBS_RETURN_IF_ERROR(cuda::add_normed_rms_norm_q8(b, x, add, add_norm, norm_w.data_as<float>(), h, total, e, c.rms_eps));
+        return cuda::matmul_split_parts_q8(b, wt.parts, wt.outputs, h, total, outs);
+      }
       const bool gemv = decode_fused(wt, total);
       const DType dt = gemv ? DType::kF32 : input_dtype(wt);
       COMBS_RETURN_IF_ERROR(
@@ -756,12 +767,16 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
                                                           DType::kF32, total, e, c.rms_eps));
           COMBS_RETURN_IF_ERROR(experts(w, delta, /*accumulate=*/false));
         } else if (decode_pairs(w)) {  // the pair's product from one kernel, in the down projection's dtype
-          COMBS_RETURN_IF_ERROR(cuda::add_normed_rms_norm(b, x, delta, delta_norm, w.ffn_norm.data_as<float>(), h,
-                                                          DType::kF32, total, e, c.rms_eps));
-          COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up(b, w.w_gate_up.first(), h, total, nullptr, 0.0f, I.gate.data(),
-                                                     c.activation == Activation::kGeluTanh
-                                                         ? cuda::GateActivation::kGeluTanh
-                                                         : cuda::GateActivation::kSilu));
+          const auto act = c.activation == Activation::kGeluTanh ? cuda::GateActivation::kGeluTanh : cuda::GateActivation::kSilu;
+          if (takes_q8(w.w_gate_up)) {
+            COMBS_RETURN_IF_ERROR(cuda::add_normed_rms_norm_q8(b, x, delta, delta_norm, w.ffn_norm.data_as<float>(), h,
+                                                               total, e, c.rms_eps));
+            COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up_q8(b, w.w_gate_up.first(), h, total, I.gate.data(), act));
+          } else {
+            COMBS_RETURN_IF_ERROR(cuda::add_normed_rms_norm(b, x, delta, delta_norm, w.ffn_norm.data_as<float>(), h,
+                                                            DType::kF32, total, e, c.rms_eps));
+            COMBS_RETURN_IF_ERROR(cuda::matmul_gate_up(b, w.w_gate_up.first(), h, total, nullptr, 0.0f, I.gate.data(), act));
+          }
           COMBS_RETURN_IF_ERROR(cuda::matmul_rounded(b, w.w_down, I.gate.data(), total, delta));
         } else {
           COMBS_RETURN_IF_ERROR(norm_then_split(delta, delta_norm, w.ffn_norm, w.w_gate_up, gate_up));

@@ -79,6 +79,19 @@ enum class GateActivation : uint8_t { kSilu, kGeluTanh };
 Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
                       float eps, void* h, GateActivation act = GateActivation::kSilu);
 
+// x rounded to 8 bits, as the decode kernel of block-quantized weights takes it (groups of 256, or
+// of 32 where the rows are not whole 256s: src/backend/cuda/quant_matmul.h), made by
+// add_normed_rms_norm_q8 and taken by matmul_split_parts_q8 / matmul_gate_up_q8: a norm followed
+// by such a projection then needs no rounding kernel between them (the same numbers as the
+// projections that round x themselves). takes_q8: whether w takes it for n rows (a block type,
+// decode_fused(w, n)); q8_bytes: its size for n rows of dim.
+bool takes_q8(const Tensor& w, int64_t n);
+size_t q8_bytes(int64_t n, int64_t dim);
+Status matmul_split_parts_q8(CudaBackend& b, std::span<const Tensor> parts, std::span<const size_t> outputs,
+                             const void* xq, int64_t n, std::span<const MatmulOut> outs);
+Status matmul_gate_up_q8(CudaBackend& b, const Tensor& w, const void* xq, int64_t n, void* h,
+                         GateActivation act = GateActivation::kSilu);
+
 // The dtype x takes for matmul_rounded / matmul_split_rounded / matmul_gate_up's output: w's
 // own for F16/BF16, f32 for F32 and the block types.
 DType input_dtype(const Tensor& w);
@@ -111,6 +124,9 @@ Status add_rms_norm(CudaBackend& b, float* residual, const float* delta, const f
 // launch, and delta itself unchanged). delta_weight null: add_rms_norm.
 Status add_normed_rms_norm(CudaBackend& b, float* residual, const float* delta, const float* delta_weight,
                            const float* weight, void* y, DType y_dtype, int64_t n, int64_t dim, float eps);
+// As above with y rounded to 8 bits into xq (q8_bytes(n, dim); see takes_q8).
+Status add_normed_rms_norm_q8(CudaBackend& b, float* residual, const float* delta, const float* delta_weight,
+                              const float* weight, void* xq, int64_t n, int64_t dim, float eps);
 
 // The per-head RMSNorm of q and k (qwen3's, gemma3's), in place, in one launch: each of q_rows
 // rows of q (dim wide) times q_weight, each of k_rows rows of k times k_weight (a warp a row: a
