@@ -587,25 +587,31 @@ bool gemv_fits(const Tensor& w, int64_t n) {
          static_cast<size_t>(n * w.dim(1)) * 2 <= kGemvMaxShared;
 }
 
+// This thread's share of columns [c0, c1) of row r, a block's threads blockDim.x apart: four
+// floats at a time where the row allows (vec: r 16-byte aligned, c0 and c1 multiples of 4).
+__device__ inline ArgMax scan_argmax(const float* __restrict__ r, int64_t c0, int64_t c1, bool vec) {
+  ArgMax a;
+  if (vec) {
+    const float4* r4 = reinterpret_cast<const float4*>(r);
+#pragma unroll 4
+    for (int64_t i = c0 / 4 + threadIdx.x; i < c1 / 4; i += blockDim.x) {
+      const float4 v = r4[i];
+      a.take(v.x, 4 * i), a.take(v.y, 4 * i + 1), a.take(v.z, 4 * i + 2), a.take(v.w, 4 * i + 3);
+    }
+  } else {
+    for (int64_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) a.take(r[i], i);
+  }
+  return a;
+}
+
 // One block per row: each thread scans a stride (four floats at a time where the rows allow: vec),
 // then block_argmax (ties to the lower id; a row of NaN gives 0).
 __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t* __restrict__ out, bool vec) {
   __shared__ float fred[32];
   __shared__ int64_t ired[32];
   const float* r = x + blockIdx.x * cols;
-  ArgMax a;
   pdl_wait();  // the logits come from the projection before
-  if (vec) {
-    const float4* r4 = reinterpret_cast<const float4*>(r);
-#pragma unroll 4
-    for (int64_t i = threadIdx.x; i < cols / 4; i += blockDim.x) {
-      const float4 v = r4[i];
-      a.take(v.x, 4 * i), a.take(v.y, 4 * i + 1), a.take(v.z, 4 * i + 2), a.take(v.w, 4 * i + 3);
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) a.take(r[i], i);
-  }
-  const int64_t best = block_argmax(a, fred, ired);
+  const int64_t best = block_argmax(scan_argmax(r, 0, cols, vec), fred, ired);
   if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(best < cols ? best : 0);
 }
 
@@ -620,20 +626,9 @@ __global__ void argmax_chunks_kernel(const float* __restrict__ x, int64_t cols, 
   __shared__ int64_t ired[32];
   const float* r = x + blockIdx.y * cols;
   const int64_t c0 = blockIdx.x * kArgmaxChunk, c1 = c0 + kArgmaxChunk < cols ? c0 + kArgmaxChunk : cols;
-  ArgMax a;
   pdl_launch_dependents();
   pdl_wait();  // the logits come from the projection before
-  if (vec) {  // (c0 and, with vec, cols are multiples of 4)
-    const float4* r4 = reinterpret_cast<const float4*>(r);
-#pragma unroll 4
-    for (int64_t i = c0 / 4 + threadIdx.x; i < c1 / 4; i += blockDim.x) {
-      const float4 v = r4[i];
-      a.take(v.x, 4 * i), a.take(v.y, 4 * i + 1), a.take(v.z, 4 * i + 2), a.take(v.w, 4 * i + 3);
-    }
-  } else {
-    for (int64_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) a.take(r[i], i);
-  }
-  const int64_t best = block_argmax(a, fred, ired);
+  const int64_t best = block_argmax(scan_argmax(r, c0, c1, vec), fred, ired);
   if (threadIdx.x == 0) {
     const int64_t at = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
     part_v[at] = best < cols ? r[best] : -INFINITY;
@@ -919,14 +914,7 @@ Status matmul_split_parts(CudaBackend& b, std::span<const Tensor> parts, std::sp
   const int64_t in = parts[0].dim(1);
   COMBS_ASSIGN_OR_RETURN(void* xq, b.scratch(activation_bytes(n, in)));
   COMBS_RETURN_IF_ERROR(quantize_activations(stream_of(b), x, n, in, norm_weight, eps, xq));
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (at + outputs[i] > outs.size()) return invalid_argument_error("cuda matmul_split_parts: more outputs than outs");
-    const auto part_outs = outs.subspan(at, outputs[i]);
-    COMBS_RETURN_IF_ERROR(check_split(parts[i], part_outs));
-    COMBS_RETURN_IF_ERROR(quant_gemv(stream_of(b), parts[i], xq, static_cast<int>(n), gemv_out(part_outs, false, nullptr, 0.0f), false));
-    at += outputs[i];
-  }
-  return ok_status();
+  return matmul_split_parts_q8(b, parts, outputs, xq, n, outs);
 }
 
 Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, std::span<const MatmulOut> outs) {
@@ -938,33 +926,41 @@ Status matmul_split_rounded(CudaBackend& b, const Tensor& w, const void* x, int6
   return n == 0 ? ok_status() : gemm_parts(b, w, x, n, outs);
 }
 
-Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
-                      float eps, void* h, GateActivation act) {
-  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul_gate_up"));
+namespace {
+
+// The checks of a gate/up pair weight (matmul_gate_up, matmul_gate_up_q8), and the decode kernels'
+// view of its output h [n, rows / 2].
+Status check_gate_up(const Tensor& w, const char* what) {
+  COMBS_RETURN_IF_ERROR(check_weight(w, what));
   if (w.dim(0) % 2 != 0) {
-    return invalid_argument_error("cuda matmul_gate_up: weight must hold gate and up rows (an even count), not " +
+    return invalid_argument_error(std::string(what) + ": weight must hold gate and up rows (an even count), not " +
                                   w.shape().to_string());
   }
+  return ok_status();
+}
+GemvOut gate_up_out(const Tensor& w, void* h, GateActivation act, const float* norm_weight, float eps) {
+  return GemvOut{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false,
+                 norm_weight, eps, act == GateActivation::kGeluTanh};
+}
+
+}  // namespace
+
+Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n, const float* norm_weight,
+                      float eps, void* h, GateActivation act) {
+  COMBS_RETURN_IF_ERROR(check_gate_up(w, "cuda matmul_gate_up"));
   if (n == 0) return ok_status();
   if (!gemv_fits(w, n)) return invalid_argument_error("cuda matmul_gate_up: needs decode_fused(w, n)");
-  GemvOut g{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false, norm_weight, eps,
-            act == GateActivation::kGeluTanh};
+  const GemvOut g = gate_up_out(w, h, act, norm_weight, eps);
   if (is_block_quant(w.dtype())) return quant_decode(b, w, x, n, g, /*pairs=*/true);
   gemv</*XT=*/false, /*PAIRS=*/true>(w, x, g, static_cast<int>(n), stream_of(b));
   return launched("gemv_kernel");
 }
 
 Status matmul_gate_up_q8(CudaBackend& b, const Tensor& w, const void* xq, int64_t n, void* h, GateActivation act) {
-  COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul_gate_up_q8"));
-  if (w.dim(0) % 2 != 0) {
-    return invalid_argument_error("cuda matmul_gate_up_q8: weight must hold gate and up rows (an even count), not " +
-                                  w.shape().to_string());
-  }
+  COMBS_RETURN_IF_ERROR(check_gate_up(w, "cuda matmul_gate_up_q8"));
   if (n == 0) return ok_status();
   if (!takes_q8(w, n)) return invalid_argument_error("cuda matmul_gate_up_q8: needs takes_q8(w, n)");
-  GemvOut g{{static_cast<float*>(h), nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0) / 2, 0, 0}, 1, false, nullptr, 0.0f,
-            act == GateActivation::kGeluTanh};
-  return quant_gemv(stream_of(b), w, xq, static_cast<int>(n), g, /*pairs=*/true);
+  return quant_gemv(stream_of(b), w, xq, static_cast<int>(n), gate_up_out(w, h, act, nullptr, 0.0f), /*pairs=*/true);
 }
 
 Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, float* y, bool accumulate) {
