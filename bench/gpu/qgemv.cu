@@ -12,6 +12,8 @@
 // to the first variant)
 //      ./qgemv REPS mma N   the batch kernel (quant_mma) for N rows of x on the same matrices: us per
 // call, the weights' GB/s and fraction of copy, and TFLOPS
+//      ./qgemv REPS imma N  the 8-bit batch kernel (quant_imma) against quant_mma, N rows of x: us per
+// call of each, GB/s, and the largest difference of their outputs relative to the largest output
 #include "../../src/backend/cuda/quant_matmul.cu"
 
 #include <cublas_v2.h>
@@ -110,11 +112,13 @@ double time_us(cudaStream_t st, int reps, F&& run) {
 }
 
 // quant_mma for n rows of x on each case's whole weight (pairs: both halves as one matrix).
-int mma_main(int reps, int n, double copy) {
+int mma_main(int reps, int n, double copy, bool imma) {
   std::mt19937 rng(7);
   cudaStream_t st;
   CHECK(cudaStreamCreate(&st));
+  const char* only = std::getenv("QGEMV_CASE");  // one case by name (a profiler's run)
   for (const Case& c : kCases) {
+    if (only && std::string(only) != c.name) continue;
     const int64_t wrows = c.pairs ? 2 * c.rows : c.rows;
     const int64_t bytes = wrows * static_cast<int64_t>(nbytes_for(c.type, c.in));
     const int copies = static_cast<int>(std::max<int64_t>(1, (int64_t{400} << 20) / bytes + 1));
@@ -130,10 +134,20 @@ int mma_main(int reps, int n, double copy) {
     CHECK(cudaMalloc(&x, xh.size() * 2));
     CHECK(cudaMalloc(&y, n * wrows * 4));
     CHECK(cudaMemcpy(x, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
+    // x in f32 (the BF16 values) rounded to 8 bits, for quant_imma.
+    std::vector<float> xf(xh.size());
+    for (size_t i = 0; i < xh.size(); ++i) xf[i] = __bfloat162float(xh[i]);
+    float* x32;
+    void* xq;
+    CHECK(cudaMalloc(&x32, xf.size() * 4));
+    CHECK(cudaMalloc(&xq, activation_bytes(n, c.in)));
+    CHECK(cudaMemcpy(x32, xf.data(), xf.size() * 4, cudaMemcpyHostToDevice));
+    if (!quantize_activations(st, x32, n, c.in, nullptr, 0.0f, xq).ok()) return 1;
     GemvOut outs{};
     outs.y[0] = y, outs.end[0] = wrows, outs.count = 1;
     void* split;
-    const size_t split_bytes = quant_mma_scratch_bytes(Tensor::wrap(w, Shape{wrows, c.in}, c.type), n);
+    const size_t split_bytes = std::max(quant_mma_scratch_bytes(Tensor::wrap(w, Shape{wrows, c.in}, c.type), n),
+                                        quant_imma_scratch_bytes(Tensor::wrap(w, Shape{wrows, c.in}, c.type), n));
     CHECK(cudaMalloc(&split, split_bytes));
     CHECK(cudaMemset(split, 0, split_bytes));
     auto run = [&](int i) {
@@ -141,6 +155,32 @@ int mma_main(int reps, int n, double copy) {
       return quant_mma(st, t, x, n, outs, split);
     };
     if (!run(0).ok()) return 1;
+    if (imma) {
+      auto run8 = [&](int i) {
+        const Tensor t = Tensor::wrap(w + (i % copies) * bytes, Shape{wrows, c.in}, c.type);
+        return quant_imma(st, t, xq, n, outs, split);
+      };
+      std::vector<float> ya(static_cast<size_t>(n * wrows)), yb(ya.size());
+      CHECK(cudaMemset(y, 0xFF, n * wrows * 4));
+      if (!run(0).ok()) return 1;
+      CHECK(cudaMemcpy(ya.data(), y, ya.size() * 4, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemset(y, 0xFF, n * wrows * 4));
+      if (!run8(0).ok()) return 1;
+      CHECK(cudaMemcpy(yb.data(), y, yb.size() * 4, cudaMemcpyDeviceToHost));
+      double diff = 0, scale = 0;
+      for (size_t i = 0; i < ya.size(); ++i) {
+        diff = std::max(diff, static_cast<double>(std::fabs(ya[i] - yb[i])));  // (NaN: an unwritten output)
+        if (!(std::fabs(ya[i] - yb[i]) <= 1e30f)) diff = INFINITY;
+        scale = std::max(scale, static_cast<double>(std::fabs(ya[i])));
+      }
+      for (int round = 0; round < 3; ++round) {
+        const double us8 = time_us(st, reps, run8), us = time_us(st, reps, run);
+        std::printf("%s\timma n %d\t%.2f us\t%.0f GB/s\t%.2f\tmma %.2f us\timma / mma %.2f\tdiff %.2e of %.2e\n", c.name, n,
+                    us8, bytes / (us8 * 1e-6) / 1e9, bytes / (us8 * 1e-6) / 1e9 / copy, us, us8 / us, diff, scale);
+      }
+      cudaFree(w), cudaFree(x), cudaFree(y), cudaFree(split), cudaFree(x32), cudaFree(xq);
+      continue;
+    }
     // The path it replaces (cuda_ops.cu's quant_gemm): rows dequantized to BF16 a 64 MB tile at a
     // time, one cuBLAS GEMM a tile.
     const int64_t tile_rows = std::min<int64_t>(wrows, (int64_t{64} << 20) / (c.in * 2));
@@ -169,7 +209,7 @@ int mma_main(int reps, int n, double copy) {
       std::printf("%s\ttiles n %d\t%.2f us\t%.0f GB/s\t%.2f\tmma / tiles %.2f\n", c.name, n, tus, tgbs, tgbs / copy, us / tus);
     }
     cublasDestroy(handle);
-    cudaFree(w), cudaFree(x), cudaFree(y), cudaFree(split), cudaFree(tile);
+    cudaFree(w), cudaFree(x), cudaFree(y), cudaFree(split), cudaFree(tile), cudaFree(x32), cudaFree(xq);
   }
   return 0;
 }
@@ -180,7 +220,8 @@ int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 50;
   const double copy = copy_gbs(size_t{1} << 30);
   std::printf("copy\t%.0f GB/s\n", copy);
-  if (argc > 3 && std::string(argv[2]) == "mma") return mma_main(reps, std::atoi(argv[3]), copy);
+  if (argc > 3 && std::string(argv[2]) == "mma") return mma_main(reps, std::atoi(argv[3]), copy, false);
+  if (argc > 3 && std::string(argv[2]) == "imma") return mma_main(reps, std::atoi(argv[3]), copy, true);
   const auto& cases = kCases;
   std::mt19937 rng(7);
   cudaStream_t st;

@@ -4,13 +4,14 @@
 // random MXFP4 blocks. Outputs are poisoned (NaN) before each run. [cuda]: skipped without a GPU.
 //
 // The tolerances, derived:
-// - decode (n <= 8): x is rounded to 8 bits per group of G (256, or 32 where the row is not whole
+// - decode (n <= 8), and batches up to 64 rows on the super-block formats (Q2_K-Q6_K, IQ4_XS:
+//   cuda::rounds_x_to_8_bits): x is rounded to 8 bits per group of G (256, or 32 where the row is not whole
 //   groups of 256): x^ = d q with d = max|x| / 127, q = nearest(x * 127 / max). The kernel's sums of
 //   level * q products are exact integers; what remains is float32 arithmetic over a few hundred
-//   terms. So against the float64 product with x^ (rounded here as the kernel rounds it):
+//   terms (the batches' integer sums are exact too, scaled once a block). So against the float64 product with x^ (rounded here as the kernel rounds it):
 //   |y - ref(x^)| <= 1e-5 * sum |w x^|; and against the unrounded x, since |x - x^| <= d / 2:
 //   |y - ref(x)| <= sum_i |w_i| d_g(i) / 2 (* 1.001) + 1e-5 * sum |w x|.
-// - larger n: weights and x rounded to BF16 (relative 2^-9 each), cuBLAS with f32 accumulation: against
+// - other larger n: weights and x rounded to BF16 (relative 2^-9 each), cuBLAS with f32 accumulation: against
 //   the float64 product of the BF16 values, |y - ref| <= 1e-5 * sum |w x|; against the exact values
 //   |y - ref| <= (2^-8 + 2^-17) * sum |w x| + 1e-5 * sum |w x|.
 #include <catch2/catch.hpp>
@@ -137,8 +138,8 @@ TEST_CASE("cuda block-quantized matmul of every format against float64 with deri
       std::vector<float> w(static_cast<size_t>(out * in));
       cpu::dequantize_row(wb.data(), f.dtype, w.data(), out * in);
       const Tensor wd = upload_bytes(*gpu, wb, Shape{out, in}, f.dtype);
-      // 1-8: decode; 9-32 (and up to 64 for rows of 4,096): the tensor-core kernel on the blocks;
-      // the rest: BF16 tiles and cuBLAS.
+      // 1-8: decode; 9-64: the int8 tensor-core kernel (super-block formats), 9-32 (and up to 64
+      // for rows of 4,096): the BF16 tensor-core kernel (the others); the rest: BF16 tiles and cuBLAS.
       for (const int64_t n : {1, 3, 8, 9, 17, 40, 64, 65}) {
         INFO(f.name << " in " << in << " n " << n);
         const auto x = random_floats(rng, static_cast<size_t>(n * in));
@@ -147,8 +148,8 @@ TEST_CASE("cuda block-quantized matmul of every format against float64 with deri
         const Tensor yd = upload(*gpu, std::vector<float>(static_cast<size_t>(n * out), std::nanf("")), Shape{n, out});
         REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, yd.data_as<float>(), bd.data_as<float>()).ok());
         const std::vector<float> y = download(*gpu, yd);
-        // The values the kernel multiplies: x rounded to 8 bits (decode), or both rounded to BF16.
-        const bool decode = n <= 8;
+        // The values the kernel multiplies: x rounded to 8 bits, or both rounded to BF16.
+        const bool decode = cuda::rounds_x_to_8_bits(wd, n);
         std::vector<float> xk, wk = w;
         std::vector<double> half_step(x.size(), 0.0);
         if (decode) {
@@ -307,8 +308,9 @@ TEST_CASE("cuda block-quantized embedding equals the cpu's values and fused proj
 
 TEST_CASE("cuda batches of 9 to 64 rows of x: split outputs with biases and the residual accumulated, every format",
           "[cuda][quant]") {
-  // The tensor-core kernel's epilogue: rows of three outputs (a Q/K/V stack) not whole 64-row
-  // tiles, each output with its bias; and y += W x. The products: BF16 weights and x, f32 sums.
+  // The tensor-core kernels' epilogue: rows of three outputs (a Q/K/V stack) not whole 64-row
+  // tiles, each output with its bias; and y += W x. The products: 8-bit x and the exact weights
+  // (super-block formats), or BF16 weights and x; f32 sums.
   auto gpu = gpu_or_skip();
   if (!gpu) return;
   std::mt19937 rng(29);
@@ -317,16 +319,25 @@ TEST_CASE("cuda batches of 9 to 64 rows of x: split outputs with biases and the 
     const std::vector<uint8_t> wb = weight_bytes(f, out, in);
     std::vector<float> w(static_cast<size_t>(out * in));
     cpu::dequantize_row(wb.data(), f.dtype, w.data(), out * in);
-    for (auto& v : w) v = to_bf16_and_back(v);
     const Tensor wd = upload_bytes(*gpu, wb, Shape{out, in}, f.dtype);
     for (const int64_t n : {int64_t{12}, int64_t{33}, int64_t{64}}) {
       INFO(f.name << " n " << n);
       const auto x = random_floats(rng, static_cast<size_t>(n * in)), bias = random_floats(rng, out),
                  y0 = random_floats(rng, static_cast<size_t>(n * out));
+      const bool eight_bit = cuda::rounds_x_to_8_bits(wd, n);
+      std::vector<float> xk, wk = w;
+      std::vector<double> half_step;
+      if (eight_bit) {
+        round_8bit(x, in, &xk, &half_step);
+      } else {
+        xk = x;
+        for (auto& v : xk) v = to_bf16_and_back(v);
+        for (auto& v : wk) v = to_bf16_and_back(v);
+      }
       auto ref = [&](int64_t o, int64_t t, double* tol) {
         double s = 0, mag = 0;
         for (int64_t i = 0; i < in; ++i) {
-          const double p = double(w[o * in + i]) * to_bf16_and_back(x[t * in + i]);
+          const double p = double(wk[o * in + i]) * xk[t * in + i];
           s += p, mag += std::abs(p);
         }
         *tol = 1e-5 * mag + 1e-6;
@@ -438,7 +449,8 @@ TEST_CASE("cuda block-quantized projections at a real model's shapes follow floa
       for (float v : y) REQUIRE(std::isfinite(v));
       std::vector<float> xk;
       std::vector<double> half_step;
-      if (n <= 8) {
+      const bool eight_bit = cuda::rounds_x_to_8_bits(wd, n);
+      if (eight_bit) {
         round_8bit(x, c.in, &xk, &half_step);
       } else {
         xk = x;
@@ -448,7 +460,7 @@ TEST_CASE("cuda block-quantized projections at a real model's shapes follow floa
       auto dot = [&](const std::vector<float>& w, int64_t t, double* tol) {
         double s = 0, mag = 0;
         for (int64_t i = 0; i < c.in; ++i) {
-          const double wi = n <= 8 ? w[i] : to_bf16_and_back(w[i]);
+          const double wi = eight_bit ? w[i] : to_bf16_and_back(w[i]);
           s += wi * xk[t * c.in + i];
           mag += std::abs(wi * xk[t * c.in + i]);
         }

@@ -742,23 +742,16 @@ __device__ __forceinline__ void mma_chunks(uint8_t* smem, WRow w_row, XRow x_row
   cp_async_wait<0>();
 }
 
-template <DType T, int NT>
-__global__ void __launch_bounds__(kMmaWarps * 32)
-    quant_mma_kernel(const uint8_t* __restrict__ w, const __nv_bfloat16* __restrict__ x, GemvOut outs, int n, int64_t in,
-                     float* __restrict__ partial, int* __restrict__ arrived) {
+// The end of a batch kernel's row tile (quant_mma_kernel, quant_imma_kernel): acc (mma16816's C
+// layout: this warp's rows warp * 16 + g (+ 8), x rows nt * 8 + 2 t (+ 1)) to its outputs. Where
+// the tile's chunks are cut into gridDim.y ranges, each block writes its sums to its slice of
+// `partial` ([tile][split][kMmaRows][8 NT]) and the last of the tile's blocks to arrive (a counter
+// per tile, left at zero again) adds them in split order: the same sums whichever finishes last.
+template <int NT>
+__device__ __forceinline__ void store_tile(float (&acc)[NT][4], const GemvOut& outs, int n, int64_t rows, int64_t row0,
+                                           float* __restrict__ partial, int* __restrict__ arrived) {
   constexpr int kXRows = 8 * NT;
-  extern __shared__ __align__(16) uint8_t smem[];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
-  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
-  const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>;
-  const int chunks = static_cast<int>((units + kMmaChunkUnits - 1) / kMmaChunkUnits), splits = gridDim.y;
-  const int c_begin = chunks * blockIdx.y / splits, c_end = chunks * (blockIdx.y + 1) / splits;
-  pdl_launch_dependents();
-  float acc[NT][4] = {};
-  mma_chunks<T, NT>(
-      smem, [&](int r) { return row0 + r < rows ? w + (row0 + r) * row_bytes : nullptr; },
-      [&](int r) { return r < n ? x + r * in : nullptr; }, in, c_begin, c_end, [] { pdl_wait(); }, acc);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4, splits = gridDim.y;
   if (splits > 1) {
     // This block's sums to its slice of `partial` ([tile][split][kMmaRows][8 NT]); the last to arrive adds them.
     float* mine = partial + (static_cast<int64_t>(blockIdx.x) * splits + blockIdx.y) * kMmaRows * kXRows;
@@ -808,6 +801,251 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       }
     }
   }
+}
+
+template <DType T, int NT>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    quant_mma_kernel(const uint8_t* __restrict__ w, const __nv_bfloat16* __restrict__ x, GemvOut outs, int n, int64_t in,
+                     float* __restrict__ partial, int* __restrict__ arrived) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>;
+  const int chunks = static_cast<int>((units + kMmaChunkUnits - 1) / kMmaChunkUnits), splits = gridDim.y;
+  const int c_begin = chunks * blockIdx.y / splits, c_end = chunks * (blockIdx.y + 1) / splits;
+  pdl_launch_dependents();
+  float acc[NT][4] = {};
+  mma_chunks<T, NT>(
+      smem, [&](int r) { return row0 + r < rows ? w + (row0 + r) * row_bytes : nullptr; },
+      [&](int r) { return r < n ? x + r * in : nullptr; }, in, c_begin, c_end, [] { pdl_wait(); }, acc);
+  store_tile<NT>(acc, outs, n, rows, row0, partial, arrived);
+}
+
+// Batches of kQuantGemvMaxRows < n <= kQuantMmaMaxRows rows of x on the super-block formats
+// (quant_imma): x rounded to 8 bits per 256 as decode rounds it, and int8 tensor cores on the
+// blocks' integer levels. These formats are value = d * s * q - dmin * m, with d and dmin one
+// f16 a block of 256 and s, m small integers per 32 (or 16) elements, so a block's contribution to
+// y[row][col] is dx * (d * S - dmin * M) with dx x's scale for the block's 256 and
+//   S = sum over units of s * (the unit's levels . x's levels)   (mma.sync m16n8k32, or two
+//       m16n8k16 where the scales are per 16; times s in int32),
+//   M = sum over units of m * (the sum of x's levels over the unit)  (a second m16n8k32 whose A
+//       holds m in every byte of its unit: the mma sums it for free),
+// both exact integers; one float step a block. The block of kMmaWarps warps takes kMmaRows weight
+// rows and all n rows of x, as quant_mma_kernel does, a block of 256 (a chunk) at a time: the
+// chunk's raw blocks and x's levels staged by cp.async (the next chunk's in flight: one barrier a
+// chunk), each warp widening its own 16 rows to int8 levels and integer scales in shared memory
+// (decode<T>'s levels). The sums of each output are its own, in a fixed order: batch-invariant
+// within the kernel. On the H100 (bench/gpu/qgemv.cu) llama-8b's matrices at 64 rows of x take
+// 0.71-0.89 of quant_mma's time (0.51-0.77 at 16 rows): the kernel is bound by issue latency (5.8
+// cycles an instruction, 2.6 warps a scheduler), about a third of its instructions the products.
+template <DType T>
+constexpr bool kImmaType = T == DType::kQ2_K || T == DType::kQ3_K || T == DType::kQ4_K || T == DType::kQ5_K ||
+                           T == DType::kQ6_K || T == DType::kIQ4_XS;
+template <DType T>
+constexpr bool kHalfScales = T == DType::kQ2_K || T == DType::kQ3_K || T == DType::kQ6_K;  // scales per 16
+
+// Unit u's integer scales, bytes (s of elements 0-15, s of 16-31, m of 0-15, m of 16-31), each an
+// int8 (quant.cc's decoding of each format's scale bytes, as decode<T> forms d * s and dmin * m).
+template <DType T>
+__device__ __forceinline__ uint32_t unit_int_scales(const uint8_t* b, int u) {
+  auto pack = [](int s0, int s1, int m0, int m1) {
+    return uint32_t{static_cast<uint8_t>(s0)} | uint32_t{static_cast<uint8_t>(s1)} << 8 |
+           uint32_t{static_cast<uint8_t>(m0)} << 16 | uint32_t{static_cast<uint8_t>(m1)} << 24;
+  };
+  if constexpr (T == DType::kQ4_K || T == DType::kQ5_K) {
+    const uint8_t* sp = b + 4;
+    int sc, mn;
+    if (u < 4) {
+      sc = u8_at(sp + u) & 63, mn = u8_at(sp + u + 4) & 63;
+    } else {
+      sc = (u8_at(sp + u + 4) & 0xF) | (u8_at(sp + u - 4) >> 6) << 4;
+      mn = (u8_at(sp + u + 4) >> 4) | (u8_at(sp + u) >> 6) << 4;
+    }
+    return pack(sc, sc, mn, mn);
+  } else if constexpr (T == DType::kQ6_K) {
+    const int half = u >> 2, s = u & 3;
+    return pack(static_cast<int8_t>(u8_at(b + 192 + 8 * half + 2 * s)), static_cast<int8_t>(u8_at(b + 192 + 8 * half + 2 * s + 1)), 0, 0);
+  } else if constexpr (T == DType::kQ3_K) {
+    const uint8_t* p = b + 96;
+    int v[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int s = 2 * u + h;
+      const int low = s < 8 ? u8_at(p + s) & 0xF : u8_at(p + s - 8) >> 4;
+      const int top = (u8_at(p + 8 + s % 4) >> (2 * (s / 4))) & 3;
+      v[h] = (low | top << 4) - 32;
+    }
+    return pack(v[0], v[1], 0, 0);
+  } else if constexpr (T == DType::kQ2_K) {
+    const int s0 = u8_at(b + 2 * u), s1 = u8_at(b + 2 * u + 1);
+    return pack(s0 & 0xF, s1 & 0xF, s0 >> 4, s1 >> 4);
+  } else {  // IQ4_XS
+    const uint32_t sh = *reinterpret_cast<const unsigned short*>(b + 2);
+    const int ls = ((u8_at(b + 4 + u / 2) >> (4 * (u & 1))) & 0xF) | ((sh >> (2 * u)) & 3) << 4;
+    return pack(ls - 32, ls - 32, 0, 0);
+  }
+}
+
+// A block's (d, dmin) (dmin 0 for the formats without offsets).
+template <DType T>
+__device__ __forceinline__ float2 block_scales(const uint8_t* b) {
+  if constexpr (T == DType::kQ4_K || T == DType::kQ5_K) return make_float2(f16_at(b), f16_at(b + 2));
+  if constexpr (T == DType::kQ6_K) return make_float2(f16_at(b + 208), 0.0f);
+  if constexpr (T == DType::kQ3_K) return make_float2(f16_at(b + 108), 0.0f);
+  if constexpr (T == DType::kQ2_K) return make_float2(f16_at(b + 80), f16_at(b + 82));
+  return make_float2(f16_at(b), 0.0f);  // IQ4_XS
+}
+
+constexpr int kImmaUnits = 8, kImmaPieces = 16;  // a chunk (one block of 256): units of 32, 16-byte pieces
+constexpr int kImmaScaleStride = kImmaUnits + 1;  // (rows g and g + 8 of a warp's reads in other banks)
+
+// The kernel's shared memory: staged blocks [2][kMmaRows][stage_bytes(block)], the rows' levels
+// [kMmaRows][256] and x's [2][8 NT][256] (int8, 16-byte pieces XOR-swizzled by row as for ldmatrix),
+// the units' scales [kMmaRows][kImmaScaleStride] and the blocks' (d, dmin) [kMmaRows].
+template <DType T, int NT>
+constexpr int64_t imma_smem_bytes() {
+  return 2 * kMmaRows * stage_bytes(kBlockBytes<T>) + (kMmaRows + 2 * 8 * NT) * 256 + kMmaRows * kImmaScaleStride * 4 + kMmaRows * 8;
+}
+
+// (Registers bounded for 3-4 resident blocks a multiprocessor: unbounded, ptxas took 240-255 and
+// two blocks fit.)
+template <DType T, int NT>
+__global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
+    quant_imma_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                      GemvOut outs, int n, int64_t in, float* __restrict__ partial, int* __restrict__ arrived) {
+  static_assert(kImmaType<T> && kUnits<T> == kImmaUnits);
+  constexpr int kStaged = static_cast<int>(stage_bytes(kBlockBytes<T>)), kXRows = 8 * NT, kThreads = kMmaWarps * 32;
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* wbuf = smem;
+  uint4* levels = reinterpret_cast<uint4*>(smem + 2 * kMmaRows * kStaged);  // [kMmaRows][kImmaPieces]
+  uint4* xbuf = levels + kMmaRows * kImmaPieces;                             // [2][kXRows][kImmaPieces]
+  uint32_t* scales = reinterpret_cast<uint32_t*>(xbuf + 2 * kXRows * kImmaPieces);
+  float2* dd = reinterpret_cast<float2*>(scales + kMmaRows * kImmaScaleStride);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t nb = in / 256, row_bytes = nb * kBlockBytes<T>;
+  const int chunks = static_cast<int>(nb), splits = gridDim.y;
+  const int c_begin = chunks * blockIdx.y / splits, c_end = chunks * (blockIdx.y + 1) / splits;
+  auto w_row = [&](int r) -> const uint8_t* { return row0 + r < rows ? w + (row0 + r) * row_bytes : nullptr; };
+  auto stage_w = [&](int c, int slot) {
+    constexpr int kPieces = kStaged / 16;
+#pragma unroll 4
+    for (int i = tid; i < kMmaRows * kPieces; i += kThreads) {
+      const int r = i / kPieces, p = i % kPieces;
+      const uint8_t* row = w_row(r);
+      if (row == nullptr) continue;
+      const uint8_t* src = row + int64_t{c} * kBlockBytes<T>;
+      const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t{15});
+      const int end = static_cast<int>(src - base) + kBlockBytes<T>;
+      if (p * 16 < end) cp_async16_part(smem_addr(wbuf + (slot * kMmaRows + r) * kStaged + p * 16), base + p * 16, min(16, end - p * 16));
+    }
+  };
+  auto stage_x = [&](int c, int slot) {
+#pragma unroll 4
+    for (int i = tid; i < kXRows * kImmaPieces; i += kThreads) {
+      const int r = i / kImmaPieces, p = i % kImmaPieces;
+      cp_async16(smem_addr(xbuf + (slot * kXRows + r) * kImmaPieces + (p ^ (r & 7))),
+                 xq + (r < n ? r : 0) * in + int64_t{c} * 256 + p * 16, r < n);
+    }
+  };
+  // Chunk c's blocks and x in slot c & 1; c + 1's requested as c's work starts (once every warp is
+  // done with c - 1's, which were in that slot): one barrier a chunk.
+  pdl_launch_dependents();
+  if (c_begin < c_end) stage_w(c_begin, 0);
+  pdl_wait();
+  if (c_begin < c_end) stage_x(c_begin, 0);
+  cp_async_commit();
+  // ldmatrix.x4 addresses: A's four 8x16-byte matrices (rows 0-7 / 8-15 of the warp's, bytes 0-15 /
+  // 16-31 of a unit) are m16n8k32's a[0..3]; x's four (n-tiles nt / nt + 1, bytes 0-15 / 16-31) its
+  // b0, b1 of both.
+  const int a_row = warp * 16 + (lane & 7) + (lane >> 3 & 1) * 8, a_half = lane >> 4;
+  const int b_row = (lane & 7) + (lane >> 4) * 8, b_half = lane >> 3 & 1;
+  const uint32_t a_base = smem_addr(levels + a_row * kImmaPieces), b_base0 = smem_addr(xbuf + b_row * kImmaPieces);
+  const int r_lo = warp * 16 + g;  // this thread's C rows: r_lo, r_lo + 8
+  float acc[NT][4] = {};
+  for (int c = c_begin; c < c_end; ++c) {
+    const int slot = (c - c_begin) & 1;
+    cp_async_wait<0>();  // chunk c
+    __syncthreads();      // ... for every thread's copies; and every warp is done with c - 1
+    if (c + 1 < c_end) stage_w(c + 1, slot ^ 1), stage_x(c + 1, slot ^ 1);
+    cp_async_commit();
+    const uint32_t b_base = b_base0 + slot * kXRows * 256;
+    // The warp's 16 rows to levels and integer scales: a lane two units (2k, 2k + 1: the same bytes
+    // of nibbles in Q4_K / Q5_K, read once), 8 rows at a time.
+#pragma unroll 1
+    for (int i = lane; i < 16 * kImmaUnits / 2; i += 32) {
+      const int r = warp * 16 + i / (kImmaUnits / 2), u0 = 2 * (i % (kImmaUnits / 2));
+      uint4* dst = levels + r * kImmaPieces;
+      // (a staged block starts at its source's offset from 16 bytes)
+      const uint8_t* b = wbuf + (slot * kMmaRows + r) * kStaged +
+                         ((reinterpret_cast<uintptr_t>(w) + (row0 + r) * row_bytes + int64_t{c} * kBlockBytes<T>) & 15);
+      const bool live = row0 + r < rows;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int u = u0 + k;
+        const Unit U = decode<T>(b, u);
+        dst[(2 * u) ^ (r & 7)] = live ? make_uint4(U.q[0], U.q[1], U.q[2], U.q[3]) : make_uint4(0, 0, 0, 0);
+        dst[(2 * u + 1) ^ (r & 7)] = live ? make_uint4(U.q[4], U.q[5], U.q[6], U.q[7]) : make_uint4(0, 0, 0, 0);
+        scales[r * kImmaScaleStride + u] = live ? unit_int_scales<T>(b, u) : 0;
+      }
+      if (u0 == 0) dd[r] = live ? block_scales<T>(b) : make_float2(0.0f, 0.0f);
+    }
+    __syncwarp();  // (each warp widens only the rows it multiplies)
+    int s_sum[NT][4] = {}, m_sum[NT][4] = {};
+#pragma unroll 2
+    for (int j = 0; j < kImmaUnits; ++j) {
+      uint32_t a[4];
+      ldmatrix_x4(a, a_base + (((2 * j + a_half) ^ (a_row & 7)) << 4));
+      const uint32_t s_lo = scales[r_lo * kImmaScaleStride + j], s_hi = scales[(r_lo + 8) * kImmaScaleStride + j];
+      const int s0_lo = static_cast<int8_t>(s_lo), s1_lo = static_cast<int8_t>(s_lo >> 8);
+      const int s0_hi = static_cast<int8_t>(s_hi), s1_hi = static_cast<int8_t>(s_hi >> 8);
+      // m in every byte: rows g / g + 8, elements 0-15 / 16-31 (a[0..3]'s places).
+      const uint32_t am[4] = {__byte_perm(s_lo, 0, 0x2222), __byte_perm(s_hi, 0, 0x2222), __byte_perm(s_lo, 0, 0x3333),
+                              __byte_perm(s_hi, 0, 0x3333)};
+#pragma unroll
+      for (int nt = 0; nt < NT; nt += 2) {
+        uint32_t b[4];  // b0, b1 of n-tile nt, then of nt + 1
+        ldmatrix_x4(b, b_base + nt * 8 * 256 + (((2 * j + b_half) ^ (b_row & 7)) << 4));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          int (&s)[4] = s_sum[nt + h];
+          if constexpr (kHalfScales<T>) {
+            int p0[4], p1[4];
+            mma_s8_16816_zero(p0, a[0], a[1], b[2 * h]);
+            mma_s8_16816_zero(p1, a[2], a[3], b[2 * h + 1]);
+            s[0] += s0_lo * p0[0] + s1_lo * p1[0], s[1] += s0_lo * p0[1] + s1_lo * p1[1];
+            s[2] += s0_hi * p0[2] + s1_hi * p1[2], s[3] += s0_hi * p0[3] + s1_hi * p1[3];
+          } else {
+            int p[4];
+            mma_s8_16832_zero(p, a, b[2 * h], b[2 * h + 1]);
+            s[0] += s0_lo * p[0], s[1] += s0_lo * p[1], s[2] += s0_hi * p[2], s[3] += s0_hi * p[3];
+          }
+          if constexpr (kHasOffset<T>) mma_s8_16832(m_sum[nt + h], am, b[2 * h], b[2 * h + 1]);
+        }
+      }
+    }
+    // The block's step: y += dx (d S - dmin M).
+    const float2 d_lo = dd[r_lo], d_hi = dd[r_lo + 8];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = nt * 8 + 2 * t + e;
+        const float dx = col < n ? __ldg(xd + col * nb + c) : 0.0f;
+        float lo = d_lo.x * static_cast<float>(s_sum[nt][e]), hi = d_hi.x * static_cast<float>(s_sum[nt][2 + e]);
+        if constexpr (kHasOffset<T>) {
+          lo -= d_lo.y * static_cast<float>(m_sum[nt][e]);
+          hi -= d_hi.y * static_cast<float>(m_sum[nt][2 + e]);
+        }
+        acc[nt][e] += dx * lo;
+        acc[nt][2 + e] += dx * hi;
+      }
+    }
+    __syncwarp();  // the warp is done with its levels and scales before it widens the next chunk's
+  }
+  cp_async_wait<0>();
+  store_tile<NT>(acc, outs, n, rows, row0, partial, arrived);
 }
 
 // The chosen experts' products of a batched step (quant_mma_experts): block (x, y) takes weight
@@ -1046,6 +1284,46 @@ int64_t mma_tiles(int64_t rows) { return (rows + kMmaRows - 1) / kMmaRows; }
 size_t mma_counter_bytes(int64_t rows) { return static_cast<size_t>((mma_tiles(rows) * 4 + 255) / 256 * 256); }
 constexpr int kMaxMmaSplits = 16;
 
+// Ranges of chunks each row tile of a batch kernel is cut into: the fewest that bring the waves of
+// blocks (slots: blocks resident at once) times the time a block takes to their least (a tile's
+// blocks run at about the same speed: 448 tiles on 396 resident blocks take two waves of 16
+// chunks, 1,792 quarters five waves of 4). A cut block also writes its partial sums and the last
+// reads them all: counted as NT / 4 chunks (measured on the H200 with bench/gpu/qgemv.cu:
+// llama-8b's 2,004 output tiles lost 17% in quarters at NT 8).
+int mma_splits(int64_t rows, int64_t chunks, int64_t slots, int nt) {
+  const int64_t tiles = mma_tiles(rows);
+  int best = 1;
+  double best_cost = 1e300;
+  for (int s = 1; s <= kMaxMmaSplits && s <= std::max<int64_t>(1, chunks / 2); ++s) {
+    const double per_block = static_cast<double>((chunks + s - 1) / s) + (s > 1 ? nt / 4.0 : 0.0);
+    const double cost = static_cast<double>((tiles * s + slots - 1) / slots) * per_block;
+    if (cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
+// Blocks of a batch kernel resident on the device at once, with smem bytes of shared memory each.
+template <typename Kernel>
+int64_t resident_tiles(Kernel kernel, size_t smem) {
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaWarps * 32, smem);
+  cudaGetLastError();
+  return int64_t{std::max(1, per_sm)} * device_sms();
+}
+
+// A batch kernel's split scratch (see mma_counter_bytes): its bytes for `splits` ranges, and the
+// counters and partial sums in it.
+size_t split_scratch_bytes(int64_t rows, int splits, int nt) {
+  return mma_counter_bytes(rows) + (splits > 1 ? static_cast<size_t>(mma_tiles(rows) * splits * kMmaRows * 8 * nt) * 4 : 0);
+}
+struct SplitScratch {
+  int* arrived;
+  float* partial;
+};
+SplitScratch split_scratch(void* scratch, int64_t rows) {
+  return {static_cast<int*>(scratch), reinterpret_cast<float*>(static_cast<uint8_t*>(scratch) + mma_counter_bytes(rows))};
+}
+
 // One instantiation of the batch kernel and its launch.
 template <DType T, int NT>
 struct MmaVariant {
@@ -1056,46 +1334,68 @@ struct MmaVariant {
   }
   // Blocks resident on the device at once.
   static int64_t slots() {
-    static const int64_t n = [] {
-      int per_sm = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_mma_kernel<T, NT>, kMmaWarps * 32, smem());
-      cudaGetLastError();
-      return int64_t{std::max(1, per_sm)} * device_sms();
-    }();
+    static const int64_t n = resident_tiles(quant_mma_kernel<T, NT>, smem());
     return n;
   }
-  // Ranges of chunks each row tile is cut into: the fewest that bring the waves of blocks times
-  // the time a block takes to their least (a tile's blocks run at about the same speed: 448 tiles
-  // on 396 resident blocks take two waves of 16 chunks, 1,792 quarters five waves of 4). A cut
-  // block also writes its partial sums and the last reads them all: counted as NT / 4 chunks
-  // (measured on the H200 with bench/gpu/qgemv.cu: llama-8b's 2,004 output tiles lost 17% in
-  // quarters at NT 8).
   static int splits(int64_t rows, int64_t in) {
-    const int64_t tiles = mma_tiles(rows), chunks = (in / 32 + kMmaChunkUnits - 1) / kMmaChunkUnits;
-    int best = 1;
-    double best_cost = 1e300;
-    for (int s = 1; s <= kMaxMmaSplits && s <= std::max<int64_t>(1, chunks / 2); ++s) {
-      const double per_block = static_cast<double>((chunks + s - 1) / s) + (s > 1 ? NT / 4.0 : 0.0);
-      const double cost = static_cast<double>((tiles * s + slots() - 1) / slots()) * per_block;
-      if (cost < best_cost) best = s, best_cost = cost;
-    }
-    return best;
+    return mma_splits(rows, (in / 32 + kMmaChunkUnits - 1) / kMmaChunkUnits, slots(), NT);
   }
-  static size_t scratch_bytes(int64_t rows, int64_t in) {
-    const int s = splits(rows, in);
-    return mma_counter_bytes(rows) + (s > 1 ? static_cast<size_t>(mma_tiles(rows) * s * kMmaRows * 8 * NT) * 4 : 0);
-  }
+  static size_t scratch_bytes(int64_t rows, int64_t in) { return split_scratch_bytes(rows, splits(rows, in), NT); }
   static Status launch(cudaStream_t st, const uint8_t* w, const __nv_bfloat16* xs, const GemvOut& outs, int n, int64_t in,
                        void* scratch) {
     const int64_t rows = outs.end[outs.count - 1];
     const dim3 grid(static_cast<unsigned>(mma_tiles(rows)), static_cast<unsigned>(splits(rows, in)));
-    int* arrived = static_cast<int*>(scratch);
-    float* partial = reinterpret_cast<float*>(static_cast<uint8_t*>(scratch) + mma_counter_bytes(rows));
-    return cuda_status(launch_pdl(quant_mma_kernel<T, NT>, grid, dim3(kMmaWarps * 32), smem(), st, w, xs, outs, n, in, partial,
-                                  arrived),
+    const SplitScratch sc = split_scratch(scratch, rows);
+    return cuda_status(launch_pdl(quant_mma_kernel<T, NT>, grid, dim3(kMmaWarps * 32), smem(), st, w, xs, outs, n, in,
+                                  sc.partial, sc.arrived),
                        "quant_mma_kernel");
   }
 };
+
+// One instantiation of the 8-bit batch kernel and its launch (as MmaVariant; x: quantize_activations').
+template <DType T, int NT>
+struct ImmaVariant {
+  static size_t smem() {
+    constexpr auto bytes = static_cast<size_t>(imma_smem_bytes<T, NT>());
+    allow_dynamic_smem<quant_imma_kernel<T, NT>>(bytes);
+    return bytes;
+  }
+  static int64_t slots() {
+    static const int64_t n = resident_tiles(quant_imma_kernel<T, NT>, smem());
+    return n;
+  }
+  static int splits(int64_t rows, int64_t in) { return mma_splits(rows, in / 256, slots(), NT); }
+  static size_t scratch_bytes(int64_t rows, int64_t in) { return split_scratch_bytes(rows, splits(rows, in), NT); }
+  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const GemvOut& outs, int n,
+                       int64_t in, void* scratch) {
+    const int64_t rows = outs.end[outs.count - 1];
+    const dim3 grid(static_cast<unsigned>(mma_tiles(rows)), static_cast<unsigned>(splits(rows, in)));
+    const SplitScratch sc = split_scratch(scratch, rows);
+    return cuda_status(launch_pdl(quant_imma_kernel<T, NT>, grid, dim3(kMmaWarps * 32), smem(), st, w, q, d, outs, n, in,
+                                  sc.partial, sc.arrived),
+                       "quant_imma_kernel");
+  }
+};
+
+// f(ImmaVariant<T, NT>{}) for w's type (one that quant_imma_takes) and n's NT.
+template <typename F>
+Status for_imma_variant(DType t, int n, F&& f) {
+  auto go = [&](auto tag) -> Status {
+    constexpr DType T = decltype(tag)::value;
+    if (n <= 16) return f(ImmaVariant<T, 2>{});
+    if (n <= 32) return f(ImmaVariant<T, 4>{});
+    return f(ImmaVariant<T, 8>{});
+  };
+  switch (t) {
+    case DType::kQ2_K: return go(std::integral_constant<DType, DType::kQ2_K>{});
+    case DType::kQ3_K: return go(std::integral_constant<DType, DType::kQ3_K>{});
+    case DType::kQ4_K: return go(std::integral_constant<DType, DType::kQ4_K>{});
+    case DType::kQ5_K: return go(std::integral_constant<DType, DType::kQ5_K>{});
+    case DType::kQ6_K: return go(std::integral_constant<DType, DType::kQ6_K>{});
+    case DType::kIQ4_XS: return go(std::integral_constant<DType, DType::kIQ4_XS>{});
+    default: return invalid_argument_error(std::string("cuda quant_imma: ") + std::string(dtype_name(t)) + " is not a super-block format");
+  }
+}
 
 // f(MmaVariant<T, NT>{}) for w's type and n's NT.
 template <typename F>
@@ -1147,13 +1447,21 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   });
 }
 
-size_t quant_mma_scratch_bytes(const Tensor& w, int n) {
+namespace {
+// The split scratch of the batch kernel variant that for_variant(type, n, f) picks (0: none).
+template <typename ForVariant>
+size_t variant_scratch_bytes(ForVariant for_variant, const Tensor& w, int n) {
   size_t bytes = 0;
-  const Status s = for_mma_variant(w.dtype(), n, [&](auto variant) {
+  const Status s = for_variant(w.dtype(), n, [&](auto variant) {
     bytes = decltype(variant)::scratch_bytes(w.dim(0), w.dim(1));
     return ok_status();
   });
   return s.ok() ? bytes : 0;
+}
+}  // namespace
+
+size_t quant_mma_scratch_bytes(const Tensor& w, int n) {
+  return variant_scratch_bytes([](DType t, int m, auto&& f) { return for_mma_variant(t, m, f); }, w, n);
 }
 
 Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int n, const GemvOut& outs, void* scratch) {
@@ -1162,6 +1470,29 @@ Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int 
   if (outs.end[outs.count - 1] != w.dim(0)) return invalid_argument_error("cuda quant_mma: the outputs' rows are not the weight's");
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
   return for_mma_variant(w.dtype(), n, [&](auto variant) { return decltype(variant)::launch(st, wp, xs, outs, n, w.dim(1), scratch); });
+}
+
+bool quant_imma_takes(DType t) {
+  return t == DType::kQ2_K || t == DType::kQ3_K || t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K ||
+         t == DType::kIQ4_XS;
+}
+
+size_t quant_imma_scratch_bytes(const Tensor& w, int n) {
+  return variant_scratch_bytes([](DType t, int m, auto&& f) { return for_imma_variant(t, m, f); }, w, n);
+}
+
+Status quant_imma(cudaStream_t st, const Tensor& w, const void* xq, int n, const GemvOut& outs, void* scratch) {
+  COMBS_RETURN_IF_ERROR(check_block_weight(w, "cuda quant_imma"));
+  if (!quant_imma_takes(w.dtype())) {
+    return invalid_argument_error("cuda quant_imma: " + std::string(dtype_name(w.dtype())) + " is not a super-block format");
+  }
+  if (n < 1 || n > kQuantMmaMaxRows) return invalid_argument_error("cuda quant_imma: 1 to 64 rows of x");
+  if (outs.end[outs.count - 1] != w.dim(0)) return invalid_argument_error("cuda quant_imma: the outputs' rows are not the weight's");
+  const int64_t in = w.dim(1);
+  const int8_t* q = static_cast<const int8_t*>(xq);
+  const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(n, in));
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data());
+  return for_imma_variant(w.dtype(), n, [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, outs, n, in, scratch); });
 }
 
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,

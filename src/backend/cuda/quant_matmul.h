@@ -8,10 +8,13 @@
 // group of 256, or of 32 where the row is not whole groups of 256), then each warp reads one weight
 // row's blocks once and sums int8 products (dp4a) per 16 weights, scaled by the blocks' scales:
 // the bandwidth of the quantized bytes, and the CPU's rounding of x.
-// Batches up to kQuantMmaMaxRows (quant_mma): x rounded to BF16, the blocks widened to BF16 in
-// shared memory a chunk at a time (exactly, as quant.cc does) and multiplied on tensor cores: the
-// weights read once, as decode reads them (cuda_ops.cu routes 33-64 rows of short weight rows to
-// the tiles, which were faster there).
+// Batches up to kQuantMmaMaxRows: for the super-block formats (Q2_K-Q6_K, IQ4_XS: quant_imma) x
+// rounded to 8 bits as decode rounds it and int8 tensor cores on the blocks' integer levels and
+// scales (exact integer sums, one float step a block); for the others (quant_mma) x rounded to
+// BF16, the blocks widened to BF16 in shared memory a chunk at a time (exactly, as quant.cc does)
+// and multiplied on tensor cores. Either way the weights are read once, as decode reads them
+// (cuda_ops.cu routes 33-64 rows of short weight rows of the other formats to the tiles, which
+// were faster there).
 // Larger batches (prefill): rows of the weights dequantized to BF16 in a scratch tile of at most
 // kQuantTileBytes, one cuBLAS GEMM per tile.
 // A mixture's experts: decode-sized steps as decode (quant_gemv_experts), larger ones as quant_mma
@@ -60,6 +63,14 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
 // kernel leaves its counters at zero).
 size_t quant_mma_scratch_bytes(const Tensor& w, int n);
 Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int n, const GemvOut& outs, void* scratch);
+
+// outs (+)= w x for w of a super-block format (quant_imma_takes: Q2_K-Q6_K, IQ4_XS) [rows, in] and
+// xq from quantize_activations (x rounded to 8 bits per 256, as decode rounds it), n <=
+// kQuantMmaMaxRows: int8 tensor cores on the blocks' levels, the integer sums exact, scaled once a
+// block. scratch: quant_imma_scratch_bytes(w, n), as quant_mma's.
+bool quant_imma_takes(DType t);
+size_t quant_imma_scratch_bytes(const Tensor& w, int n);
+Status quant_imma(cudaStream_t st, const Tensor& w, const void* xq, int n, const GemvOut& outs, void* scratch);
 
 // The chosen experts' products for a mixture of experts: w [n_expert, out, in] (block type) on the
 // device, xq quantize_activations' x_rows rows; the (token, slot) pairs grouped by expert (order:

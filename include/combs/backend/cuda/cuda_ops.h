@@ -28,6 +28,10 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
 // Whether w and n take the decode kernel, which can also fold an RMSNorm of x into its input
 // (matmul_split's norm_weight).
 bool decode_fused(const Tensor& w, int64_t n);
+// Whether matmul rounds x to 8 bits (per 256, or per 32 where the row is not whole groups of 256)
+// for w and n rows: the decode kernel's n <= 8, and the super-block formats' batches up to 64
+// rows; otherwise a block-quantized product rounds x and the weights to BF16.
+bool rounds_x_to_8_bits(const Tensor& w, int64_t n);
 
 // Rows of x the F16/BF16 decode kernel takes at most on this thread (1 to 8, default 8); more go
 // to cuBLAS. The decode kernel's cost grows with the rows (each row's products are its own
