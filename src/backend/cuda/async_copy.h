@@ -15,6 +15,10 @@ __device__ inline uint32_t smem_addr(const void* p) { return static_cast<uint32_
 __device__ inline void cp_async16(uint32_t dst, const void* src, bool valid = true) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
+// 4 bytes src -> shared dst (through L1); zero-filled when !valid.
+__device__ inline void cp_async4(uint32_t dst, const void* src, bool valid = true) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>

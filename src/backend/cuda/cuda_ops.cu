@@ -837,8 +837,8 @@ Status quant_matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   }
   if (gemv_fits(w, n)) return quant_decode(b, w, x, n, gemv_out(outs, accumulate, norm_weight, eps), false);
   if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
-  // The super-block formats: x rounded to 8 bits, int8 tensor cores (llama-8b Q4_K_M, 64 sessions:
-  // 0.71-0.89 of the BF16 kernel's time per matrix on the H100, 1.24x the tokens a second; RESULTS).
+  // The super-block formats: x rounded to 8 bits, int8 tensor cores (llama-8b Q4_K_M's matrices at
+  // 64 rows: 0.55-0.91 of the BF16 kernel's time on the H100; 64 sessions 1.24x faster; RESULTS).
   if (n <= kQuantMmaMaxRows && quant_imma_takes(w.dtype())) {
     COMBS_ASSIGN_OR_RETURN(void* xq, b.scratch(activation_bytes(n, w.dim(1))));
     COMBS_RETURN_IF_ERROR(quantize_activations(stream_of(b), x, n, w.dim(1), nullptr, 0.0f, xq));

@@ -836,8 +836,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // chunk), each warp widening its own 16 rows to int8 levels and integer scales in shared memory
 // (decode<T>'s levels). The sums of each output are its own, in a fixed order: batch-invariant
 // within the kernel. On the H100 (bench/gpu/qgemv.cu) llama-8b's matrices at 64 rows of x take
-// 0.71-0.89 of quant_mma's time (0.51-0.77 at 16 rows): the kernel is bound by issue latency (5.8
-// cycles an instruction, 2.6 warps a scheduler), about a third of its instructions the products.
+// 0.55-0.91 of quant_mma's time (0.42-0.76 at 16 rows): the kernel is bound by issue latency (5.8
+// cycles an instruction, 2.6 warps a scheduler), the products under half of its instructions.
 template <DType T>
 constexpr bool kImmaType = T == DType::kQ2_K || T == DType::kQ3_K || T == DType::kQ4_K || T == DType::kQ5_K ||
                            T == DType::kQ6_K || T == DType::kIQ4_XS;
@@ -852,15 +852,11 @@ __device__ __forceinline__ uint32_t unit_int_scales(const uint8_t* b, int u) {
     return uint32_t{static_cast<uint8_t>(s0)} | uint32_t{static_cast<uint8_t>(s1)} << 8 |
            uint32_t{static_cast<uint8_t>(m0)} << 16 | uint32_t{static_cast<uint8_t>(m1)} << 24;
   };
-  if constexpr (T == DType::kQ4_K || T == DType::kQ5_K) {
+  if constexpr (T == DType::kQ4_K || T == DType::kQ5_K) {  // (without a branch: lanes take both halves)
     const uint8_t* sp = b + 4;
-    int sc, mn;
-    if (u < 4) {
-      sc = u8_at(sp + u) & 63, mn = u8_at(sp + u + 4) & 63;
-    } else {
-      sc = (u8_at(sp + u + 4) & 0xF) | (u8_at(sp + u - 4) >> 6) << 4;
-      mn = (u8_at(sp + u + 4) >> 4) | (u8_at(sp + u) >> 6) << 4;
-    }
+    const int j = u & 3, a = u8_at(sp + j), m = u8_at(sp + j + 4), c = u8_at(sp + j + 8);
+    const bool high = u >= 4;
+    const int sc = high ? (c & 0xF) | (a >> 6) << 4 : a & 63, mn = high ? (c >> 4) | (m >> 6) << 4 : m & 63;
     return pack(sc, sc, mn, mn);
   } else if constexpr (T == DType::kQ6_K) {
     const int half = u >> 2, s = u & 3;
@@ -899,12 +895,21 @@ __device__ __forceinline__ float2 block_scales(const uint8_t* b) {
 constexpr int kImmaUnits = 8, kImmaPieces = 16;  // a chunk (one block of 256): units of 32, 16-byte pieces
 constexpr int kImmaScaleStride = kImmaUnits + 1;  // (rows g and g + 8 of a warp's reads in other banks)
 
+// Blocks whose size is whole 16-byte pieces (Q4_K, Q5_K) all start 16-byte aligned: staged
+// whole, their rows kBlockBytes apart; the others from their source rounded down to 16.
+template <DType T>
+constexpr bool kAlignedBlocks = kBlockBytes<T> % 16 == 0;
+template <DType T>
+constexpr int kImmaStaged = kAlignedBlocks<T> ? kBlockBytes<T> : static_cast<int>(stage_bytes(kBlockBytes<T>));
+
 // The kernel's shared memory: staged blocks [2][kMmaRows][stage_bytes(block)], the rows' levels
 // [kMmaRows][256] and x's [2][8 NT][256] (int8, 16-byte pieces XOR-swizzled by row as for ldmatrix),
-// the units' scales [kMmaRows][kImmaScaleStride] and the blocks' (d, dmin) [kMmaRows].
+// the units' scales [kMmaRows][kImmaScaleStride], the blocks' (d, dmin) [kMmaRows] and x's scales
+// for the chunk [2][8 NT].
 template <DType T, int NT>
 constexpr int64_t imma_smem_bytes() {
-  return 2 * kMmaRows * stage_bytes(kBlockBytes<T>) + (kMmaRows + 2 * 8 * NT) * 256 + kMmaRows * kImmaScaleStride * 4 + kMmaRows * 8;
+  return 2 * kMmaRows * kImmaStaged<T> + (kMmaRows + 2 * 8 * NT) * 256 + kMmaRows * kImmaScaleStride * 4 + kMmaRows * 8 +
+         2 * 8 * NT * 4;
 }
 
 // (Registers bounded for 3-4 resident blocks a multiprocessor: unbounded, ptxas took 240-255 and
@@ -914,31 +919,34 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
     quant_imma_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                       GemvOut outs, int n, int64_t in, float* __restrict__ partial, int* __restrict__ arrived) {
   static_assert(kImmaType<T> && kUnits<T> == kImmaUnits);
-  constexpr int kStaged = static_cast<int>(stage_bytes(kBlockBytes<T>)), kXRows = 8 * NT, kThreads = kMmaWarps * 32;
+  constexpr int kStaged = kImmaStaged<T>, kXRows = 8 * NT, kThreads = kMmaWarps * 32;
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* wbuf = smem;
   uint4* levels = reinterpret_cast<uint4*>(smem + 2 * kMmaRows * kStaged);  // [kMmaRows][kImmaPieces]
   uint4* xbuf = levels + kMmaRows * kImmaPieces;                             // [2][kXRows][kImmaPieces]
   uint32_t* scales = reinterpret_cast<uint32_t*>(xbuf + 2 * kXRows * kImmaPieces);
   float2* dd = reinterpret_cast<float2*>(scales + kMmaRows * kImmaScaleStride);
+  float* dxs = reinterpret_cast<float*>(dd + kMmaRows);  // [2][kXRows]
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
   const int64_t nb = in / 256, row_bytes = nb * kBlockBytes<T>;
   const int chunks = static_cast<int>(nb), splits = gridDim.y;
   const int c_begin = chunks * blockIdx.y / splits, c_end = chunks * (blockIdx.y + 1) / splits;
-  auto w_row = [&](int r) -> const uint8_t* { return row0 + r < rows ? w + (row0 + r) * row_bytes : nullptr; };
   auto stage_w = [&](int c, int slot) {
     constexpr int kPieces = kStaged / 16;
 #pragma unroll 4
     for (int i = tid; i < kMmaRows * kPieces; i += kThreads) {
       const int r = i / kPieces, p = i % kPieces;
-      const uint8_t* row = w_row(r);
-      if (row == nullptr) continue;
-      const uint8_t* src = row + int64_t{c} * kBlockBytes<T>;
-      const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t{15});
-      const int end = static_cast<int>(src - base) + kBlockBytes<T>;
-      if (p * 16 < end) cp_async16_part(smem_addr(wbuf + (slot * kMmaRows + r) * kStaged + p * 16), base + p * 16, min(16, end - p * 16));
+      if (row0 + r >= rows) continue;
+      const uint8_t* src = w + (row0 + r) * row_bytes + int64_t{c} * kBlockBytes<T>;
+      if constexpr (kAlignedBlocks<T>) {
+        cp_async16(smem_addr(wbuf + (slot * kMmaRows + r) * kStaged + p * 16), src + p * 16);
+      } else {
+        const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t{15});
+        const int end = static_cast<int>(src - base) + kBlockBytes<T>;
+        if (p * 16 < end) cp_async16_part(smem_addr(wbuf + (slot * kMmaRows + r) * kStaged + p * 16), base + p * 16, min(16, end - p * 16));
+      }
     }
   };
   auto stage_x = [&](int c, int slot) {
@@ -948,6 +956,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
       cp_async16(smem_addr(xbuf + (slot * kXRows + r) * kImmaPieces + (p ^ (r & 7))),
                  xq + (r < n ? r : 0) * in + int64_t{c} * 256 + p * 16, r < n);
     }
+    if (tid < kXRows) cp_async4(smem_addr(dxs + slot * kXRows + tid), xd + (tid < n ? tid : 0) * nb + c, tid < n);
   };
   // Chunk c's blocks and x in slot c & 1; c + 1's requested as c's work starts (once every warp is
   // done with c - 1's, which were in that slot): one barrier a chunk.
@@ -977,19 +986,27 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
     for (int i = lane; i < 16 * kImmaUnits / 2; i += 32) {
       const int r = warp * 16 + i / (kImmaUnits / 2), u0 = 2 * (i % (kImmaUnits / 2));
       uint4* dst = levels + r * kImmaPieces;
+      if (row0 + r >= rows) {  // past the weight's rows: zeros
+#pragma unroll
+        for (int u = u0; u < u0 + 2; ++u) {
+          dst[(2 * u) ^ (r & 7)] = dst[(2 * u + 1) ^ (r & 7)] = make_uint4(0, 0, 0, 0);
+          scales[r * kImmaScaleStride + u] = 0;
+        }
+        if (u0 == 0) dd[r] = make_float2(0.0f, 0.0f);
+        continue;
+      }
       // (a staged block starts at its source's offset from 16 bytes)
-      const uint8_t* b = wbuf + (slot * kMmaRows + r) * kStaged +
-                         ((reinterpret_cast<uintptr_t>(w) + (row0 + r) * row_bytes + int64_t{c} * kBlockBytes<T>) & 15);
-      const bool live = row0 + r < rows;
+      const int off = kAlignedBlocks<T> ? 0 : static_cast<int>((reinterpret_cast<uintptr_t>(w) + (row0 + r) * row_bytes + int64_t{c} * kBlockBytes<T>) & 15);
+      const uint8_t* b = wbuf + (slot * kMmaRows + r) * kStaged + off;
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int u = u0 + k;
         const Unit U = decode<T>(b, u);
-        dst[(2 * u) ^ (r & 7)] = live ? make_uint4(U.q[0], U.q[1], U.q[2], U.q[3]) : make_uint4(0, 0, 0, 0);
-        dst[(2 * u + 1) ^ (r & 7)] = live ? make_uint4(U.q[4], U.q[5], U.q[6], U.q[7]) : make_uint4(0, 0, 0, 0);
-        scales[r * kImmaScaleStride + u] = live ? unit_int_scales<T>(b, u) : 0;
+        dst[(2 * u) ^ (r & 7)] = make_uint4(U.q[0], U.q[1], U.q[2], U.q[3]);
+        dst[(2 * u + 1) ^ (r & 7)] = make_uint4(U.q[4], U.q[5], U.q[6], U.q[7]);
+        scales[r * kImmaScaleStride + u] = unit_int_scales<T>(b, u);
       }
-      if (u0 == 0) dd[r] = live ? block_scales<T>(b) : make_float2(0.0f, 0.0f);
+      if (u0 == 0) dd[r] = block_scales<T>(b);
     }
     __syncwarp();  // (each warp widens only the rows it multiplies)
     int s_sum[NT][4] = {}, m_sum[NT][4] = {};
@@ -1029,10 +1046,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
     const float2 d_lo = dd[r_lo], d_hi = dd[r_lo + 8];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
+      const float2 dx2 = *reinterpret_cast<const float2*>(dxs + slot * kXRows + nt * 8 + 2 * t);  // (0 past n)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = nt * 8 + 2 * t + e;
-        const float dx = col < n ? __ldg(xd + col * nb + c) : 0.0f;
+        const float dx = e == 0 ? dx2.x : dx2.y;
         float lo = d_lo.x * static_cast<float>(s_sum[nt][e]), hi = d_hi.x * static_cast<float>(s_sum[nt][2 + e]);
         if constexpr (kHasOffset<T>) {
           lo -= d_lo.y * static_cast<float>(m_sum[nt][e]);
