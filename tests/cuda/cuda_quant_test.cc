@@ -380,6 +380,53 @@ TEST_CASE("cuda batches of 9 to 64 rows of x: split outputs with biases and the 
   }
 }
 
+TEST_CASE("cuda batch products of few and many row tiles in turn write every output", "[cuda][quant]") {
+  // Every batch product shares one split scratch: llama-8b's O (64 row tiles, cut along k) at 64
+  // rows of x, then its gate/up (448 tiles), then O again, for the int8 kernel (Q4_K) and the BF16
+  // one (Q4_0). Outputs poisoned; every one finite, sampled rows against float64 (the tight bound).
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(31);
+  const int64_t in = 4096, n = 64;
+  for (const DType dt : {DType::kQ4_K, DType::kQ4_0}) {
+    const QuantFormat& f = *quant_format(dt);
+    const auto x = random_floats(rng, static_cast<size_t>(n * in));
+    const Tensor xd = upload(*gpu, x, Shape{n, in});
+    for (const int64_t out : {int64_t{4096}, int64_t{28672}, int64_t{4096}}) {
+      INFO(f.name << " rows " << out);
+      const std::vector<uint8_t> wb = weight_bytes(f, out, in);
+      const Tensor wd = upload_bytes(*gpu, wb, Shape{out, in}, dt);
+      const Tensor yd = upload(*gpu, std::vector<float>(static_cast<size_t>(n * out), std::nanf("")), Shape{n, out});
+      REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, yd.data_as<float>()).ok());
+      const std::vector<float> y = download(*gpu, yd);
+      for (float v : y) REQUIRE(std::isfinite(v));
+      const bool eight_bit = cuda::rounds_x_to_8_bits(wd, n);
+      std::vector<float> xk;
+      std::vector<double> half_step;
+      if (eight_bit) {
+        round_8bit(x, in, &xk, &half_step);
+      } else {
+        xk = x;
+        for (auto& v : xk) v = to_bf16_and_back(v);
+      }
+      const size_t row_bytes = nbytes_for(dt, in);
+      for (int64_t o : {int64_t{0}, int64_t{63}, int64_t{64}, out - 1, static_cast<int64_t>(rng() % out)}) {
+        std::vector<float> w(static_cast<size_t>(in));
+        cpu::dequantize_row(wb.data() + o * row_bytes, dt, w.data(), in);
+        for (int64_t t = 0; t < n; t += 7) {
+          double ref = 0, mag = 0;
+          for (int64_t i = 0; i < in; ++i) {
+            const double p = (eight_bit ? double(w[i]) : double(to_bf16_and_back(w[i]))) * xk[t * in + i];
+            ref += p, mag += std::abs(p);
+          }
+          INFO("row " << o << " token " << t);
+          REQUIRE(std::abs(y[t * out + o] - ref) <= 1e-5 * mag + 1e-6);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda projections stacked in parts of two formats round x once and equal the parts run alone", "[cuda][quant]") {
   // A Q4_K_M layer's Q/K (Q4_K) and V (Q6_K): matmul_split_parts rounds x to 8 bits once for both;
   // the outputs are bit for bit those of each part on its own (the same rounding, the same kernel).

@@ -902,7 +902,7 @@ constexpr bool kAlignedBlocks = kBlockBytes<T> % 16 == 0;
 template <DType T>
 constexpr int kImmaStaged = kAlignedBlocks<T> ? kBlockBytes<T> : static_cast<int>(stage_bytes(kBlockBytes<T>));
 
-// The kernel's shared memory: staged blocks [2][kMmaRows][stage_bytes(block)], the rows' levels
+// The kernel's shared memory: staged blocks [2][kMmaRows][kImmaStaged], the rows' levels
 // [kMmaRows][256] and x's [2][8 NT][256] (int8, 16-byte pieces XOR-swizzled by row as for ldmatrix),
 // the units' scales [kMmaRows][kImmaScaleStride], the blocks' (d, dmin) [kMmaRows] and x's scales
 // for the chunk [2][8 NT].
@@ -1295,10 +1295,22 @@ struct GemvVariant {
   }
 };
 
-// The batch kernel's row tiles; its split scratch: a counter per tile (256 bytes aligned), then the
-// partial sums.
+// The batch kernels' row tiles; their split scratch: a counter per tile in a region of fixed size
+// (kMaxMmaTiles counters), then the partial sums. Fixed, because every call shares one scratch slot
+// (zeroed only when it grows) and each call's counters must be zero where it looks: sized by the
+// call's own rows, a call with more tiles read the partial sums an earlier one with fewer had left
+// past its counters as its own counters (llama-8b at 33-64 rows: O's 64 tiles cut in 6, then
+// gate/up's 448), so its tiles' last blocks never found themselves last and left outputs unwritten.
+constexpr int64_t kMaxMmaTiles = 65536;  // weights of up to 4,194,304 rows
 int64_t mma_tiles(int64_t rows) { return (rows + kMmaRows - 1) / kMmaRows; }
-size_t mma_counter_bytes(int64_t rows) { return static_cast<size_t>((mma_tiles(rows) * 4 + 255) / 256 * 256); }
+constexpr size_t kMmaCounterBytes = kMaxMmaTiles * 4;
+Status check_mma_tiles(int64_t rows, const char* op) {
+  if (mma_tiles(rows) > kMaxMmaTiles) {
+    return invalid_argument_error(std::string(op) + ": " + std::to_string(rows) + " weight rows (at most " +
+                                  std::to_string(kMaxMmaTiles * kMmaRows) + ")");
+  }
+  return ok_status();
+}
 constexpr int kMaxMmaSplits = 16;
 
 // Ranges of chunks each row tile of a batch kernel is cut into: the fewest that bring the waves of
@@ -1328,17 +1340,17 @@ int64_t resident_tiles(Kernel kernel, size_t smem) {
   return int64_t{std::max(1, per_sm)} * device_sms();
 }
 
-// A batch kernel's split scratch (see mma_counter_bytes): its bytes for `splits` ranges, and the
+// A batch kernel's split scratch (see kMmaCounterBytes): its bytes for `splits` ranges, and the
 // counters and partial sums in it.
 size_t split_scratch_bytes(int64_t rows, int splits, int nt) {
-  return mma_counter_bytes(rows) + (splits > 1 ? static_cast<size_t>(mma_tiles(rows) * splits * kMmaRows * 8 * nt) * 4 : 0);
+  return kMmaCounterBytes + (splits > 1 ? static_cast<size_t>(mma_tiles(rows) * splits * kMmaRows * 8 * nt) * 4 : 0);
 }
 struct SplitScratch {
   int* arrived;
   float* partial;
 };
-SplitScratch split_scratch(void* scratch, int64_t rows) {
-  return {static_cast<int*>(scratch), reinterpret_cast<float*>(static_cast<uint8_t*>(scratch) + mma_counter_bytes(rows))};
+SplitScratch split_scratch(void* scratch) {
+  return {static_cast<int*>(scratch), reinterpret_cast<float*>(static_cast<uint8_t*>(scratch) + kMmaCounterBytes)};
 }
 
 // One instantiation of the batch kernel and its launch.
@@ -1361,8 +1373,9 @@ struct MmaVariant {
   static Status launch(cudaStream_t st, const uint8_t* w, const __nv_bfloat16* xs, const GemvOut& outs, int n, int64_t in,
                        void* scratch) {
     const int64_t rows = outs.end[outs.count - 1];
+    COMBS_RETURN_IF_ERROR(check_mma_tiles(rows, "cuda quant_mma"));
     const dim3 grid(static_cast<unsigned>(mma_tiles(rows)), static_cast<unsigned>(splits(rows, in)));
-    const SplitScratch sc = split_scratch(scratch, rows);
+    const SplitScratch sc = split_scratch(scratch);
     return cuda_status(launch_pdl(quant_mma_kernel<T, NT>, grid, dim3(kMmaWarps * 32), smem(), st, w, xs, outs, n, in,
                                   sc.partial, sc.arrived),
                        "quant_mma_kernel");
@@ -1386,8 +1399,9 @@ struct ImmaVariant {
   static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const GemvOut& outs, int n,
                        int64_t in, void* scratch) {
     const int64_t rows = outs.end[outs.count - 1];
+    COMBS_RETURN_IF_ERROR(check_mma_tiles(rows, "cuda quant_imma"));
     const dim3 grid(static_cast<unsigned>(mma_tiles(rows)), static_cast<unsigned>(splits(rows, in)));
-    const SplitScratch sc = split_scratch(scratch, rows);
+    const SplitScratch sc = split_scratch(scratch);
     return cuda_status(launch_pdl(quant_imma_kernel<T, NT>, grid, dim3(kMmaWarps * 32), smem(), st, w, q, d, outs, n, in,
                                   sc.partial, sc.arrived),
                        "quant_imma_kernel");
@@ -1505,6 +1519,9 @@ Status quant_imma(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   }
   if (n < 1 || n > kQuantMmaMaxRows) return invalid_argument_error("cuda quant_imma: 1 to 64 rows of x");
   if (outs.end[outs.count - 1] != w.dim(0)) return invalid_argument_error("cuda quant_imma: the outputs' rows are not the weight's");
+  if (reinterpret_cast<uintptr_t>(w.data()) % 16 != 0 || reinterpret_cast<uintptr_t>(xq) % 16 != 0) {
+    return invalid_argument_error("cuda quant_imma: weights and x must start 16-byte aligned");  // (staged by 16-byte copies)
+  }
   const int64_t in = w.dim(1);
   const int8_t* q = static_cast<const int8_t*>(xq);
   const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(n, in));
