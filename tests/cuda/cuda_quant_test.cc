@@ -124,6 +124,26 @@ float to_bf16_and_back(float v) {
   const uint16_t h = f32_to_bf16(v);
   return bf16_to_f32(h);
 }
+
+// The values a block-quantized matmul of w with n rows of x multiplies (cuda::rounds_x_to_8_bits):
+// x rounded to 8 bits as the kernels round it (half_step: each element's d / 2) and the exact
+// weights, or x and the weights rounded to BF16 (half steps 0).
+struct Multiplied {
+  bool eight_bit;
+  std::vector<float> x;
+  std::vector<double> half_step;
+  float weight(float v) const { return eight_bit ? v : to_bf16_and_back(v); }
+};
+Multiplied as_multiplied(const Tensor& w, int64_t n, const std::vector<float>& x, int64_t in) {
+  Multiplied m{cuda::rounds_x_to_8_bits(w, n), {}, std::vector<double>(x.size(), 0.0)};
+  if (m.eight_bit) {
+    round_8bit(x, in, &m.x, &m.half_step);
+  } else {
+    m.x = x;
+    for (auto& v : m.x) v = to_bf16_and_back(v);
+  }
+  return m;
+}
 }  // namespace
 
 TEST_CASE("cuda block-quantized matmul of every format against float64 with derived tolerances", "[cuda][quant]") {
@@ -149,16 +169,12 @@ TEST_CASE("cuda block-quantized matmul of every format against float64 with deri
         REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, yd.data_as<float>(), bd.data_as<float>()).ok());
         const std::vector<float> y = download(*gpu, yd);
         // The values the kernel multiplies: x rounded to 8 bits, or both rounded to BF16.
-        const bool decode = cuda::rounds_x_to_8_bits(wd, n);
-        std::vector<float> xk, wk = w;
-        std::vector<double> half_step(x.size(), 0.0);
-        if (decode) {
-          round_8bit(x, in, &xk, &half_step);
-        } else {
-          xk = x;
-          for (auto& v : xk) v = to_bf16_and_back(v);
-          for (auto& v : wk) v = to_bf16_and_back(v);
-        }
+        const Multiplied m = as_multiplied(wd, n, x, in);
+        const bool decode = m.eight_bit;
+        const std::vector<float>& xk = m.x;
+        const std::vector<double>& half_step = m.half_step;
+        std::vector<float> wk = w;
+        for (auto& v : wk) v = m.weight(v);
         double worst_tight = 0, worst_loose = 0;
         for (int64_t t = 0; t < n; ++t) {
           for (int64_t o = 0; o < out; ++o) {
@@ -324,16 +340,10 @@ TEST_CASE("cuda batches of 9 to 64 rows of x: split outputs with biases and the 
       INFO(f.name << " n " << n);
       const auto x = random_floats(rng, static_cast<size_t>(n * in)), bias = random_floats(rng, out),
                  y0 = random_floats(rng, static_cast<size_t>(n * out));
-      const bool eight_bit = cuda::rounds_x_to_8_bits(wd, n);
-      std::vector<float> xk, wk = w;
-      std::vector<double> half_step;
-      if (eight_bit) {
-        round_8bit(x, in, &xk, &half_step);
-      } else {
-        xk = x;
-        for (auto& v : xk) v = to_bf16_and_back(v);
-        for (auto& v : wk) v = to_bf16_and_back(v);
-      }
+      const Multiplied m = as_multiplied(wd, n, x, in);
+      const std::vector<float>& xk = m.x;
+      std::vector<float> wk = w;
+      for (auto& v : wk) v = m.weight(v);
       auto ref = [&](int64_t o, int64_t t, double* tol) {
         double s = 0, mag = 0;
         for (int64_t i = 0; i < in; ++i) {
@@ -400,15 +410,7 @@ TEST_CASE("cuda batch products of few and many row tiles in turn write every out
       REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), n, yd.data_as<float>()).ok());
       const std::vector<float> y = download(*gpu, yd);
       for (float v : y) REQUIRE(std::isfinite(v));
-      const bool eight_bit = cuda::rounds_x_to_8_bits(wd, n);
-      std::vector<float> xk;
-      std::vector<double> half_step;
-      if (eight_bit) {
-        round_8bit(x, in, &xk, &half_step);
-      } else {
-        xk = x;
-        for (auto& v : xk) v = to_bf16_and_back(v);
-      }
+      const Multiplied m = as_multiplied(wd, n, x, in);
       const size_t row_bytes = nbytes_for(dt, in);
       for (int64_t o : {int64_t{0}, int64_t{63}, int64_t{64}, out - 1, static_cast<int64_t>(rng() % out)}) {
         std::vector<float> w(static_cast<size_t>(in));
@@ -416,7 +418,7 @@ TEST_CASE("cuda batch products of few and many row tiles in turn write every out
         for (int64_t t = 0; t < n; t += 7) {
           double ref = 0, mag = 0;
           for (int64_t i = 0; i < in; ++i) {
-            const double p = (eight_bit ? double(w[i]) : double(to_bf16_and_back(w[i]))) * xk[t * in + i];
+            const double p = double(m.weight(w[i])) * m.x[t * in + i];
             ref += p, mag += std::abs(p);
           }
           INFO("row " << o << " token " << t);
@@ -494,20 +496,13 @@ TEST_CASE("cuda block-quantized projections at a real model's shapes follow floa
       }
       const std::vector<float> y = download(*gpu, yd);
       for (float v : y) REQUIRE(std::isfinite(v));
-      std::vector<float> xk;
-      std::vector<double> half_step;
-      const bool eight_bit = cuda::rounds_x_to_8_bits(wd, n);
-      if (eight_bit) {
-        round_8bit(x, c.in, &xk, &half_step);
-      } else {
-        xk = x;
-        for (auto& v : xk) v = to_bf16_and_back(v);
-      }
+      const Multiplied m = as_multiplied(wd, n, x, c.in);
+      const std::vector<float>& xk = m.x;
       // The tight bound of the first test case: against x as the kernel rounds it.
       auto dot = [&](const std::vector<float>& w, int64_t t, double* tol) {
         double s = 0, mag = 0;
         for (int64_t i = 0; i < c.in; ++i) {
-          const double wi = eight_bit ? w[i] : to_bf16_and_back(w[i]);
+          const double wi = m.weight(w[i]);
           s += wi * xk[t * c.in + i];
           mag += std::abs(wi * xk[t * c.in + i]);
         }

@@ -834,13 +834,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // rows and all n rows of x, as quant_mma_kernel does, a block of 256 (a chunk) at a time: the
 // chunk's raw blocks and x's levels staged by cp.async (the next chunk's in flight: one barrier a
 // chunk), each warp widening its own 16 rows to int8 levels and integer scales in shared memory
-// (decode<T>'s levels). The sums of each output are its own, in a fixed order: batch-invariant
-// within the kernel. On the H100 (bench/gpu/qgemv.cu) llama-8b's matrices at 64 rows of x take
+// (decode<T>'s levels). The sums of each output are its own, in a fixed order for a given NT and
+// split (both change with n: at 16/17 and 32/33 rows of x). On the H100 (bench/gpu/qgemv.cu) llama-8b's matrices at 64 rows of x take
 // 0.55-0.91 of quant_mma's time (0.42-0.76 at 16 rows): the kernel is bound by issue latency (5.8
 // cycles an instruction, 2.6 warps a scheduler), the products under half of its instructions.
-template <DType T>
-constexpr bool kImmaType = T == DType::kQ2_K || T == DType::kQ3_K || T == DType::kQ4_K || T == DType::kQ5_K ||
-                           T == DType::kQ6_K || T == DType::kIQ4_XS;
+__host__ __device__ constexpr bool imma_type(DType t) {
+  return t == DType::kQ2_K || t == DType::kQ3_K || t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K ||
+         t == DType::kIQ4_XS;
+}
 template <DType T>
 constexpr bool kHalfScales = T == DType::kQ2_K || T == DType::kQ3_K || T == DType::kQ6_K;  // scales per 16
 
@@ -918,7 +919,7 @@ template <DType T, int NT>
 __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
     quant_imma_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                       GemvOut outs, int n, int64_t in, float* __restrict__ partial, int* __restrict__ arrived) {
-  static_assert(kImmaType<T> && kUnits<T> == kImmaUnits);
+  static_assert(imma_type(T) && kUnits<T> == kImmaUnits);
   constexpr int kStaged = kImmaStaged<T>, kXRows = 8 * NT, kThreads = kMmaWarps * 32;
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* wbuf = smem;
@@ -1059,7 +1060,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
         acc[nt][2 + e] += dx * hi;
       }
     }
-    __syncwarp();  // the warp is done with its levels and scales before it widens the next chunk's
   }
   cp_async_wait<0>();
   store_tile<NT>(acc, outs, n, rows, row0, partial, arrived);
@@ -1503,20 +1503,14 @@ Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int 
   return for_mma_variant(w.dtype(), n, [&](auto variant) { return decltype(variant)::launch(st, wp, xs, outs, n, w.dim(1), scratch); });
 }
 
-bool quant_imma_takes(DType t) {
-  return t == DType::kQ2_K || t == DType::kQ3_K || t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K ||
-         t == DType::kIQ4_XS;
-}
+bool quant_imma_takes(DType t) { return imma_type(t); }
 
 size_t quant_imma_scratch_bytes(const Tensor& w, int n) {
   return variant_scratch_bytes([](DType t, int m, auto&& f) { return for_imma_variant(t, m, f); }, w, n);
 }
 
 Status quant_imma(cudaStream_t st, const Tensor& w, const void* xq, int n, const GemvOut& outs, void* scratch) {
-  COMBS_RETURN_IF_ERROR(check_block_weight(w, "cuda quant_imma"));
-  if (!quant_imma_takes(w.dtype())) {
-    return invalid_argument_error("cuda quant_imma: " + std::string(dtype_name(w.dtype())) + " is not a super-block format");
-  }
+  COMBS_RETURN_IF_ERROR(check_block_weight(w, "cuda quant_imma"));  // (for_imma_variant refuses the other formats)
   if (n < 1 || n > kQuantMmaMaxRows) return invalid_argument_error("cuda quant_imma: 1 to 64 rows of x");
   if (outs.end[outs.count - 1] != w.dim(0)) return invalid_argument_error("cuda quant_imma: the outputs' rows are not the weight's");
   if (reinterpret_cast<uintptr_t>(w.data()) % 16 != 0 || reinterpret_cast<uintptr_t>(xq) % 16 != 0) {
