@@ -177,8 +177,8 @@ TEST_CASE("cuda decode over short contexts, a few splits each, matches the cpu",
   auto gpu = gpu_or_skip();
   if (!gpu) return;
   // Splits of 16 keys (head_dim 128) or 32 (head_dim 64): a few splits per sequence, empty ones
-  // in the grid beside them, every merge in merge_splits_kernel; the paged call then the
-  // contiguous one.
+  // in the grid beside them, each token's merged by merge_splits_kernel (grids of more than 8
+  // splits); the paged call then the contiguous one.
   run_case(*gpu, {16, 2, 4, 128, DType::kF16, {{100, 1}, {40, 1}, {3, 1}}}, 201);
   run_case(*gpu, {32, 8, 4, 64, DType::kBF16, {{250, 1}, {70, 3}}}, 202);
   run_case(*gpu, {16, 2, 16, 128, DType::kBF16, {{200, 1}}}, 203);  // a 16-head group: one warp's rows
@@ -191,6 +191,32 @@ TEST_CASE("cuda decode over short contexts, a few splits each, matches the cpu",
   run_case(*gpu,
            {16, 2, 4, 128, DType::kBF16, {{100, 1}, {90, 1}, {80, 1}, {70, 1}, {60, 1}, {50, 1}, {40, 1}, {30, 1}, {20, 1}}},
            208);
+}
+
+TEST_CASE("cuda decode of many sequences merges its splits in the last split's block", "[cuda]") {
+  // Enough decode tokens x KV heads that the grid takes at most 8 splits (on an H100 / H200: 2 to 7
+  // here), so the last split's block to finish merges each token's (no merge kernel): every head
+  // size and block shape, windows that leave splits empty, sinks, prefill tiles in the same call.
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  auto decodes = [](int n, int64_t base, int64_t step) {
+    std::vector<std::pair<int64_t, int64_t>> seqs;
+    for (int i = 0; i < n; ++i) seqs.push_back({base + (i * step) % 700, 1});
+    return seqs;
+  };
+  run_case(*gpu, {16, 8, 4, 128, DType::kBF16, decodes(24, 40, 23)}, 401);
+  run_case(*gpu, {32, 8, 8, 64, DType::kF16, decodes(20, 70, 37)}, 402);
+  run_case(*gpu, {16, 4, 2, 256, DType::kBF16, decodes(20, 30, 41)}, 403);  // two warps a block
+  run_case(*gpu, {16, 2, 20, 128, DType::kBF16, decodes(40, 60, 29)}, 404);  // four warps a block
+  auto mixed = decodes(30, 50, 31);
+  mixed.insert(mixed.begin(), {{0, 37}, {300, 64}});
+  run_case(*gpu, {16, 8, 4, 128, DType::kF16, mixed}, 405);
+  std::vector<float> sinks;
+  for (int h = 0; h < 32; ++h) sinks.push_back(std::array<float, 4>{-20.0f, 0.5f, 2.0f, 30.0f}[h % 4]);
+  for (int64_t window : {7, 128}) {
+    INFO("window " << window);
+    run_case(*gpu, {16, 8, 4, 64, DType::kBF16, decodes(24, 100, 53), AttentionParams(0.125f, window, 0.0f), sinks}, 406);
+  }
 }
 
 TEST_CASE("cuda tensor-core prefill over long chunks after long prefixes matches the cpu", "[cuda]") {

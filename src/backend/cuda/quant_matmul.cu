@@ -747,11 +747,14 @@ __device__ __forceinline__ void mma_chunks(uint8_t* smem, WRow w_row, XRow x_row
 // the tile's chunks are cut into gridDim.y ranges, each block writes its sums to its slice of
 // `partial` ([tile][split][kMmaRows][8 NT]) and the last of the tile's blocks to arrive (a counter
 // per tile, left at zero again) adds them in split order: the same sums whichever finishes last.
-template <int NT>
+// (The block's x rows XR: 8 NT unless its warps split them; this warp's rows from warp * 16, its
+// x rows from col0.)
+template <int NT, int XR = 8 * NT>
 __device__ __forceinline__ void store_tile(float (&acc)[NT][4], const GemvOut& outs, int n, int64_t rows, int64_t row0,
-                                           float* __restrict__ partial, int* __restrict__ arrived) {
-  constexpr int kXRows = 8 * NT;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4, splits = gridDim.y;
+                                           float* __restrict__ partial, int* __restrict__ arrived, int warp = threadIdx.x / 32,
+                                           int col0 = 0) {
+  constexpr int kXRows = XR;
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4, splits = gridDim.y;
   if (splits > 1) {
     // This block's sums to its slice of `partial` ([tile][split][kMmaRows][8 NT]); the last to arrive adds them.
     float* mine = partial + (static_cast<int64_t>(blockIdx.x) * splits + blockIdx.y) * kMmaRows * kXRows;
@@ -759,7 +762,7 @@ __device__ __forceinline__ void store_tile(float (&acc)[NT][4], const GemvOut& o
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        *reinterpret_cast<float2*>(mine + (warp * 16 + g + 8 * h) * kXRows + nt * 8 + 2 * t) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+        *reinterpret_cast<float2*>(mine + (warp * 16 + g + 8 * h) * kXRows + col0 + nt * 8 + 2 * t) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
       }
     }
     __threadfence();
@@ -776,7 +779,7 @@ __device__ __forceinline__ void store_tile(float (&acc)[NT][4], const GemvOut& o
       for (int h = 0; h < 2; ++h) {
         float2 s = make_float2(0.0f, 0.0f);
         for (int k = 0; k < splits; ++k) {
-          const float2 v = __ldcg(reinterpret_cast<const float2*>(all + (k * kMmaRows + warp * 16 + g + 8 * h) * kXRows + nt * 8 + 2 * t));
+          const float2 v = __ldcg(reinterpret_cast<const float2*>(all + (k * kMmaRows + warp * 16 + g + 8 * h) * kXRows + col0 + nt * 8 + 2 * t));
           s.x += v.x, s.y += v.y;
         }
         acc[nt][2 * h] = s.x, acc[nt][2 * h + 1] = s.y;
@@ -794,7 +797,7 @@ __device__ __forceinline__ void store_tile(float (&acc)[NT][4], const GemvOut& o
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = nt * 8 + 2 * t + e;
+        const int col = col0 + nt * 8 + 2 * t + e;
         if (col >= n) continue;
         float* dst = to.y + col * to.rows + to.index;
         *dst = (outs.accumulate ? *dst : 0.0f) + acc[nt][2 * h + e] + bias;
@@ -830,12 +833,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 //       m16n8k16 where the scales are per 16; times s in int32),
 //   M = sum over units of m * (the sum of x's levels over the unit)  (a second m16n8k32 whose A
 //       holds m in every byte of its unit: the mma sums it for free),
-// both exact integers; one float step a block. The block of kMmaWarps warps takes kMmaRows weight
-// rows and all n rows of x, as quant_mma_kernel does, a block of 256 (a chunk) at a time: the
+// both exact integers; one float step a block. The block takes kMmaRows weight rows and all n rows
+// of x, as quant_mma_kernel does (its warps: kImmaWarps), a block of 256 (a chunk) at a time: the
 // chunk's raw blocks and x's levels staged by cp.async (the next chunk's in flight: one barrier a
-// chunk), each warp widening its own 16 rows to int8 levels and integer scales in shared memory
-// (decode<T>'s levels). The sums of each output are its own, in a fixed order for a given NT and
-// split (both change with n: at 16/17 and 32/33 rows of x). On the H100 (bench/gpu/qgemv.cu) llama-8b's matrices at 64 rows of x take
+// chunk), each warp (or pair of warps) widening its own 16 rows to int8 levels and integer scales
+// in shared memory (decode<T>'s levels). The sums of each output are its own, in a fixed order for
+// a given NT and split (both change with n: at 16/17 and 32/33 rows of x). On the H100 (bench/gpu/qgemv.cu) llama-8b's matrices at 64 rows of x take
 // 0.55-0.91 of quant_mma's time (0.42-0.76 at 16 rows): the kernel is bound by issue latency (5.8
 // cycles an instruction, 2.6 warps a scheduler), the products under half of its instructions.
 __host__ __device__ constexpr bool imma_type(DType t) {
@@ -913,14 +916,26 @@ constexpr int64_t imma_smem_bytes() {
          2 * 8 * NT * 4;
 }
 
-// (Registers bounded for 3-4 resident blocks a multiprocessor: unbounded, ptxas took 240-255 and
-// two blocks fit.)
+// The block's warps for 8 NT rows of x: up to 32, kMmaWarps, each all of x's rows for its 16
+// weight rows (acc, S and M: 3 x 4 NT registers a thread); 33-64, twice as many, each pair of
+// warps on the same 16 rows and each of the pair on half of x's rows. At 64 rows one warp held 96
+// such registers: ptxas bounded at 168 (3 blocks) spilled 40-90 bytes and 3 blocks of 4 warps
+// were 2.6 warps a scheduler; the pairs take 118-128 registers without spills, 2 blocks of 8 warps
+// a multiprocessor (H100, llama-8b Q4_K_M at 64 sessions: 4,448 -> 5,095 tok/s).
+template <int NT>
+constexpr int kImmaWarps = NT >= 8 ? 2 * kMmaWarps : kMmaWarps;
+
+// (Registers bounded for 2-4 resident blocks a multiprocessor: unbounded, ptxas took 240-255 with
+// four warps and two blocks fit.)
 template <DType T, int NT>
-__global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
+__global__ void __launch_bounds__(kImmaWarps<NT> * 32, kImmaWarps<NT> == kMmaWarps ? 4 : 2)
     quant_imma_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                       GemvOut outs, int n, int64_t in, float* __restrict__ partial, int* __restrict__ arrived) {
   static_assert(imma_type(T) && kUnits<T> == kImmaUnits);
-  constexpr int kStaged = kImmaStaged<T>, kXRows = 8 * NT, kThreads = kMmaWarps * 32;
+  constexpr int W = kImmaWarps<NT>;
+  static_assert(W == kMmaWarps || (W == 2 * kMmaWarps && NT % 4 == 0));
+  constexpr int kStaged = kImmaStaged<T>, kXRows = 8 * NT, kThreads = W * 32;
+  constexpr int kPair = W / kMmaWarps, NTW = NT / kPair;  // warps on the same rows; this warp's n-tiles
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* wbuf = smem;
   uint4* levels = reinterpret_cast<uint4*>(smem + 2 * kMmaRows * kStaged);  // [kMmaRows][kImmaPieces]
@@ -928,7 +943,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
   uint32_t* scales = reinterpret_cast<uint32_t*>(xbuf + 2 * kXRows * kImmaPieces);
   float2* dd = reinterpret_cast<float2*>(scales + kMmaRows * kImmaScaleStride);
   float* dxs = reinterpret_cast<float*>(dd + kMmaRows);  // [2][kXRows]
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4;
+  // This warp's rows from warp * 16, its x rows from col0 (half: which of its pair).
+  const int warp = kPair == 1 ? tid / 32 : tid / 32 % kMmaWarps, half = kPair == 1 ? 0 : tid / 32 / kMmaWarps;
+  const int col0 = half * NTW * 8;
   const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
   const int64_t nb = in / 256, row_bytes = nb * kBlockBytes<T>;
@@ -971,9 +989,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
   // b0, b1 of both.
   const int a_row = warp * 16 + (lane & 7) + (lane >> 3 & 1) * 8, a_half = lane >> 4;
   const int b_row = (lane & 7) + (lane >> 4) * 8, b_half = lane >> 3 & 1;
-  const uint32_t a_base = smem_addr(levels + a_row * kImmaPieces), b_base0 = smem_addr(xbuf + b_row * kImmaPieces);
+  const uint32_t a_base = smem_addr(levels + a_row * kImmaPieces), b_base0 = smem_addr(xbuf + (col0 + b_row) * kImmaPieces);
   const int r_lo = warp * 16 + g;  // this thread's C rows: r_lo, r_lo + 8
-  float acc[NT][4] = {};
+  float acc[NTW][4] = {};
   for (int c = c_begin; c < c_end; ++c) {
     const int slot = (c - c_begin) & 1;
     cp_async_wait<0>();  // chunk c
@@ -981,10 +999,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
     if (c + 1 < c_end) stage_w(c + 1, slot ^ 1), stage_x(c + 1, slot ^ 1);
     cp_async_commit();
     const uint32_t b_base = b_base0 + slot * kXRows * 256;
-    // The warp's 16 rows to levels and integer scales: a lane two units (2k, 2k + 1: the same bytes
-    // of nibbles in Q4_K / Q5_K, read once), 8 rows at a time.
+    // The warp's 16 rows (its pair's) to levels and integer scales: a lane two units (2k, 2k + 1:
+    // the same bytes of nibbles in Q4_K / Q5_K, read once), 8 rows at a time.
 #pragma unroll 1
-    for (int i = lane; i < 16 * kImmaUnits / 2; i += 32) {
+    for (int i = half * 32 + lane; i < 16 * kImmaUnits / 2; i += 32 * kPair) {
       const int r = warp * 16 + i / (kImmaUnits / 2), u0 = 2 * (i % (kImmaUnits / 2));
       uint4* dst = levels + r * kImmaPieces;
       if (row0 + r >= rows) {  // past the weight's rows: zeros
@@ -1009,8 +1027,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
       }
       if (u0 == 0) dd[r] = block_scales<T>(b);
     }
-    __syncwarp();  // (each warp widens only the rows it multiplies)
-    int s_sum[NT][4] = {}, m_sum[NT][4] = {};
+    // (each warp widens only the rows it multiplies, or its pair's)
+    if constexpr (kPair == 1) {
+      __syncwarp();
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"r"(1 + warp), "r"(32 * kPair) : "memory");
+    }
+    int s_sum[NTW][4] = {}, m_sum[NTW][4] = {};
 #pragma unroll 2
     for (int j = 0; j < kImmaUnits; ++j) {
       uint32_t a[4];
@@ -1022,7 +1045,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
       const uint32_t am[4] = {__byte_perm(s_lo, 0, 0x2222), __byte_perm(s_hi, 0, 0x2222), __byte_perm(s_lo, 0, 0x3333),
                               __byte_perm(s_hi, 0, 0x3333)};
 #pragma unroll
-      for (int nt = 0; nt < NT; nt += 2) {
+      for (int nt = 0; nt < NTW; nt += 2) {
         uint32_t b[4];  // b0, b1 of n-tile nt, then of nt + 1
         ldmatrix_x4(b, b_base + nt * 8 * 256 + (((2 * j + b_half) ^ (b_row & 7)) << 4));
 #pragma unroll
@@ -1046,8 +1069,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
     // The block's step: y += dx (d S - dmin M).
     const float2 d_lo = dd[r_lo], d_hi = dd[r_lo + 8];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const float2 dx2 = *reinterpret_cast<const float2*>(dxs + slot * kXRows + nt * 8 + 2 * t);  // (0 past n)
+    for (int nt = 0; nt < NTW; ++nt) {
+      const float2 dx2 = *reinterpret_cast<const float2*>(dxs + slot * kXRows + col0 + nt * 8 + 2 * t);  // (0 past n)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float dx = e == 0 ? dx2.x : dx2.y;
@@ -1062,7 +1085,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, NT >= 8 ? 3 : 4)
     }
   }
   cp_async_wait<0>();
-  store_tile<NT>(acc, outs, n, rows, row0, partial, arrived);
+  store_tile<NTW, kXRows>(acc, outs, n, rows, row0, partial, arrived, warp, col0);
 }
 
 // The chosen experts' products of a batched step (quant_mma_experts): block (x, y) takes weight
@@ -1333,9 +1356,9 @@ int mma_splits(int64_t rows, int64_t chunks, int64_t slots, int nt) {
 
 // Blocks of a batch kernel resident on the device at once, with smem bytes of shared memory each.
 template <typename Kernel>
-int64_t resident_tiles(Kernel kernel, size_t smem) {
+int64_t resident_tiles(Kernel kernel, size_t smem, int threads = kMmaWarps * 32) {
   int per_sm = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaWarps * 32, smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
   cudaGetLastError();
   return int64_t{std::max(1, per_sm)} * device_sms();
 }
@@ -1385,13 +1408,14 @@ struct MmaVariant {
 // One instantiation of the 8-bit batch kernel and its launch (as MmaVariant; x: quantize_activations').
 template <DType T, int NT>
 struct ImmaVariant {
+  static constexpr int W = kImmaWarps<NT>;
   static size_t smem() {
     constexpr auto bytes = static_cast<size_t>(imma_smem_bytes<T, NT>());
     allow_dynamic_smem<quant_imma_kernel<T, NT>>(bytes);
     return bytes;
   }
   static int64_t slots() {
-    static const int64_t n = resident_tiles(quant_imma_kernel<T, NT>, smem());
+    static const int64_t n = resident_tiles(quant_imma_kernel<T, NT>, smem(), W * 32);
     return n;
   }
   static int splits(int64_t rows, int64_t in) { return mma_splits(rows, in / 256, slots(), NT); }
@@ -1402,7 +1426,7 @@ struct ImmaVariant {
     COMBS_RETURN_IF_ERROR(check_mma_tiles(rows, "cuda quant_imma"));
     const dim3 grid(static_cast<unsigned>(mma_tiles(rows)), static_cast<unsigned>(splits(rows, in)));
     const SplitScratch sc = split_scratch(scratch);
-    return cuda_status(launch_pdl(quant_imma_kernel<T, NT>, grid, dim3(kMmaWarps * 32), smem(), st, w, q, d, outs, n, in,
+    return cuda_status(launch_pdl(quant_imma_kernel<T, NT>, grid, dim3(W * 32), smem(), st, w, q, d, outs, n, in,
                                   sc.partial, sc.arrived),
                        "quant_imma_kernel");
   }

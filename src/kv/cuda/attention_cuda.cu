@@ -5,8 +5,9 @@
 // prefill tiles and decode tokens alike; f32 caches use a CUDA-core kernel (attention_kernel).
 // Both serve a whole GQA group per block, so each K/V row is read once per group, with the online
 // softmax in f32 (exp2, log2e folded into the scale). Decode splits long contexts across blocks
-// (split-KV) and merges them by log-sum-exp in a second kernel (merge_splits_kernel), which lets
-// the next one (the output projection) launch once the attention is done. COMBS_ATTN=manual runs a
+// (split-KV) and merges them by log-sum-exp: on tensor cores with at most 8 splits in the last
+// split's block to finish (merge_in_last_split), else in a second kernel (merge_splits_kernel),
+// which lets the next one (the output projection) launch once the attention is done. COMBS_ATTN=manual runs a
 // simple reference instead (scores in global memory, softmax, P@V).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -351,16 +352,37 @@ __device__ inline void merge_into(MergeState& st, float m, float l, float4 o) {
   st.mx = m_new;
 }
 
+// Folds splits [b, e) of a batch of U loaded partials (ml: (m, l) in exp2 units; po: four output
+// dimensions) into a running (mx, L, O): the batch's maximum first, then each split scaled to it;
+// empty splits (m = -inf) count for nothing.
+template <int U>
+__device__ inline void fold_batch(float& mx, float& L, float4& O, const float2 (&ml)[U], const float4 (&po)[U], int b, int e) {
+  float m_new = mx;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (u >= b && u < e) m_new = fmaxf(m_new, ml[u].x);
+  }
+  if (m_new == -INFINITY) return;  // only empty splits so far
+  const float c = exp2f(mx - m_new);  // 0 while mx is -inf
+  L *= c, O.x *= c, O.y *= c, O.z *= c, O.w *= c;
+  mx = m_new;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (u < b || u >= e || ml[u].x == -INFINITY) continue;  // outside the range, or empty
+    const float f = exp2f(ml[u].x - mx);
+    L += ml[u].y * f;
+    O.x += po[u].x * f, O.y += po[u].y * f, O.z += po[u].z * f, O.w += po[u].w * f;
+  }
+}
+
 // The log-sum-exp merge of splits [sp_begin, sp_end) of one output row (part_o [rows,
 // grid_splits, hd], part_ml [rows, grid_splits] of (m, l), exp2 units) for the four dimensions at
 // d4: kMergeBatch splits' partials requested at once (a loop waiting on each load would take a
-// round trip to L2 per split), read from L2 (__ldcg: other blocks wrote them), with a running
-// maximum; empty splits (m = -inf) count for nothing.
+// round trip to L2 per split), read from L2 (__ldcg: other blocks wrote them).
 __device__ inline MergeState merge_splits4(const float* part_o, const float* part_ml, int64_t row, int grid_splits,
                                            int sp_begin, int sp_end, int hd, int d4) {
   constexpr int U = kMergeBatch;
-  float mx = -INFINITY, L = 0.0f;
-  float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  MergeState st;
   for (int sp0 = sp_begin; sp0 < sp_end; sp0 += U) {
     float2 ml[U];
     float4 po[U];
@@ -371,24 +393,58 @@ __device__ inline MergeState merge_splits4(const float* part_o, const float* par
         po[u] = __ldcg(reinterpret_cast<const float4*>(part_o + (row * grid_splits + sp0 + u) * hd) + d4);
       }
     }
-    float m_new = mx;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (sp0 + u < sp_end) m_new = fmaxf(m_new, ml[u].x);
-    }
-    if (m_new == -INFINITY) continue;  // only empty splits so far
-    const float c = exp2f(mx - m_new);  // 0 while mx is -inf
-    L *= c, O.x *= c, O.y *= c, O.z *= c, O.w *= c;
-    mx = m_new;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (sp0 + u >= sp_end || ml[u].x == -INFINITY) continue;  // past the range, or empty
-      const float f = exp2f(ml[u].x - mx);
-      L += ml[u].y * f;
-      O.x += po[u].x * f, O.y += po[u].y * f, O.z += po[u].z * f, O.w += po[u].w * f;
-    }
+    fold_batch<U>(st.mx, st.l, st.o, ml, po, 0, sp_end - sp0);
   }
-  return MergeState{mx, L, O};
+  return st;
+}
+
+// Decode grids of at most kFoldMaxSplits splits merge them in the last split's block to finish
+// (instead of merge_splits_kernel, a second launch: 20 us a llama-8b layer at 64 sessions, mostly
+// its latency; H100, llama-8b Q4_K_M at 64 sessions 4,448 -> 4,471 tok/s); a counter per token and
+// KV head, at most kFoldCounters of them, at the start of the attention's scratch. Longer splits
+// lists (few sequences) keep the merge kernel, which spreads a row's splits over four groups.
+constexpr int kFoldMaxSplits = 8, kFoldCounters = 16384;
+
+// A decode block's end when its token's splits are merged in the last of them: each block has
+// written its partials; the last to arrive (counter: left at zero again) merges the group's G rows
+// (row0 ..) into out, in merge_splits_kernel's order (the splits in kMergeGroups ranges, each
+// folded as merge_splits4 does, then the ranges in order: the same operations, the same numbers).
+// NT: the block's threads.
+template <int HD, int NT>
+__device__ void merge_in_last_split(const float* part_o, const float* part_ml, float* out, int* counter, int64_t row0, int G,
+                                    int n_q, int splits, LayerDev L) {
+  __shared__ int last;
+  __threadfence();  // this block's partials, before its arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int grid_splits = static_cast<int>(gridDim.z);
+  for (int i = threadIdx.x; i < G * (HD / 4); i += NT) {
+    const int64_t row = row0 + i / (HD / 4);
+    const int d4 = i % (HD / 4);
+    float2 ml[kFoldMaxSplits];
+    float4 po[kFoldMaxSplits];
+#pragma unroll
+    for (int u = 0; u < kFoldMaxSplits; ++u) {
+      if (u < splits) {
+        ml[u] = __ldcg(reinterpret_cast<const float2*>(part_ml) + row * grid_splits + u);
+        po[u] = __ldcg(reinterpret_cast<const float4*>(part_o + (row * grid_splits + u) * HD) + d4);
+      }
+    }
+    MergeState st;
+#pragma unroll
+    for (int g = 0; g < kMergeGroups; ++g) {
+      MergeState p;
+      fold_batch<kFoldMaxSplits>(p.mx, p.l, p.o, ml, po, splits * g / kMergeGroups, splits * (g + 1) / kMergeGroups);
+      if (g == 0) st = p;
+      else merge_into(st, p.mx, p.l, p.o);
+    }
+    const float den = st.l + L.sink_term(static_cast<int>(row % n_q), st.mx);
+    reinterpret_cast<float4*>(out + row * HD)[d4] = make_float4(st.o.x / den, st.o.y / den, st.o.z / den, st.o.w / den);
+  }
+  if (threadIdx.x == 0) *counter = 0;  // for the next launch
 }
 
 // The tensor-core kernels' shapes: prefill blocks of 4 warps (64 query rows) with 64-key tiles;
@@ -415,7 +471,8 @@ struct FlashShape {
 template <typename T, int HD, int R>
 __global__ void __launch_bounds__(FlashShape<HD, R>::kThreads)
     flash_kernel(const Meta M, const int32_t* __restrict__ tiles, const float* __restrict__ q, float* __restrict__ out,
-                 float* __restrict__ part_o, float* __restrict__ part_ml, int n_kv, int G, float scale_log2, LayerDev L) {
+                 float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ arrived, int n_kv, int G,
+                 float scale_log2, LayerDev L) {
   constexpr int KT = FlashShape<HD, R>::kKeys, STAGES = FlashShape<HD, R>::kStages;
   constexpr int DW = FlashShape<HD, R>::kDimWarps, OD = HD / DW;  // warps sharing rows; output dims a warp
   constexpr int NT = FlashShape<HD, R>::kThreads, CH = HD / 8, LOADS = KT * CH / NT;  // 16-byte chunks per row; per thread per tile
@@ -431,7 +488,8 @@ __global__ void __launch_bounds__(FlashShape<HD, R>::kThreads)
   // every block of this one has started (it waits for this grid's completion before reading
   // anything). Not a projection: its persistent blocks, launched early, would wait for SMs still
   // busy here (measured: single-session decode 904 -> 867 tok/s).
-  if (!decode || gridDim.z > 1) cuda::pdl_launch_dependents();
+  // (Where the last split's block merges the splits itself, the next kernel is the projection.)
+  if (!decode || (gridDim.z > 1 && !arrived)) cuda::pdl_launch_dependents();
   cuda::pdl_wait();  // every block, before any exit: this grid completes only after the one before
   int tl0, ntok, split = 0, splits = 1;
   int64_t kb = 0, ke;
@@ -620,6 +678,8 @@ __global__ void __launch_bounds__(FlashShape<HD, R>::kThreads)
       if (quad == 0 && dw == 0) part_ml[prow * 2] = m[h], part_ml[prow * 2 + 1] = l[h];
     }
   }
+  if (splits > 1 && arrived) merge_in_last_split<HD, NT>(part_o, part_ml, out, arrived + blockIdx.x * n_kv + kvh,
+                                                          static_cast<int64_t>(blockIdx.x) * n_q + kvh * G, G, n_q, splits, L);
 }
 
 // grid (tokens * n_q); block (head_dim / 4 threads rounded up to a warp, kMergeGroups). The merge
@@ -749,20 +809,20 @@ int flash_keys(int hd, int R) {
 
 template <typename T, int HD, int R>
 cudaError_t launch_flash(dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles, const float* q, float* out,
-                         float* part_o, float* part_ml, int n_kv, int G, float scale_log2, LayerDev L) {
+                         float* part_o, float* part_ml, int* arrived, int n_kv, int G, float scale_log2, LayerDev L) {
   if (const cudaError_t e = flash_attr<T, HD, R>(); e != cudaSuccess) return e;
   return cuda::launch_pdl(flash_kernel<T, HD, R>, grid, dim3(FlashShape<HD, R>::kThreads), FlashShape<HD, R>::kSmemBytes, st, M,
-                          tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
+                          tiles, q, out, part_o, part_ml, arrived, n_kv, G, scale_log2, L);
 }
 
 // The tensor-core kernel for a cache of T: head_dim 64, 128 or 256, R warps per block (1 or 4).
 template <typename T>
 cudaError_t launch_flash(int hd, int R, dim3 grid, cudaStream_t st, const Meta& M, const int32_t* tiles,
-                         const float* q, float* out, float* part_o, float* part_ml, int n_kv, int G,
+                         const float* q, float* out, float* part_o, float* part_ml, int* arrived, int n_kv, int G,
                          float scale_log2, LayerDev L) {
   return with_head_dim(hd, [&](auto HD) {
-    return R == 1 ? launch_flash<T, decltype(HD)::value, 1>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L)
-                  : launch_flash<T, decltype(HD)::value, 4>(grid, st, M, tiles, q, out, part_o, part_ml, n_kv, G, scale_log2, L);
+    return R == 1 ? launch_flash<T, decltype(HD)::value, 1>(grid, st, M, tiles, q, out, part_o, part_ml, arrived, n_kv, G, scale_log2, L)
+                  : launch_flash<T, decltype(HD)::value, 4>(grid, st, M, tiles, q, out, part_o, part_ml, arrived, n_kv, G, scale_log2, L);
   });
 }
 
@@ -821,12 +881,13 @@ class CudaAttentionPlan final : public DeviceAttentionPlan {
   float* part_o_ = nullptr;
   float* part_ml_ = nullptr;
   float* scores_ = nullptr;
+  int* counters_ = nullptr;  // the last split's merge (fold_): kFoldCounters at the scratch's start
   int64_t tokens_ = 0, n_tiles_ = 0, n_decode_ = 0, max_ctx_ = 0;
   int n_kv_ = 0, n_q_ = 0, hd_ = 0, grid_splits_ = 1;
   DType dtype_ = DType::kF32;
   RopeDev rope_{nullptr, 0, false};
   AttentionImpl impl_ = AttentionImpl::kFlash;
-  bool attend_ = false, shared_arena_ = true, tensor_cores_ = false;
+  bool attend_ = false, shared_arena_ = true, tensor_cores_ = false, fold_ = false;
 };
 
 // Where the cache holds f16 or bf16, the head_dim is 64 or 128 and a GQA group has at most 64
@@ -930,8 +991,14 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
   const size_t manual_bytes = attend && impl == AttentionImpl::kManual ? static_cast<size_t>(tokens_ * n_q * max_ctx_) * 4 : 0;
   // Slot 2 of the scratch (this plan's alone): the partials or the reference's scores.
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
-  COMBS_ASSIGN_OR_RETURN(void* scratch, b_.scratch(align(part_o_bytes) + align(part_ml_bytes) + manual_bytes + 256, CudaBackend::kAttentionSlot));
-  part_o_ = static_cast<float*>(scratch);
+  // The counters first, always there (zeroed when the slot is allocated; each merge leaves its own
+  // at zero), so that no plan's partials land on them.
+  constexpr size_t kCounterBytes = kFoldCounters * sizeof(int);
+  COMBS_ASSIGN_OR_RETURN(void* scratch, b_.scratch(kCounterBytes + align(part_o_bytes) + align(part_ml_bytes) + manual_bytes + 256,
+                                                   CudaBackend::kAttentionSlot));
+  counters_ = static_cast<int*>(scratch);
+  fold_ = tensor_cores && grid_splits_ > 1 && grid_splits_ <= kFoldMaxSplits && tokens_ * n_kv <= kFoldCounters;
+  part_o_ = reinterpret_cast<float*>(static_cast<char*>(scratch) + kCounterBytes);
   part_ml_ = reinterpret_cast<float*>(reinterpret_cast<char*>(part_o_) + align(part_o_bytes));
   scores_ = reinterpret_cast<float*>(reinterpret_cast<char*>(part_ml_) + align(part_ml_bytes));
   return ok_status();
@@ -958,7 +1025,7 @@ uint64_t CudaAttentionPlan::key() const {
                              static_cast<uint64_t>(grid_splits_), static_cast<uint64_t>(M_.prefill_min),
                              static_cast<uint64_t>(n_kv_) << 32 | static_cast<uint32_t>(n_q_),
                              static_cast<uint64_t>(hd_) << 8 | static_cast<uint64_t>(dtype_),
-                             static_cast<uint64_t>(attend_) << 1 | static_cast<uint64_t>(tensor_cores_),
+                             static_cast<uint64_t>(fold_) << 2 | static_cast<uint64_t>(attend_) << 1 | static_cast<uint64_t>(tensor_cores_),
                              reinterpret_cast<uintptr_t>(rope_.inv_freq),
                              static_cast<uint64_t>(rope_.rope_dim) << 1 | static_cast<uint64_t>(rope_.adjacent)};
   uint64_t h = 0;
@@ -1019,20 +1086,21 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
     const dim3 pgrid(static_cast<unsigned>(n_tiles_), static_cast<unsigned>(n_kv));
     COMBS_CUDA_RETURN_IF_ERROR(
         f16 ? launch_flash<__half>(hd, 4, pgrid, st, M, d_tiles_, q.data_as<float>(), out->data_as<float>(), nullptr,
-                                   nullptr, n_kv, G, scale_log2, L)
+                                   nullptr, nullptr, n_kv, G, scale_log2, L)
             : launch_flash<__nv_bfloat16>(hd, 4, pgrid, st, M, d_tiles_, q.data_as<float>(), out->data_as<float>(),
-                                          nullptr, nullptr, n_kv, G, scale_log2, L));
+                                          nullptr, nullptr, nullptr, n_kv, G, scale_log2, L));
   }
   if (n_decode_ == 0) return ok_status();
   const dim3 grid(static_cast<unsigned>(tokens_), static_cast<unsigned>(n_kv), static_cast<unsigned>(grid_splits_));
   bool ok = true;
   if (tensor_cores_) {
     const int R = G <= 16 ? 1 : 4;
+    int* arrived = fold_ ? counters_ : nullptr;
     COMBS_CUDA_RETURN_IF_ERROR(
         f16 ? launch_flash<__half>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(), part_o_,
-                                   part_ml_, n_kv, G, scale_log2, L)
+                                   part_ml_, arrived, n_kv, G, scale_log2, L)
             : launch_flash<__nv_bfloat16>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(),
-                                          part_o_, part_ml_, n_kv, G, scale_log2, L));
+                                          part_o_, part_ml_, arrived, n_kv, G, scale_log2, L));
   } else {
     ok = dtype_ == DType::kF32 &&
          dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2, L);
@@ -1044,7 +1112,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
                                "f32 caches 1/2/4/8; COMBS_ATTN=manual runs any)");
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (grid_splits_ > 1) {
+  if (grid_splits_ > 1 && !(tensor_cores_ && fold_)) {
     if (hd > 256) return internal_error("attention (cuda): split merge of head_dim above 256");
     const unsigned mthreads = static_cast<unsigned>((hd / 4 + 31) / 32 * 32);
     cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(mthreads, kMergeGroups), 0, st, M, part_o_,
