@@ -194,9 +194,10 @@ TEST_CASE("cuda decode over short contexts, a few splits each, matches the cpu",
 }
 
 TEST_CASE("cuda decode of many sequences merges its splits in the last split's block", "[cuda]") {
-  // Enough decode tokens x KV heads that the grid takes at most 8 splits (on an H100 / H200: 2 to 7
-  // here), so the last split's block to finish merges each token's (no merge kernel): every head
-  // size and block shape, windows that leave splits empty, sinks, prefill tiles in the same call.
+  // Enough decode tokens x KV heads that the grid takes at most 8 splits (on an H100 / H200, 132
+  // multiprocessors: 3 or 4 here), so the last split's block to finish merges each token's (no
+  // merge kernel): every head size with blocks of 1 (2 for head_dim 256) and 4 warps, windows that
+  // leave splits empty (2 keys over up to 4 splits), sinks, prefill tiles in the same call.
   auto gpu = gpu_or_skip();
   if (!gpu) return;
   auto decodes = [](int n, int64_t base, int64_t step) {
@@ -207,13 +208,16 @@ TEST_CASE("cuda decode of many sequences merges its splits in the last split's b
   run_case(*gpu, {16, 8, 4, 128, DType::kBF16, decodes(24, 40, 23)}, 401);
   run_case(*gpu, {32, 8, 8, 64, DType::kF16, decodes(20, 70, 37)}, 402);
   run_case(*gpu, {16, 4, 2, 256, DType::kBF16, decodes(20, 30, 41)}, 403);  // two warps a block
-  run_case(*gpu, {16, 2, 20, 128, DType::kBF16, decodes(40, 60, 29)}, 404);  // four warps a block
+  for (int head_dim : {64, 128, 256}) {  // four warps a block
+    INFO("group 20 head_dim " << head_dim);
+    run_case(*gpu, {16, 2, 20, head_dim, DType::kBF16, decodes(40, 60, 29)}, 404);
+  }
   auto mixed = decodes(30, 50, 31);
   mixed.insert(mixed.begin(), {{0, 37}, {300, 64}});
   run_case(*gpu, {16, 8, 4, 128, DType::kF16, mixed}, 405);
   std::vector<float> sinks;
   for (int h = 0; h < 32; ++h) sinks.push_back(std::array<float, 4>{-20.0f, 0.5f, 2.0f, 30.0f}[h % 4]);
-  for (int64_t window : {7, 128}) {
+  for (int64_t window : {2, 7, 128}) {
     INFO("window " << window);
     run_case(*gpu, {16, 8, 4, 64, DType::kBF16, decodes(24, 100, 53), AttentionParams(0.125f, window, 0.0f), sinks}, 406);
   }
