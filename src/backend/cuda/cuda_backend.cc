@@ -86,13 +86,13 @@ StatusOr<void*> CudaBackend::scratch(size_t bytes, int slot) {
   if (slot < 0 || slot >= kScratchSlots) return invalid_argument_error("cuda scratch: no slot " + std::to_string(slot));
   if (bytes > impl_->scratch_bytes[slot]) {
     COMBS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl_->stream));  // the old scratch may be in use
-    // Grown by half again at least, so a slowly growing user (page tables) moves it rarely.
-    bytes = std::max({bytes, impl_->scratch_bytes[slot] + impl_->scratch_bytes[slot] / 2, size_t{64} << 10});
     ++impl_->generation;
     if (impl_->scratch[slot]) cudaFree(impl_->scratch[slot]);
     impl_->scratch[slot] = nullptr;
     impl_->scratch_bytes[slot] = 0;
     impl_->last_upload[slot].clear();
+    // Grown by half again at least, so a slowly growing user (page tables) moves it rarely.
+    bytes = std::max({bytes, impl_->scratch_bytes[slot] + impl_->scratch_bytes[slot] / 2, size_t{64} << 10});
     if (cudaError_t e = cudaMalloc(&impl_->scratch[slot], bytes); e != cudaSuccess) {
       cudaGetLastError();
       return cuda::cuda_status(e, "cudaMalloc(scratch)");
