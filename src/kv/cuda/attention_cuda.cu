@@ -352,6 +352,13 @@ __device__ inline void merge_into(MergeState& st, float m, float l, float4 o) {
   st.mx = m_new;
 }
 
+// A merged row's four output dimensions at d4, normalized (the query head's sink joins the
+// denominator), to out [rows, hd]: both merges' last step.
+__device__ inline void store_merged(float* out, int64_t row, int hd, int d4, const MergeState& st, const LayerDev& L, int n_q) {
+  const float den = st.l + L.sink_term(static_cast<int>(row % n_q), st.mx);
+  reinterpret_cast<float4*>(out + row * hd)[d4] = make_float4(st.o.x / den, st.o.y / den, st.o.z / den, st.o.w / den);
+}
+
 // Folds splits [b, e) of a batch of U loaded partials (ml: (m, l) in exp2 units; po: four output
 // dimensions) into a running (mx, L, O): the batch's maximum first, then each split scaled to it;
 // empty splits (m = -inf) count for nothing.
@@ -441,8 +448,7 @@ __device__ void merge_in_last_split(const float* part_o, const float* part_ml, f
       if (g == 0) st = p;
       else merge_into(st, p.mx, p.l, p.o);
     }
-    const float den = st.l + L.sink_term(static_cast<int>(row % n_q), st.mx);
-    reinterpret_cast<float4*>(out + row * HD)[d4] = make_float4(st.o.x / den, st.o.y / den, st.o.z / den, st.o.w / den);
+    store_merged(out, row, HD, d4, st, L, n_q);
   }
   if (threadIdx.x == 0) *counter = 0;  // for the next launch
 }
@@ -709,8 +715,7 @@ __global__ void merge_splits_kernel(const Meta meta, const float* __restrict__ p
   __syncthreads();
   if (!active || g > 0) return;
   for (int i = 0; i < kMergeGroups - 1; ++i) merge_into(st, groups[i][d4].mx, groups[i][d4].l, groups[i][d4].o);
-  const float den = st.l + L.sink_term(static_cast<int>(row % n_q), st.mx);
-  reinterpret_cast<float4*>(out + row * hd)[d4] = make_float4(st.o.x / den, st.o.y / den, st.o.z / den, st.o.w / den);
+  store_merged(out, row, hd, d4, st, L, n_q);
 }
 
 // The reference: grid (tokens, n_q); scores of one row in scratch [tokens, n_q, max_ctx].
@@ -1112,7 +1117,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
                                "f32 caches 1/2/4/8; COMBS_ATTN=manual runs any)");
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (grid_splits_ > 1 && !(tensor_cores_ && fold_)) {
+  if (grid_splits_ > 1 && !fold_) {  // (fold_: tensor cores only)
     if (hd > 256) return internal_error("attention (cuda): split merge of head_dim above 256");
     const unsigned mthreads = static_cast<unsigned>((hd / 4 + 31) / 32 * 32);
     cuda::launch_pdl(merge_splits_kernel, dim3(static_cast<unsigned>(tokens_ * n_q)), dim3(mthreads, kMergeGroups), 0, st, M, part_o_,
