@@ -9,6 +9,7 @@
 
 #include "combs/backend/dtype.h"
 #include "combs/backend/quant.h"
+#include "cpu/kernels/scale_search.h"
 
 namespace combs {
 namespace {
@@ -31,6 +32,19 @@ int nearest(float v, int lo, int hi) {
   return std::clamp(static_cast<int>(t), lo, hi);
 }
 
+// Where the CPU has AVX-512, scale_search.h's vectors take the searches' divisions and roundings:
+// each value's the same operations, the sums over the values still in order here.
+bool wide() {
+  static const bool v = __builtin_cpu_supports("avx512f");
+  return v;
+}
+
+// q[i] = nearest((x[i] + off) / d, lo, hi), i < n.
+void levels(const float* x, int n, float off, float d, int lo, int hi, int* q) {
+  if (wide() && n % 16 == 0) return cpu::avx512::levels(x, n, off, d, lo, hi, q);
+  for (int i = 0; i < n; ++i) q[i] = nearest((x[i] + off) / d, lo, hi);
+}
+
 // The scale d of n values whose levels are the integers lo..hi (value d * q) that minimizes the
 // squared error, among scales that put the value of largest magnitude near an end of the range
 // (steps of a tenth of a level, up to half a level either way) and the least-squares refit of
@@ -40,32 +54,45 @@ float best_scale(const float* x, int n, int lo, int hi) {
   for (int i = 0; i < n; ++i)
     if (std::fabs(x[i]) > std::fabs(m)) m = x[i];
   if (m == 0.0f) return 0.0f;
+  // (x[i] + 0) / d rounds as x[i] / d does: only -0 becomes +0, both level 0.
+  int q[32];
   auto error = [&](float d) {
     if (d == 0.0f) return std::numeric_limits<double>::infinity();
+    levels(x, n, 0.0f, d, lo, hi, q);
     double e = 0;
     for (int i = 0; i < n; ++i) {
-      const double r = x[i] - d * nearest(x[i] / d, lo, hi);
+      const double r = x[i] - d * q[i];
       e += r * r;
     }
     return e;
   };
   auto refit = [&](float d) {
+    levels(x, n, 0.0f, d, lo, hi, q);
     double qx = 0, qq = 0;
-    for (int i = 0; i < n; ++i) {
-      const int q = nearest(x[i] / d, lo, hi);
-      qx += double(q) * x[i], qq += double(q) * q;
-    }
+    for (int i = 0; i < n; ++i) qx += double(q[i]) * x[i], qq += double(q[i]) * q[i];
     return qq > 0 ? static_cast<float>(qx / qq) : d;
   };
-  float best = m / static_cast<float>(m > 0 ? hi : lo);
-  double best_e = error(best);
+  // The candidates in order: the first, then each end's (the errors of all at once where the CPU
+  // has AVX-512: the same sums, scale_search.h), the best the first of the least error.
+  float d[23];
+  int count = 0;
+  d[count++] = m / static_cast<float>(m > 0 ? hi : lo);
   for (int end : {lo, hi}) {
     for (int k = -5; k <= 5; ++k) {
       const float level = static_cast<float>(end) + 0.1f * static_cast<float>(k);
-      if (level == 0.0f) continue;
-      if (const double e = error(m / level); e < best_e) best_e = e, best = m / level;
+      if (level != 0.0f) d[count++] = m / level;
     }
   }
+  double e[23];
+  if (wide() && std::all_of(d, d + count, [](float v) { return v != 0.0f; })) {
+    cpu::avx512::scale_errors(x, n, lo, hi, d, count, e);
+  } else {
+    for (int j = 0; j < count; ++j) e[j] = error(d[j]);
+  }
+  float best = d[0];
+  double best_e = e[0];
+  for (int j = 1; j < count; ++j)
+    if (e[j] < best_e) best_e = e[j], best = d[j];
   const float r = refit(best);
   return error(r) < best_e ? r : best;
 }
@@ -80,10 +107,12 @@ void best_scale_offset(const float* x, int n, int hi, float* d_out, float* off_o
     *d_out = 0.0f, *off_out = -mn;
     return;
   }
+  int q[32];
   auto error = [&](float d, float off) {
+    levels(x, n, off, d, 0, hi, q);
     double e = 0;
     for (int i = 0; i < n; ++i) {
-      const double r = x[i] - (d * nearest((x[i] + off) / d, 0, hi) - off);
+      const double r = x[i] - (d * q[i] - off);
       e += r * r;
     }
     return e;
@@ -97,10 +126,8 @@ void best_scale_offset(const float* x, int n, int hi, float* d_out, float* off_o
       if (const double e = error(d, off); e < best_e) best_e = e, best_d = d, best_off = off;
       // Least squares of x ~ d q - off over the current levels, the offset kept >= 0.
       double sq = 0, sx = 0, sqq = 0, sqx = 0;
-      for (int i = 0; i < n; ++i) {
-        const int q = nearest((x[i] + off) / d, 0, hi);
-        sq += q, sx += x[i], sqq += double(q) * q, sqx += double(q) * x[i];
-      }
+      levels(x, n, off, d, 0, hi, q);
+      for (int i = 0; i < n; ++i) sq += q[i], sx += x[i], sqq += double(q[i]) * q[i], sqx += double(q[i]) * x[i];
       const double det = n * sqq - sq * sq;
       if (det <= 0) break;
       double nd = (n * sqx - sq * sx) / det, noff = -(sx - nd * sq) / n;
@@ -329,6 +356,19 @@ float signed_super_scale(const float* s, int n, int top, int* q) {
   return d;
 }
 
+// The levels of sixteen groups of 16 under scales d sc[g] (all 0 where that is 0): a super-block's
+// values once its scales are set (Q3_K, Q6_K).
+void group_levels(const float* x, float d, const int* sc, int lo, int hi, int* q) {
+  for (int g = 0; g < 16; ++g) {
+    const float dl = d * static_cast<float>(sc[g]);
+    if (dl != 0.0f) {
+      levels(x + 16 * g, 16, 0.0f, dl, lo, hi, q + 16 * g);
+    } else {
+      std::fill(q + 16 * g, q + 16 * g + 16, 0);
+    }
+  }
+}
+
 // Q3_K: sixteen groups of 16, (d sc) q with 6-bit signed sc, levels -4..3 (two bits in qs, the
 // third in hmask).
 void q_q3_k(const float* x, void* out, int64_t nb) {
@@ -346,10 +386,11 @@ void q_q3_k(const float* x, void* out, int64_t nb) {
       p[8 + g % 4] |= static_cast<uint8_t>((v >> 4) << (2 * (g / 4)));
     }
     put_f16(b + 108, d);
+    int q[256];
+    group_levels(x, d, sc, -4, 3, q);
     for (int e = 0; e < 256; ++e) {
-      const int g = e / 16, half = e / 128, s2 = (e % 128) / 32, l = e % 32;
-      const float dl = d * static_cast<float>(sc[g]);
-      const int v = (dl != 0.0f ? nearest(x[e] / dl, -4, 3) : 0) + 4;  // 0 .. 7
+      const int half = e / 128, s2 = (e % 128) / 32, l = e % 32;
+      const int v = q[e] + 4;  // 0 .. 7
       b[32 + 32 * half + l] |= static_cast<uint8_t>((v & 3) << (2 * s2));
       if (v >> 2) b[l] |= static_cast<uint8_t>(1 << (4 * half + s2));
     }
@@ -367,10 +408,11 @@ void q_q6_k(const float* x, void* out, int64_t nb) {
     const float d = signed_super_scale(s, 16, 127, sc);
     for (int g = 0; g < 16; ++g) b[192 + g] = static_cast<uint8_t>(static_cast<int8_t>(sc[g]));
     put_f16(b + 208, d);
+    int q[256];
+    group_levels(x, d, sc, -32, 31, q);
     for (int e = 0; e < 256; ++e) {
-      const int g = e / 16, half = e / 128, s2 = (e % 128) / 32, l = e % 32;
-      const float dl = d * static_cast<float>(sc[g]);
-      const int v = (dl != 0.0f ? nearest(x[e] / dl, -32, 31) : 0) + 32;  // 0 .. 63
+      const int half = e / 128, s2 = (e % 128) / 32, l = e % 32;
+      const int v = q[e] + 32;  // 0 .. 63
       b[64 * half + l + 32 * (s2 % 2)] |= static_cast<uint8_t>((v & 0xF) << (4 * (s2 / 2)));
       b[128 + 32 * half + l] |= static_cast<uint8_t>((v >> 4) << (2 * s2));
     }
