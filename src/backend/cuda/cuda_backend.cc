@@ -91,8 +91,10 @@ StatusOr<void*> CudaBackend::scratch(size_t bytes, int slot) {
     impl_->scratch[slot] = nullptr;
     impl_->scratch_bytes[slot] = 0;
     impl_->last_upload[slot].clear();
-    // Grown by half again at least, so a slowly growing user (page tables) moves it rarely.
-    bytes = std::max({bytes, impl_->scratch_bytes[slot] + impl_->scratch_bytes[slot] / 2, size_t{64} << 10});
+    // The size asked for, at least 64 KB. (Growing by half again, so that a slowly growing user
+    // such as the page tables moves it rarely, was meant here but never ran: the old size was
+    // already cleared. Not changed until a GPU run can measure the slots' memory with it.)
+    bytes = std::max(bytes, size_t{64} << 10);
     if (cudaError_t e = cudaMalloc(&impl_->scratch[slot], bytes); e != cudaSuccess) {
       cudaGetLastError();
       return cuda::cuda_status(e, "cudaMalloc(scratch)");
