@@ -419,6 +419,45 @@ TEST_CASE("a norm rounded to 8 bits in its kernel gives quantized projections th
   CHECK_FALSE(cuda::takes_q8(bf, 1));
 }
 
+TEST_CASE("x rounded to 8 bits in groups of 256 carries each unit's sum of levels for the batch kernel's offsets", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(23);
+  // Rows of 2,560 (the norm's kernel rounds them) and 8,192 (the f32 norm, then quantize_activations);
+  // large values saturate whole units at +-127 (sums of +-4,064, the split's ends).
+  for (int64_t in : {2560, 8192}) {
+    for (int64_t n : {1, 3}) {
+      INFO("in " << in << ", n " << n);
+      auto x = random_floats(rng, n * in, 2.0f);
+      for (int64_t i = 0; i < 64; ++i) x[static_cast<size_t>(i)] = 1000.0f, x[static_cast<size_t>(64 + i)] = -1000.0f;
+      auto g = random_floats(rng, in);
+      std::fill(g.begin(), g.begin() + 128, 1.0f);
+      const size_t bytes = cuda::q8_bytes(n, in), sums_at = bytes - static_cast<size_t>(n * (in / 256)) * 16;
+      Tensor xd = upload(*gpu, x, Shape{n * in}), gd = upload(*gpu, g, Shape{in});
+      Tensor y = poisoned(*gpu, static_cast<int64_t>(bytes / 4 + 1));
+      REQUIRE(cuda::add_normed_rms_norm_q8(*gpu, xd.data_as<float>(), nullptr, nullptr, gd.data_as<float>(), y.data(), n, in,
+                                           1e-6f).ok());
+      const std::vector<float> got = download(*gpu, y);
+      const auto* b = reinterpret_cast<const int8_t*>(got.data());
+      int mismatches = 0, saturated = 0;
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t c = 0; c < in / 256; ++c) {
+          for (int u = 0; u < 8; ++u) {
+            int sum = 0;
+            for (int k = 0; k < 32; ++k) sum += b[r * in + c * 256 + u * 32 + k];
+            const int8_t* rec = b + sums_at + (r * (in / 256) + c) * 16;
+            const int lo = rec[u], hi = rec[8 + u];
+            mismatches += !(lo >= 0 && lo <= 127 && hi >= -32 && hi <= 31 && 128 * hi + lo == sum);
+            saturated += std::abs(sum) == 32 * 127;
+          }
+        }
+      }
+      CHECK(mismatches == 0);
+      CHECK(saturated >= 2);
+    }
+  }
+}
+
 TEST_CASE("cuda projections take a norm already rounded for them and batch equal parts", "[cuda]") {
   auto gpu = gpu_or_skip();
   if (!gpu) return;

@@ -64,7 +64,8 @@ constexpr int kNormCached = 4;
 struct Q8Out {
   int8_t* q = nullptr;
   float* d = nullptr;
-  int group = 0;  // 32 or 256
+  int group = 0;          // 32 or 256
+  int8_t* sums = nullptr;  // groups of 256: the unit sums (activation_sums_offset)
 };
 
 // y's float4 j of this thread (elements i..i+3, i = threadIdx.x * 4 + j * blockDim.x * 4) rounded
@@ -73,7 +74,7 @@ struct Q8Out {
 // shared memory: one barrier).
 // (kGroup a constant: the four float4s' shuffles unrolled and interleaved, one chain's latency.)
 template <int kGroup>
-__device__ void round_q8(const float4 (&y)[kNormCached], int64_t dim, int8_t* qr, float* dr) {
+__device__ void round_q8(const float4 (&y)[kNormCached], int64_t dim, int8_t* qr, float* dr, int8_t* sr = nullptr) {
   __shared__ float warp_max[kNormCached][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t stride = static_cast<int64_t>(blockDim.x) * 4;
@@ -114,6 +115,13 @@ __device__ void round_q8(const float4 (&y)[kNormCached], int64_t dim, int8_t* qr
     }
     *reinterpret_cast<uint32_t*>(qr + i) = packed;
     if (i % kGroup == 0) dr[i / kGroup] = __fdiv_rn(amax[j], 127.0f);
+    if (kGroup == 256 && sr) {  // a unit of 32 is eight lanes (a warp's 128 elements all in the row or none)
+      int s = __dp4a(static_cast<int>(packed), 0x01010101, 0);
+      s += __shfl_xor_sync(0xffffffff, s, 1);
+      s += __shfl_xor_sync(0xffffffff, s, 2);
+      s += __shfl_xor_sync(0xffffffff, s, 4);
+      if (lane % 8 == 0) sr[i / 256 * 16 + i % 256 / 32] = unit_sum_lo(s), sr[i / 256 * 16 + 8 + i % 256 / 32] = unit_sum_hi(s);
+    }
   }
 }
 
@@ -173,7 +181,8 @@ __device__ void add_rms_norm_cached(float* __restrict__ r, const float* __restri
     }
     int8_t* qr = q8.q + blockIdx.x * dim;
     float* dr = q8.d + blockIdx.x * (dim / q8.group);
-    return q8.group == 256 ? round_q8<256>(y, dim, qr, dr) : round_q8<32>(y, dim, qr, dr);
+    return q8.group == 256 ? round_q8<256>(y, dim, qr, dr, q8.sums ? q8.sums + blockIdx.x * (dim / 256) * 16 : nullptr)
+                           : round_q8<32>(y, dim, qr, dr);
   }
 #pragma unroll
   for (int j = 0; j < kNormCached; ++j) {
@@ -1067,7 +1076,8 @@ Status add_normed_rms_norm_q8(CudaBackend& b, float* residual, const float* delt
   if (dim <= kThreads * 4 * kNormCached && aligned(residual) && aligned(delta) && aligned(delta_weight) &&
       aligned(weight) && aligned(xq)) {
     int8_t* q = static_cast<int8_t*>(xq);
-    const Q8Out q8{q, reinterpret_cast<float*>(q + activation_scales_offset(n, dim)), static_cast<int>(activation_group(dim))};
+    const Q8Out q8{q, reinterpret_cast<float*>(q + activation_scales_offset(n, dim)), static_cast<int>(activation_group(dim)),
+                   activation_group(dim) == 256 ? q + activation_sums_offset(n, dim) : nullptr};
     launch_pdl(add_rms_norm_q8_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_of(b), residual, delta,
                delta_weight, weight, dim, eps, q8);
     return launched("add_rms_norm_q8_kernel");

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -271,10 +272,11 @@ __device__ __forceinline__ const uint8_t* unit_block(const uint8_t* row, int64_t
 // eight per lane; a group's max over 4 lanes (32) or the warp (256). The rounding is the CPU's
 // (quantize_act in quant_dot_avx512vnni.cc): d = max / 127, q = nearest(x * (127 / max)).
 __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t in, const float* __restrict__ norm_w, float eps,
-                                    int8_t* __restrict__ xq, float* __restrict__ xd, int group) {
+                                    int8_t* __restrict__ xq, float* __restrict__ xd, int group, int8_t* __restrict__ xs) {
   const float* xr = x + blockIdx.x * in;
   int8_t* qr = xq + blockIdx.x * in;
   float* dr = xd + blockIdx.x * (in / group);
+  int8_t* sr = xs ? xs + blockIdx.x * (in / 256) * 16 : nullptr;  // (groups of 256: the unit sums)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   pdl_launch_dependents();
   pdl_wait();
@@ -320,6 +322,12 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t in, con
     }
     *reinterpret_cast<uint2*>(qr + i) = make_uint2(packed[0], packed[1]);
     if (lane % lanes_per_group == 0) dr[i / group] = __fdiv_rn(amax, 127.0f);
+    if (sr) {  // a unit of 32 is four lanes (a group of 256 the warp: all live or none)
+      int s = __dp4a(static_cast<int>(packed[0]), 0x01010101, __dp4a(static_cast<int>(packed[1]), 0x01010101, 0));
+      s += __shfl_xor_sync(0xffffffff, s, 1);
+      s += __shfl_xor_sync(0xffffffff, s, 2);
+      if (lane % 4 == 0) sr[i / 256 * 16 + lane / 4] = unit_sum_lo(s), sr[i / 256 * 16 + 8 + lane / 4] = unit_sum_hi(s);
+    }
   }
 }
 
@@ -913,8 +921,15 @@ constexpr int kImmaStaged = kAlignedBlocks<T> ? kBlockBytes<T> : static_cast<int
 template <DType T, int NT>
 constexpr int64_t imma_smem_bytes() {
   return 2 * kMmaRows * kImmaStaged<T> + (kMmaRows + 2 * 8 * NT) * 256 + kMmaRows * kImmaScaleStride * 4 + kMmaRows * 8 +
-         2 * 8 * NT * 4;
+         2 * 8 * NT * 4 + 2 * 8 * NT * 16 + kMmaRows * 8;
 }
+
+// The offsets' products from x's unit sums (Q4_K, Q5_K: m per 32): M = sum over units of m times
+// the unit's sum of x, one m16n8k16 product a block for each half of the sums (lo, and hi times
+// 128: activation_sums_offset's bytes) with the rows' m in A, instead of a m16n8k32 a unit with m
+// spread over the unit's 32 places. The same integers.
+template <DType T>
+constexpr bool kUnitSums = kHasOffset<T> && !kHalfScales<T>;
 
 // The block's warps for 8 NT rows of x: up to 32, kMmaWarps, each all of x's rows for its 16
 // weight rows (acc, S and M: 3 x 4 NT registers a thread); 33-64, twice as many, each pair of
@@ -927,11 +942,13 @@ constexpr int kImmaWarps = NT >= 8 ? 2 * kMmaWarps : kMmaWarps;
 
 // (Registers bounded for 2-4 resident blocks a multiprocessor: unbounded, ptxas took 240-255 with
 // four warps and two blocks fit.)
-template <DType T, int NT>
+template <DType T, int NT, bool kSumsSwitch>
 __global__ void __launch_bounds__(kImmaWarps<NT> * 32, kImmaWarps<NT> == kMmaWarps ? 4 : 2)
     quant_imma_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                      GemvOut outs, int n, int64_t in, float* __restrict__ partial, int* __restrict__ arrived) {
+                      const int8_t* __restrict__ xs, GemvOut outs, int n, int64_t in, float* __restrict__ partial,
+                      int* __restrict__ arrived) {
   static_assert(imma_type(T) && kUnits<T> == kImmaUnits);
+  constexpr bool kSums = kSumsSwitch && kUnitSums<T>;
   constexpr int W = kImmaWarps<NT>;
   static_assert(W == kMmaWarps || (W == 2 * kMmaWarps && NT % 4 == 0));
   constexpr int kStaged = kImmaStaged<T>, kXRows = 8 * NT, kThreads = W * 32;
@@ -943,6 +960,8 @@ __global__ void __launch_bounds__(kImmaWarps<NT> * 32, kImmaWarps<NT> == kMmaWar
   uint32_t* scales = reinterpret_cast<uint32_t*>(xbuf + 2 * kXRows * kImmaPieces);
   float2* dd = reinterpret_cast<float2*>(scales + kMmaRows * kImmaScaleStride);
   float* dxs = reinterpret_cast<float*>(dd + kMmaRows);  // [2][kXRows]
+  uint4* xsum = reinterpret_cast<uint4*>(dxs + 2 * kXRows);           // [2][kXRows] (kSums) x's unit sums
+  uint32_t* mbytes = reinterpret_cast<uint32_t*>(xsum + 2 * kXRows);  // [kMmaRows][2] (kSums) the units' m
   const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4;
   // This warp's rows from warp * 16, its x rows from col0 (half: which of its pair).
   const int warp = kPair == 1 ? tid / 32 : tid / 32 % kMmaWarps, half = kPair == 1 ? 0 : tid / 32 / kMmaWarps;
@@ -976,6 +995,7 @@ __global__ void __launch_bounds__(kImmaWarps<NT> * 32, kImmaWarps<NT> == kMmaWar
                  xq + (r < n ? r : 0) * in + int64_t{c} * 256 + p * 16, r < n);
     }
     if (tid < kXRows) cp_async4(smem_addr(dxs + slot * kXRows + tid), xd + (tid < n ? tid : 0) * nb + c, tid < n);
+    if (kSums && tid < kXRows) cp_async16(smem_addr(xsum + slot * kXRows + tid), xs + ((tid < n ? tid : 0) * nb + c) * 16, tid < n);
   };
   // Chunk c's blocks and x in slot c & 1; c + 1's requested as c's work starts (once every warp is
   // done with c - 1's, which were in that slot): one barrier a chunk.
@@ -1010,6 +1030,7 @@ __global__ void __launch_bounds__(kImmaWarps<NT> * 32, kImmaWarps<NT> == kMmaWar
         for (int u = u0; u < u0 + 2; ++u) {
           dst[(2 * u) ^ (r & 7)] = dst[(2 * u + 1) ^ (r & 7)] = make_uint4(0, 0, 0, 0);
           scales[r * kImmaScaleStride + u] = 0;
+          if constexpr (kSums) reinterpret_cast<uint8_t*>(mbytes)[r * 8 + u] = 0;
         }
         if (u0 == 0) dd[r] = make_float2(0.0f, 0.0f);
         continue;
@@ -1023,7 +1044,9 @@ __global__ void __launch_bounds__(kImmaWarps<NT> * 32, kImmaWarps<NT> == kMmaWar
         const Unit U = decode<T>(b, u);
         dst[(2 * u) ^ (r & 7)] = make_uint4(U.q[0], U.q[1], U.q[2], U.q[3]);
         dst[(2 * u + 1) ^ (r & 7)] = make_uint4(U.q[4], U.q[5], U.q[6], U.q[7]);
-        scales[r * kImmaScaleStride + u] = unit_int_scales<T>(b, u);
+        const uint32_t sc = unit_int_scales<T>(b, u);
+        scales[r * kImmaScaleStride + u] = sc;
+        if constexpr (kSums) reinterpret_cast<uint8_t*>(mbytes)[r * 8 + u] = static_cast<uint8_t>(sc >> 16);
       }
       if (u0 == 0) dd[r] = block_scales<T>(b);
     }
@@ -1062,8 +1085,20 @@ __global__ void __launch_bounds__(kImmaWarps<NT> * 32, kImmaWarps<NT> == kMmaWar
             mma_s8_16832_zero(p, a, b[2 * h], b[2 * h + 1]);
             s[0] += s0_lo * p[0], s[1] += s0_lo * p[1], s[2] += s0_hi * p[2], s[3] += s0_hi * p[3];
           }
-          if constexpr (kHasOffset<T>) mma_s8_16832(m_sum[nt + h], am, b[2 * h], b[2 * h + 1]);
+          if constexpr (kHasOffset<T> && !kSums) mma_s8_16832(m_sum[nt + h], am, b[2 * h], b[2 * h + 1]);
         }
+      }
+    }
+    if constexpr (kSums) {  // M from the unit sums: k 0-7 the units (t 0, 1), 8-15 zeros (t 2, 3)
+      const uint32_t a0 = t < 2 ? mbytes[r_lo * 2 + t] : 0, a1 = t < 2 ? mbytes[(r_lo + 8) * 2 + t] : 0;
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt) {
+        const uint32_t* rec = reinterpret_cast<const uint32_t*>(xsum + slot * kXRows + col0 + nt * 8 + g);
+        int lo[4], hi[4];
+        mma_s8_16816_zero(lo, a0, a1, t < 2 ? rec[t] : 0);
+        mma_s8_16816_zero(hi, a0, a1, t < 2 ? rec[2 + t] : 0);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) m_sum[nt][e] = 128 * hi[e] + lo[e];
       }
     }
     // The block's step: y += dx (d S - dmin M).
@@ -1409,24 +1444,33 @@ struct MmaVariant {
 template <DType T, int NT>
 struct ImmaVariant {
   static constexpr int W = kImmaWarps<NT>;
+  static bool sums() {  // (temporary A/B switch)
+    static const bool on = [] {
+      const char* v = std::getenv("COMBS_IMMA_SUMS");
+      return v != nullptr && v[0] == '1';
+    }();
+    return on;
+  }
+  static constexpr auto kernel(bool s) { return s ? quant_imma_kernel<T, NT, true> : quant_imma_kernel<T, NT, false>; }
   static size_t smem() {
     constexpr auto bytes = static_cast<size_t>(imma_smem_bytes<T, NT>());
-    allow_dynamic_smem<quant_imma_kernel<T, NT>>(bytes);
+    allow_dynamic_smem<quant_imma_kernel<T, NT, true>>(bytes);
+    allow_dynamic_smem<quant_imma_kernel<T, NT, false>>(bytes);
     return bytes;
   }
   static int64_t slots() {
-    static const int64_t n = resident_tiles(quant_imma_kernel<T, NT>, smem(), W * 32);
+    static const int64_t n = resident_tiles(kernel(sums()), smem(), W * 32);
     return n;
   }
   static int splits(int64_t rows, int64_t in) { return mma_splits(rows, in / 256, slots(), NT); }
   static size_t scratch_bytes(int64_t rows, int64_t in) { return split_scratch_bytes(rows, splits(rows, in), NT); }
-  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const GemvOut& outs, int n,
-                       int64_t in, void* scratch) {
+  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const int8_t* s, const GemvOut& outs,
+                       int n, int64_t in, void* scratch) {
     const int64_t rows = outs.end[outs.count - 1];
     COMBS_RETURN_IF_ERROR(check_mma_tiles(rows, "cuda quant_imma"));
     const dim3 grid(static_cast<unsigned>(mma_tiles(rows)), static_cast<unsigned>(splits(rows, in)));
     const SplitScratch sc = split_scratch(scratch);
-    return cuda_status(launch_pdl(quant_imma_kernel<T, NT>, grid, dim3(W * 32), smem(), st, w, q, d, outs, n, in,
+    return cuda_status(launch_pdl(kernel(sums()), grid, dim3(W * 32), smem(), st, w, q, d, s, outs, n, in,
                                   sc.partial, sc.arrived),
                        "quant_imma_kernel");
   }
@@ -1471,9 +1515,10 @@ Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t 
   if (n == 0) return ok_status();
   int8_t* q = static_cast<int8_t*>(xq);
   float* d = reinterpret_cast<float*>(q + activation_scales_offset(n, in));
+  int8_t* s = activation_group(in) == 256 ? q + activation_sums_offset(n, in) : nullptr;
   constexpr int kQuantizeThreads = 1024;
   launch_pdl(quantize_act_kernel, dim3(static_cast<unsigned>(n)), dim3(kQuantizeThreads), 0, st, x, in, norm_w, eps, q, d,
-             static_cast<int>(activation_group(in)));
+             static_cast<int>(activation_group(in)), s);
   return cuda_status(cudaGetLastError(), "quantize_act_kernel");
 }
 
@@ -1543,8 +1588,9 @@ Status quant_imma(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   const int64_t in = w.dim(1);
   const int8_t* q = static_cast<const int8_t*>(xq);
   const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(n, in));
+  const int8_t* s = q + activation_sums_offset(n, in);  // (the super-block formats' rows are whole groups of 256)
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
-  return for_imma_variant(w.dtype(), n, [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, outs, n, in, scratch); });
+  return for_imma_variant(w.dtype(), n, [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, s, outs, n, in, scratch); });
 }
 
 Status quant_gemv_experts(cudaStream_t st, const Tensor& w, const void* xq, int64_t x_rows,

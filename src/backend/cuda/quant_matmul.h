@@ -42,13 +42,26 @@ inline int64_t activation_group(int64_t in) { return in % 256 == 0 ? 256 : 32; }
 
 // Where quantize_activations' float scales start: after the n * in int8 values, 16-byte aligned.
 inline size_t activation_scales_offset(int64_t n, int64_t in) { return static_cast<size_t>((n * in + 15) / 16 * 16); }
-// Bytes quantize_activations writes for n rows of in: the int8 values, then one float per group.
+// Where the unit sums start (groups of 256 only), after the scales, 16-byte aligned: per row and
+// group of 256, 16 bytes — the sums of its eight units of 32 int8 values, each as 128 hi + lo with
+// lo (0..127) in bytes 0-7 and hi (-32..31) in bytes 8-15, both int8: the 8-bit batch kernel's
+// products of the formats' offsets take them as int8 operands (as llama.cpp's q8_1 blocks carry
+// their sums).
+inline size_t activation_sums_offset(int64_t n, int64_t in) {
+  return (activation_scales_offset(n, in) + static_cast<size_t>(n * (in / activation_group(in))) * 4 + 15) / 16 * 16;
+}
+// Bytes quantize_activations writes for n rows of in: the int8 values, one float per group, and
+// for groups of 256 the unit sums.
 inline size_t activation_bytes(int64_t n, int64_t in) {
-  return activation_scales_offset(n, in) + static_cast<size_t>(n * (in / activation_group(in))) * 4;
+  return activation_sums_offset(n, in) + (activation_group(in) == 256 ? static_cast<size_t>(n * (in / 256)) * 16 : 0);
 }
 
+// The unit sum s (|s| <= 32 x 127) as activation_sums_offset's (lo, hi) bytes, s = 128 hi + lo.
+__host__ __device__ inline int8_t unit_sum_lo(int s) { return static_cast<int8_t>(s & 127); }
+__host__ __device__ inline int8_t unit_sum_hi(int s) { return static_cast<int8_t>(s >> 7); }
+
 // x [n, in] f32 -> xq (activation_bytes(n, in)): int8 values [n, in], then float scales
-// [n, in / group] (16-byte aligned). norm_w: RMS-normalize each row first (eps), as add_rms_norm.
+// [n, in / group] (16-byte aligned), then for groups of 256 the unit sums (activation_sums_offset). norm_w: RMS-normalize each row first (eps), as add_rms_norm.
 Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t in, const float* norm_w, float eps,
                             void* xq);
 
