@@ -918,18 +918,20 @@ constexpr int kImmaStaged = kAlignedBlocks<T> ? kBlockBytes<T> : static_cast<int
 // [kMmaRows][256] and x's [2][8 NT][256] (int8, 16-byte pieces XOR-swizzled by row as for ldmatrix),
 // the units' scales [kMmaRows][kImmaScaleStride], the blocks' (d, dmin) [kMmaRows] and x's scales
 // for the chunk [2][8 NT].
-template <DType T, int NT>
-constexpr int64_t imma_smem_bytes() {
-  return 2 * kMmaRows * kImmaStaged<T> + (kMmaRows + 2 * 8 * NT) * 256 + kMmaRows * kImmaScaleStride * 4 + kMmaRows * 8 +
-         2 * 8 * NT * 4 + 2 * 8 * NT * 16 + kMmaRows * 8;
-}
-
 // The offsets' products from x's unit sums (Q4_K, Q5_K: m per 32): M = sum over units of m times
 // the unit's sum of x, one m16n8k16 product a block for each half of the sums (lo, and hi times
 // 128: activation_sums_offset's bytes) with the rows' m in A, instead of a m16n8k32 a unit with m
 // spread over the unit's 32 places. The same integers.
 template <DType T>
 constexpr bool kUnitSums = kHasOffset<T> && !kHalfScales<T>;
+
+// (kUnitSums: then x's unit sums [2][8 NT] and the rows' m [kMmaRows][8]; only there, so that the
+// other formats keep their resident blocks: IQ4_XS at NT 4 fits four only without them.)
+template <DType T, int NT>
+constexpr int64_t imma_smem_bytes() {
+  return 2 * kMmaRows * kImmaStaged<T> + (kMmaRows + 2 * 8 * NT) * 256 + kMmaRows * kImmaScaleStride * 4 + kMmaRows * 8 +
+         2 * 8 * NT * 4 + (kUnitSums<T> ? 2 * 8 * NT * 16 + kMmaRows * 8 : 0);
+}
 
 // The block's warps for 8 NT rows of x: up to 32, kMmaWarps, each all of x's rows for its 16
 // weight rows (acc, S and M: 3 x 4 NT registers a thread); 33-64, twice as many, each pair of
