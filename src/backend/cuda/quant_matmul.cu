@@ -839,8 +839,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // y[row][col] is dx * (d * S - dmin * M) with dx x's scale for the block's 256 and
 //   S = sum over units of s * (the unit's levels . x's levels)   (mma.sync m16n8k32, or two
 //       m16n8k16 where the scales are per 16; times s in int32),
-//   M = sum over units of m * (the sum of x's levels over the unit)  (a second m16n8k32 whose A
-//       holds m in every byte of its unit: the mma sums it for free),
+//   M = sum over units of m * (the sum of x's levels over the unit)  (Q4_K, Q5_K: from the unit
+//       sums the 8-bit x carries, two m16n8k16 a block; Q2_K: a second m16n8k32 a unit whose A
+//       holds m in every byte of its unit, the mma summing x's levels),
 // both exact integers; one float step a block. The block takes kMmaRows weight rows and all n rows
 // of x, as quant_mma_kernel does (its warps: kImmaWarps), a block of 256 (a chunk) at a time: the
 // chunk's raw blocks and x's levels staged by cp.async (the next chunk's in flight: one barrier a
@@ -944,13 +945,13 @@ constexpr int kImmaWarps = NT >= 8 ? 2 * kMmaWarps : kMmaWarps;
 
 // (Registers bounded for 2-4 resident blocks a multiprocessor: unbounded, ptxas took 240-255 with
 // four warps and two blocks fit.)
-template <DType T, int NT, bool kSumsSwitch>
+template <DType T, int NT>
 __global__ void __launch_bounds__(kImmaWarps<NT> * 32, kImmaWarps<NT> == kMmaWarps ? 4 : 2)
     quant_imma_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
                       const int8_t* __restrict__ xs, GemvOut outs, int n, int64_t in, float* __restrict__ partial,
                       int* __restrict__ arrived) {
   static_assert(imma_type(T) && kUnits<T> == kImmaUnits);
-  constexpr bool kSums = kSumsSwitch && kUnitSums<T>;
+  constexpr bool kSums = kUnitSums<T>;
   constexpr int W = kImmaWarps<NT>;
   static_assert(W == kMmaWarps || (W == 2 * kMmaWarps && NT % 4 == 0));
   constexpr int kStaged = kImmaStaged<T>, kXRows = 8 * NT, kThreads = W * 32;
@@ -1446,22 +1447,13 @@ struct MmaVariant {
 template <DType T, int NT>
 struct ImmaVariant {
   static constexpr int W = kImmaWarps<NT>;
-  static bool sums() {  // (temporary A/B switch)
-    static const bool on = [] {
-      const char* v = std::getenv("COMBS_IMMA_SUMS");
-      return v != nullptr && v[0] == '1';
-    }();
-    return on;
-  }
-  static constexpr auto kernel(bool s) { return s ? quant_imma_kernel<T, NT, true> : quant_imma_kernel<T, NT, false>; }
   static size_t smem() {
     constexpr auto bytes = static_cast<size_t>(imma_smem_bytes<T, NT>());
-    allow_dynamic_smem<quant_imma_kernel<T, NT, true>>(bytes);
-    allow_dynamic_smem<quant_imma_kernel<T, NT, false>>(bytes);
+    allow_dynamic_smem<quant_imma_kernel<T, NT>>(bytes);
     return bytes;
   }
   static int64_t slots() {
-    static const int64_t n = resident_tiles(kernel(sums()), smem(), W * 32);
+    static const int64_t n = resident_tiles(quant_imma_kernel<T, NT>, smem(), W * 32);
     return n;
   }
   static int splits(int64_t rows, int64_t in) { return mma_splits(rows, in / 256, slots(), NT); }
@@ -1472,7 +1464,7 @@ struct ImmaVariant {
     COMBS_RETURN_IF_ERROR(check_mma_tiles(rows, "cuda quant_imma"));
     const dim3 grid(static_cast<unsigned>(mma_tiles(rows)), static_cast<unsigned>(splits(rows, in)));
     const SplitScratch sc = split_scratch(scratch);
-    return cuda_status(launch_pdl(kernel(sums()), grid, dim3(W * 32), smem(), st, w, q, d, s, outs, n, in,
+    return cuda_status(launch_pdl(quant_imma_kernel<T, NT>, grid, dim3(W * 32), smem(), st, w, q, d, s, outs, n, in,
                                   sc.partial, sc.arrived),
                        "quant_imma_kernel");
   }
