@@ -120,7 +120,7 @@ __device__ void round_q8(const float4 (&y)[kNormCached], int64_t dim, int8_t* qr
       s += __shfl_xor_sync(0xffffffff, s, 1);
       s += __shfl_xor_sync(0xffffffff, s, 2);
       s += __shfl_xor_sync(0xffffffff, s, 4);
-      if (lane % 8 == 0) sr[i / 256 * 16 + i % 256 / 32] = unit_sum_lo(s), sr[i / 256 * 16 + 8 + i % 256 / 32] = unit_sum_hi(s);
+      if (lane % 8 == 0) store_unit_sum(sr + i / 256 * 16, static_cast<int>(i % 256 / 32), s);
     }
   }
 }

@@ -8,7 +8,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -326,7 +325,7 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t in, con
       int s = __dp4a(static_cast<int>(packed[0]), 0x01010101, __dp4a(static_cast<int>(packed[1]), 0x01010101, 0));
       s += __shfl_xor_sync(0xffffffff, s, 1);
       s += __shfl_xor_sync(0xffffffff, s, 2);
-      if (lane % 4 == 0) sr[i / 256 * 16 + lane / 4] = unit_sum_lo(s), sr[i / 256 * 16 + 8 + lane / 4] = unit_sum_hi(s);
+      if (lane % 4 == 0) store_unit_sum(sr + i / 256 * 16, lane / 4, s);
     }
   }
 }

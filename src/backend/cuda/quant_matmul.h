@@ -56,12 +56,16 @@ inline size_t activation_bytes(int64_t n, int64_t in) {
   return activation_sums_offset(n, in) + (activation_group(in) == 256 ? static_cast<size_t>(n * (in / 256)) * 16 : 0);
 }
 
-// The unit sum s (|s| <= 32 x 127) as activation_sums_offset's (lo, hi) bytes, s = 128 hi + lo.
-__host__ __device__ inline int8_t unit_sum_lo(int s) { return static_cast<int8_t>(s & 127); }
-__host__ __device__ inline int8_t unit_sum_hi(int s) { return static_cast<int8_t>(s >> 7); }
+// Unit u's sum s (|s| <= 32 x 127) into its group's 16 bytes of activation_sums_offset: lo =
+// s & 127 at byte u, hi = s >> 7 at byte 8 + u (s = 128 hi + lo).
+__host__ __device__ inline void store_unit_sum(int8_t* group_sums, int u, int s) {
+  group_sums[u] = static_cast<int8_t>(s & 127);
+  group_sums[8 + u] = static_cast<int8_t>(s >> 7);
+}
 
 // x [n, in] f32 -> xq (activation_bytes(n, in)): int8 values [n, in], then float scales
-// [n, in / group] (16-byte aligned), then for groups of 256 the unit sums (activation_sums_offset). norm_w: RMS-normalize each row first (eps), as add_rms_norm.
+// [n, in / group] (16-byte aligned), then for groups of 256 the unit sums (activation_sums_offset).
+// norm_w: RMS-normalize each row first (eps), as add_rms_norm.
 Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t in, const float* norm_w, float eps,
                             void* xq);
 
