@@ -13,6 +13,10 @@
 #include "combs/engine/engine.h"
 #include "combs/model/random_model.h"
 
+namespace combs::tools {
+class Flags;
+}
+
 namespace combs::bench {
 
 inline double now_seconds() {
@@ -42,6 +46,11 @@ StatusOr<std::string> bench_vocab(const std::string& flag);
 // runs and by the peer, which reads the same files.
 StatusOr<std::string> bench_model(const std::string& dir, const std::string& shape, const std::string& dtype,
                                   const std::string& vocab_path);
+// The model a benchmark runs: --model, or else the random-weight model of --shape, --dtype and
+// --vocab in --dir (bench_model).
+StatusOr<std::string> bench_model_flag(const tools::Flags& flags);
+// --device checked: cpu, or cuda where this build has CUDA.
+Status check_bench_device(const std::string& device);
 // The random-weight model of `options` as DIR/NAME.gguf, written there once (bench_model's, and
 // the benchmarks' that change a shape first).
 StatusOr<std::string> bench_model_file(const std::string& dir, const RandomModelOptions& options, const std::string& name);

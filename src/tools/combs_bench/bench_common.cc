@@ -6,6 +6,7 @@
 
 #include "bench.h"
 #include "combs/model/random_model.h"
+#include "common/flags.h"
 
 namespace combs::bench {
 
@@ -67,6 +68,20 @@ StatusOr<std::string> bench_model(const std::string& dir, const std::string& sha
   o.vocab_path = vocab_path;
   const std::string stem = vocab_path.empty() ? "v259" : std::filesystem::path(vocab_path).stem().string();
   return bench_model_file(dir, o, shape + "-" + dtype + "-" + stem);
+}
+
+StatusOr<std::string> bench_model_flag(const tools::Flags& flags) {
+  if (!flags.str("model").empty()) return flags.str("model");
+  COMBS_ASSIGN_OR_RETURN(std::string vocab, bench_vocab(flags.str("vocab")));
+  return bench_model(flags.str("dir"), flags.str("shape"), flags.str("dtype"), vocab);
+}
+
+Status check_bench_device(const std::string& device) {
+  if (device != "cpu" && device != "cuda") return invalid_argument_error("--device cpu or cuda, not '" + device + "'");
+#ifndef COMBS_HAVE_CUDA
+  if (device == "cuda") return invalid_argument_error("--device cuda: this build has no CUDA");
+#endif
+  return ok_status();
 }
 
 StatusOr<std::string> bench_model_file(const std::string& dir, const RandomModelOptions& options, const std::string& name) {

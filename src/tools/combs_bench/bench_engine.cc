@@ -30,14 +30,9 @@ int run_engine(int argc, char** argv) {
       !flags.integer("gen", &gen, 1, 1 << 16) || !flags.integer("threads", &threads, 0, 1024)) {
     return 2;
   }
-  std::string path = flags.str("model");
-  if (path.empty()) {
-    auto vocab = bench_vocab(flags.str("vocab"));
-    if (!vocab.ok()) return std::fprintf(stderr, "combs-bench engine: %s\n", vocab.status().message().c_str()), 2;
-    auto made = bench_model(flags.str("dir"), flags.str("shape"), flags.str("dtype"), *vocab);
-    if (!made.ok()) return std::fprintf(stderr, "combs-bench engine: %s\n", made.status().message().c_str()), 2;
-    path = *made;
-  }
+  auto model_path = bench_model_flag(flags);
+  if (!model_path.ok()) return std::fprintf(stderr, "combs-bench engine: %s\n", model_path.status().message().c_str()), 2;
+  const std::string path = *model_path;
   std::printf("# combs-bench engine: %s, prompt %lld tokens, %lld generated per session, greedy\n\n",
               path.c_str(), prompt, gen);
   std::printf("| sessions | aggregate tok/s | vs 1 session | inter-token p50 ms | p90 ms | steps |\n"

@@ -62,18 +62,10 @@ int run_prefix(int argc, char** argv) {
     return 2;
   }
   const std::string device = flags.str("device");
-  if (device != "cpu" && device != "cuda") return std::fprintf(stderr, "combs-bench prefix: --device cpu or cuda\n"), 2;
-#ifndef COMBS_HAVE_CUDA
-  if (device == "cuda") return std::fprintf(stderr, "combs-bench prefix: this build has no CUDA\n"), 2;
-#endif
-  std::string path = flags.str("model");
-  if (path.empty()) {
-    auto vocab = bench_vocab(flags.str("vocab"));
-    if (!vocab.ok()) return std::fprintf(stderr, "combs-bench prefix: %s\n", vocab.status().message().c_str()), 2;
-    auto made = bench_model(flags.str("dir"), flags.str("shape"), flags.str("dtype"), *vocab);
-    if (!made.ok()) return std::fprintf(stderr, "combs-bench prefix: %s\n", made.status().message().c_str()), 2;
-    path = *made;
-  }
+  if (const Status st = check_bench_device(device); !st.ok()) return std::fprintf(stderr, "combs-bench prefix: %s\n", st.message().c_str()), 2;
+  auto model_path = bench_model_flag(flags);
+  if (!model_path.ok()) return std::fprintf(stderr, "combs-bench prefix: %s\n", model_path.status().message().c_str()), 2;
+  const std::string path = *model_path;
   std::printf("# combs-bench prefix: %s on %s, %lld sessions at once, each %lld shared + %lld own prompt tokens, "
               "%lld generated (greedy); medians of %lld rounds\n\n",
               path.c_str(), device.c_str(), n, shared, question, gen, rounds);

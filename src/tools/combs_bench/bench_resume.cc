@@ -78,18 +78,10 @@ int run_resume(int argc, char** argv) {
     lengths.push_back(v);
   }
   const std::string device = flags.str("device");
-  if (device != "cpu" && device != "cuda") return std::fprintf(stderr, "combs-bench resume: --device cpu or cuda\n"), 2;
-#ifndef COMBS_HAVE_CUDA
-  if (device == "cuda") return std::fprintf(stderr, "combs-bench resume: this build has no CUDA\n"), 2;
-#endif
-  std::string path = flags.str("model");
-  if (path.empty()) {
-    auto vocab = bench_vocab(flags.str("vocab"));
-    if (!vocab.ok()) return std::fprintf(stderr, "combs-bench resume: %s\n", vocab.status().message().c_str()), 2;
-    auto made = bench_model(flags.str("dir"), flags.str("shape"), flags.str("dtype"), *vocab);
-    if (!made.ok()) return std::fprintf(stderr, "combs-bench resume: %s\n", made.status().message().c_str()), 2;
-    path = *made;
-  }
+  if (const Status st = check_bench_device(device); !st.ok()) return std::fprintf(stderr, "combs-bench resume: %s\n", st.message().c_str()), 2;
+  auto model_path = bench_model_flag(flags);
+  if (!model_path.ok()) return std::fprintf(stderr, "combs-bench resume: %s\n", model_path.status().message().c_str()), 2;
+  const std::string path = *model_path;
   auto engine_for = [&](long long len, bool tier, EngineOptions::HostRestore restore) -> StatusOr<std::unique_ptr<Engine>> {
     COMBS_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::load(path));
     EngineOptions eo;

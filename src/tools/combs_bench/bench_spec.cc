@@ -125,18 +125,10 @@ int run_spec(int argc, char** argv) {
     errors.push_back(v);
   }
   const std::string device = flags.str("device");
-  if (device != "cpu" && device != "cuda") return std::fprintf(stderr, "combs-bench spec: --device cpu or cuda\n"), 2;
-#ifndef COMBS_HAVE_CUDA
-  if (device == "cuda") return std::fprintf(stderr, "combs-bench spec: this build has no CUDA\n"), 2;
-#endif
-  std::string path = flags.str("model");
-  if (path.empty()) {
-    auto vocab = bench_vocab(flags.str("vocab"));
-    if (!vocab.ok()) return std::fprintf(stderr, "combs-bench spec: %s\n", vocab.status().message().c_str()), 2;
-    auto made = bench_model(flags.str("dir"), flags.str("shape"), flags.str("dtype"), *vocab);
-    if (!made.ok()) return std::fprintf(stderr, "combs-bench spec: %s\n", made.status().message().c_str()), 2;
-    path = *made;
-  }
+  if (const Status st = check_bench_device(device); !st.ok()) return std::fprintf(stderr, "combs-bench spec: %s\n", st.message().c_str()), 2;
+  auto model_path = bench_model_flag(flags);
+  if (!model_path.ok()) return std::fprintf(stderr, "combs-bench spec: %s\n", model_path.status().message().c_str()), 2;
+  const std::string path = *model_path;
   std::string draft_path = flags.str("draft-model");
   if (!flags.str("draft-dtype").empty()) {
     if (!flags.str("model").empty()) return std::fprintf(stderr, "combs-bench spec: --draft-dtype makes a draft of a random model, not of --model\n"), 2;
