@@ -9,8 +9,6 @@ namespace combs::loadgen {
 
 namespace {
 
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
 // One Generate stream: reads until the server ends it, timing every token.
 class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> {
  public:
@@ -449,18 +447,9 @@ void Driver::run() {
   } else {
     for (int i = 0; i < o_.concurrency; ++i) start_flow();
   }
-  Clock::time_point last_progress = start_;
-  while (!stopping() && Clock::now() < end) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (o_.progress && Clock::now() - last_progress >= std::chrono::seconds(1)) {
-      last_progress = Clock::now();
-      std::fprintf(stderr, "\r%s", stats_.progress_line(seconds(last_progress - stats_.t0())).c_str());
-      std::fflush(stderr);
-    }
-  }
+  stats_.watch(end, o_.progress, [this] { return !stopping(); });
   stop();
-  stats_.close_window(Clock::now());
-  measured_s_ = std::max(0.0, seconds(stats_.t1() - stats_.t0()));
+  measured_s_ = stats_.finish_window();
   if (arrivals.joinable()) arrivals.join();
   // Drain: flows end at their next step; calls still running after drain_s are cancelled.
   std::unique_lock<std::mutex> lock(mu_);

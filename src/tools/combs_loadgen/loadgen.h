@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
@@ -27,6 +28,7 @@
 namespace combs::loadgen {
 
 using Clock = std::chrono::steady_clock;
+inline double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 // A positive integer distribution: "N", "uniform:A:B", "normal:MEAN:SD", "exp:MEAN".
 class Dist {
@@ -102,6 +104,11 @@ class Stats {
   std::string json(const Options& o, double measured_s) const;
   std::string svg(double measured_s) const;
   std::string progress_line(double elapsed_s) const;
+  // The run's main loop, both protocols': sleeps while running() and before `end`, writing the
+  // progress line to stderr once a second where `progress`.
+  void watch(Clock::time_point end, bool progress, const std::function<bool()>& running) const;
+  // The window closed now (the run stopped): its length in seconds.
+  double finish_window();
 
  private:
   struct Second {  // one second of the run, for the charts

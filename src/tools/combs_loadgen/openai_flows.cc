@@ -13,8 +13,6 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
 json user(const std::string& text) { return {{"role", "user"}, {"content", text}}; }
 
 }  // namespace
@@ -261,18 +259,9 @@ void OpenAiDriver::run() {
   } else {
     for (int i = 0; i < o_.concurrency; ++i) threads.emplace_back(worker);
   }
-  Clock::time_point last_progress = Clock::now();
-  while (!stopping_ && Clock::now() < end && !bounded()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (o_.progress && Clock::now() - last_progress >= std::chrono::seconds(1)) {
-      last_progress = Clock::now();
-      std::fprintf(stderr, "\r%s", stats_.progress_line(seconds(last_progress - stats_.t0())).c_str());
-      std::fflush(stderr);
-    }
-  }
+  stats_.watch(end, o_.progress, [&] { return !stopping_ && !bounded(); });
   stop();
-  stats_.close_window(Clock::now());
-  measured_s_ = std::max(0.0, seconds(stats_.t1() - stats_.t0()));
+  measured_s_ = stats_.finish_window();
   if (arrivals.joinable()) arrivals.join();
   for (auto& t : threads) t.join();  // each ends its flow's current request (drain_s at most)
   while (running_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <sstream>
+#include <thread>
 
 #include "combs/base/status.h"
 #include <nlohmann/json.hpp>
@@ -142,6 +143,23 @@ int64_t Stats::mismatches() const {
   int64_t n = 0;
   for (const auto& [k, v] : checks_) n += v.second;
   return n;
+}
+
+void Stats::watch(Clock::time_point end, bool progress, const std::function<bool()>& running) const {
+  Clock::time_point last_progress = Clock::now();
+  while (running() && Clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (progress && Clock::now() - last_progress >= std::chrono::seconds(1)) {
+      last_progress = Clock::now();
+      std::fprintf(stderr, "\r%s", progress_line(seconds(last_progress - t0_)).c_str());
+      std::fflush(stderr);
+    }
+  }
+}
+
+double Stats::finish_window() {
+  close_window(Clock::now());
+  return std::max(0.0, seconds(t1() - t0_));
 }
 
 std::string Stats::progress_line(double elapsed_s) const {
