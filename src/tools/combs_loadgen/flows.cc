@@ -423,7 +423,6 @@ void Driver::flow_done() {
 }
 
 void Driver::run() {
-  start_ = Clock::now();
   const Clock::time_point end = stats_.t1();
   std::thread arrivals;
   if (o_.rate > 0) {  // open loop: Poisson arrivals

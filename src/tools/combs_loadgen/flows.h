@@ -57,7 +57,6 @@ class Driver {
   std::unique_ptr<v1::Combs::Stub> stub_;
   int n_vocab_;
   Stats stats_;
-  Clock::time_point start_, end_;
   double measured_s_ = 0;
   std::atomic<bool> stopping_{false};
   std::mutex mu_;  // below
