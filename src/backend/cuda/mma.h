@@ -63,4 +63,12 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// The transpose of an 8x8 matrix of 16-bit values held as C fragments (thread: row g, columns 2t,
+// 2t+1 packed) into the same layout (sm_75+): an accumulator tile becomes a B fragment.
+__device__ inline uint32_t movmatrix_trans(uint32_t a) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+}
+
 }  // namespace combs::cuda

@@ -1,9 +1,10 @@
 // CUDA kernels of attention_batch(): K/V append into the pages, and paged attention that reads
 // K/V where they lie (no gather) for ragged batches.
 //
-// Attention for f16/bf16 caches runs on tensor cores (flash_kernel, FlashAttention-2 style) for
-// prefill tiles and decode tokens alike; f32 caches use a CUDA-core kernel (attention_kernel).
-// Both serve a whole GQA group per block, so each K/V row is read once per group, with the online
+// Attention for f16/bf16 caches runs on tensor cores: flash_kernel (FlashAttention-2 style) for
+// prefill tiles, and for decode tokens where decode_swap_kernel (head_dim 64 and 128, groups of at
+// most 8 query heads: the common shapes) does not take them; f32 caches use a CUDA-core kernel
+// (attention_kernel). All serve a whole GQA group per block, so each K/V row is read once per group, with the online
 // softmax in f32 (exp2, log2e folded into the scale). Decode splits long contexts across blocks
 // (split-KV) and merges them by log-sum-exp: on tensor cores with at most 8 splits in the last
 // split's block to finish (merge_in_last_split), else in a second kernel (merge_splits_kernel),
@@ -453,6 +454,31 @@ __device__ void merge_in_last_split(const float* part_o, const float* part_ml, f
   if (threadIdx.x == 0) *counter = 0;  // for the next launch
 }
 
+// The K/V tile pipeline of the tensor-core kernels: the tiles of KT keys over [kb, ke), STAGES
+// deep in shared memory. fetch(k0) reads a tile's page-table entries one tile ahead of its copies
+// (load(stage, k0): cp.async, so the table's round trip to L2 or DRAM does not stall every tile);
+// sync() orders the block's warps (tile i is in, every warp is done with the stage reloaded next);
+// body(stage, k0) consumes a tile. Returns with every copy landed.
+template <int STAGES, int KT, typename Fetch, typename Load, typename Sync, typename Body>
+__device__ __forceinline__ void stream_tiles(int64_t kb, int64_t ke, Fetch& fetch, Load& load, Sync&& sync, Body&& body) {
+  const int n_tiles = static_cast<int>((ke - kb + KT - 1) / KT);
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_tiles) fetch(kb + st * KT), load(st, kb + st * KT);
+    cp_async_commit();
+  }
+  if (STAGES - 1 < n_tiles) fetch(kb + (STAGES - 1) * KT);
+  for (int i = 0; i < n_tiles; ++i) {
+    cp_async_wait<STAGES - 2>();
+    sync();
+    if (i + STAGES - 1 < n_tiles) load((i + STAGES - 1) % STAGES, kb + static_cast<int64_t>(i + STAGES - 1) * KT);
+    if (i + STAGES < n_tiles) fetch(kb + static_cast<int64_t>(i + STAGES) * KT);
+    cp_async_commit();
+    body(i % STAGES, kb + static_cast<int64_t>(i) * KT);
+  }
+  cp_async_wait<0>();
+}
+
 // The tensor-core kernels' shapes: prefill blocks of 4 warps (64 query rows) with 64-key tiles;
 // decode blocks of one warp with 8 KB K/V tiles four deep (measured on the H200 against 16 KB
 // two or three deep: 16 x 8k contexts 0.91 of copy bandwidth vs 0.89 / 0.62), or of 4 warps when
@@ -578,21 +604,8 @@ __global__ void __launch_bounds__(FlashShape<HD, R>::kThreads)
   float o[OD / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int d = 0; d < OD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
-  const int n_tiles = static_cast<int>((ke - kb + KT - 1) / KT);
-#pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < n_tiles) fetch_pages(kb + st * KT), load_tile(st, kb + st * KT);
-    cp_async_commit();
-  }
-  if (STAGES - 1 < n_tiles) fetch_pages(kb + (STAGES - 1) * KT);
-  for (int i = 0; i < n_tiles; ++i) {
-    cp_async_wait<STAGES - 2>();
-    sync();  // tile i is in; every warp is done with the stage reloaded next
-    if (i + STAGES - 1 < n_tiles) load_tile((i + STAGES - 1) % STAGES, kb + static_cast<int64_t>(i + STAGES - 1) * KT);
-    if (i + STAGES < n_tiles) fetch_pages(kb + static_cast<int64_t>(i + STAGES) * KT);
-    cp_async_commit();
-    const uint32_t kbase = smem_base + (i % STAGES) * (2 * KT * HD * 2), vbase = kbase + KT * HD * 2;
-    const int64_t k0 = kb + static_cast<int64_t>(i) * KT;
+  stream_tiles<STAGES, KT>(kb, ke, fetch_pages, load_tile, sync, [&](int stage, int64_t k0) {
+    const uint32_t kbase = smem_base + stage * (2 * KT * HD * 2), vbase = kbase + KT * HD * 2;
 
     // S = Q K^T: ldmatrix.x4 gives the B fragments of two 8-key n-tiles for 16 dims.
     float sc[KT / 8][4];
@@ -662,8 +675,7 @@ __global__ void __launch_bounds__(FlashShape<HD, R>::kThreads)
         mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
       }
     }
-  }
-  cp_async_wait<0>();
+  });
 
   // Each row's sum is spread over its quad's four lanes.
 #pragma unroll
@@ -685,6 +697,202 @@ __global__ void __launch_bounds__(FlashShape<HD, R>::kThreads)
     }
   }
   if (splits > 1 && arrived) merge_in_last_split<HD, NT>(part_o, part_ml, out, arrived + blockIdx.x * n_kv + kvh,
+                                                          static_cast<int64_t>(blockIdx.x) * n_q + kvh * G, G, n_q, splits, L);
+}
+
+// Where split i of splits over the keys [lo, ctx) begins (i = splits: ctx): an even share, rounded
+// down to a multiple of kt keys so that every split's tiles start on a tile boundary, whatever
+// the cache's pages (a split may be left empty by a window: its m stays -inf).
+__device__ inline int64_t split_bound(int64_t lo, int64_t ctx, int i, int splits, int kt) {
+  if (i == 0) return lo;
+  if (i == splits) return ctx;
+  return max(lo, (lo + (ctx - lo) * i / splits) / kt * kt);
+}
+
+// The decode kernel for head_dim 64 and 128 with at most 8 query heads per KV head (llama, qwen,
+// mistral shapes): the GQA group's query heads are the mma's n side, S^T = K Q^T and
+// O^T = V^T P^T, so up to 8 heads fill one 8-wide n-tile where flash_kernel's A tiles of 16 rows
+// hold G of them (4 for llama-8b). Half the mma, and half the registers for Q's fragments
+// (HD / 8) and O's accumulators (HD / 4): 124 registers at head_dim 128 against flash_kernel's
+// 236, so with two K/V stages 13 blocks fit an SM and 64 llama-8b sessions' decode grid runs in
+// one wave (H100: 5.3k against 5.16k tok/s with flash_kernel's decode, four stages were no
+// faster). P^T's B fragments come from S^T's accumulators by movmatrix. Tiles as flash_kernel's
+// decode tiles (KT keys, swizzled), each addressed from one page-table read where every tile lies
+// in one page (no window, pages a power of two and a multiple of KT keys).
+//
+// grid (tokens, n_kv, splits); block: one warp. Splits end on tile boundaries (split_bound), the
+// same for a paged and a contiguous cache.
+template <int HD>
+struct SwapShape {
+  static constexpr int kKeys = FlashShape<HD, 1>::kKeys;
+  static constexpr int kStages = 2;
+  static constexpr int kSmemBytes = kStages * 2 * kKeys * HD * 2;
+};
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(32) decode_swap_kernel(const Meta M, const float* __restrict__ q, float* __restrict__ out,
+                                                         float* __restrict__ part_o, float* __restrict__ part_ml,
+                                                         int* __restrict__ arrived, int n_kv, int G, float scale_log2,
+                                                         LayerDev L) {
+  constexpr int KT = SwapShape<HD>::kKeys, S = SwapShape<HD>::kStages, MT = KT / 16, CH = HD / 8, LOADS = KT * CH / 32;
+  static_assert(KT % 16 == 0 && KT * CH % 32 == 0 && 32 % CH == 0, "tile shape");
+  extern __shared__ __align__(128) unsigned char flash_smem[];
+  const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, lane = threadIdx.x, g = lane / 4, quad = lane % 4;
+  const SeqDev s = M.seqs[M.tok_seq[t]];
+  if (gridDim.z > 1 && !arrived) cuda::pdl_launch_dependents();
+  cuda::pdl_wait();  // every block, before any exit
+  if (s.n_new >= M.prefill_min) return;  // a prefill tile's
+  const int splits = s.splits;
+  if (split >= splits) return;
+  const int64_t ctx = s.pos + (t - s.row) + 1, lo = L.first_key(ctx - 1);
+  const int64_t kb = split_bound(lo, ctx, split, splits, KT), ke = split_bound(lo, ctx, split + 1, splits, KT);
+  const bool one_page = lo == 0 && s.pad >= 0 && s.page_size % KT == 0;
+  const int n_q = n_kv * G;
+  const T* K = static_cast<const T*>(s.k ? s.k : M.k);
+  const T* V = static_cast<const T*>(s.v ? s.v : M.v);
+
+  // Q^T's B fragments: query head g of the group (zero past G), dims 2 quad, +1 and + 8.
+  uint32_t qf[HD / 16][2];
+  {
+    const bool valid = g < G;
+    const float* qp = q + (static_cast<int64_t>(t) * n_q + kvh * G + (valid ? g : 0)) * HD;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      float2 x0 = make_float2(0.0f, 0.0f), x1 = x0;
+      if (valid) {
+        x0 = *reinterpret_cast<const float2*>(qp + ks * 16 + 2 * quad);
+        x1 = *reinterpret_cast<const float2*>(qp + ks * 16 + 8 + 2 * quad);
+      }
+      qf[ks][0] = pack2<T>(x0.x, x0.y), qf[ks][1] = pack2<T>(x1.x, x1.y);
+    }
+  }
+
+  const uint32_t smem_base = cuda::smem_addr(flash_smem);
+  int32_t pages[LOADS];
+  auto fetch_pages = [&](int64_t k0) {
+    if (one_page) {
+      pages[0] = M.tables[s.table_off + (static_cast<int>(k0) >> s.pad)];
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+      const int key = static_cast<int>(k0 + (lane + j * 32) / CH);
+      pages[j] = key < ke ? M.tables[s.table_off + kv_page(s, key)] : 0;
+    }
+  };
+  auto load_tile = [&](int stage, int64_t k0) {
+    const uint32_t kbase = smem_base + stage * (2 * KT * HD * 2), vbase = kbase + KT * HD * 2;
+    const int r0 = lane / CH, c = lane % CH;  // rows r0 + j (32 / CH), chunk c
+    int64_t base = 0;
+    if (one_page) {
+      base = static_cast<int64_t>(pages[0]) * s.page_stride + kvh * s.head_stride +
+             static_cast<int64_t>((static_cast<int>(k0) & (s.page_size - 1)) + r0) * HD + c * 8;
+    }
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+      const int row = r0 + j * (32 / CH), key = static_cast<int>(k0 + row);
+      const bool valid = key < ke;
+      const int64_t off = one_page ? base + j * (32 / CH) * HD : valid ? kv_offset_in(s, pages[j], key, kvh, HD) + c * 8 : 0;
+      const uint32_t dst = (row * HD + ((c ^ (row & 7)) * 8)) * 2;
+      cp_async16(kbase + dst, K + off, valid);
+      cp_async16(vbase + dst, V + off, valid);
+    }
+  };
+
+  // O^T's accumulators: o[dt][0..1] dims dt * 16 + g, queries 2 quad, +1; o[dt][2..3] dims + 8.
+  // m, l: this lane's two queries (2 quad, +1); l summed over the lane's keys until the end.
+  float o[HD / 16][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int d = 0; d < HD / 16; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  stream_tiles<S, KT>(kb, ke, fetch_pages, load_tile, [] { __syncwarp(); }, [&](int stage, int64_t k0) {
+    const uint32_t kbase = smem_base + stage * (2 * KT * HD * 2), vbase = kbase + KT * HD * 2;
+
+    // S^T = K Q^T: ldmatrix.x4 gives K's A fragment of 16 keys x 16 dims.
+    float sc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.0f;
+      const int key = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int ks = 0; ks < HD / 16; ++ks) {
+        const int c = 2 * ks + (lane >> 4);
+        uint32_t a[4];
+        ldmatrix_x4(a, kbase + (key * HD + ((c ^ (lane & 7)) * 8)) * 2);
+        mma16816<T>(sc[mt], a, qf[ks][0], qf[ks][1]);
+      }
+    }
+    // Scale, mask (the split's end) and the online softmax of the lane's two queries: their keys
+    // are spread over the lanes of the same quad position (xor 4, 8, 16).
+    const bool masked = k0 + KT > ke;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = L.cap(sc[mt][e] * scale_log2);
+        if (masked && k0 + mt * 16 + g + (e >> 1) * 8 >= ke) x = -INFINITY;
+        sc[mt][e] = x;
+        mx[e & 1] = fmaxf(mx[e & 1], x);
+      }
+    }
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 4));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 8));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 16));
+      const float m_new = fmaxf(m[h], mx[h]);
+      const float base = m_new == -INFINITY ? 0.0f : m_new;
+      corr[h] = exp2f(m[h] - base);  // 0 while m is -inf
+      m[h] = m_new;
+      mx[h] = base;
+      l[h] *= corr[h];
+    }
+    uint32_t pb[MT][2];  // P^T's B fragments: keys 2 quad, +1 (and + 8) of query g
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[e] = exp2f(sc[mt][e] - mx[e & 1]), l[e & 1] += p[e];
+      pb[mt][0] = cuda::movmatrix_trans(pack2<T>(p[0], p[1]));
+      pb[mt][1] = cuda::movmatrix_trans(pack2<T>(p[2], p[3]));
+    }
+    // O^T += V^T P^T: ldmatrix.trans gives V^T's A fragment of 16 dims x 16 keys.
+#pragma unroll
+    for (int dt = 0; dt < HD / 16; ++dt) {
+      o[dt][0] *= corr[0], o[dt][1] *= corr[1], o[dt][2] *= corr[0], o[dt][3] *= corr[1];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int key = mt * 16 + (lane & 7) + (lane >> 4) * 8, c = 2 * dt + ((lane >> 3) & 1);
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, vbase + (key * HD + ((c ^ (lane & 7)) * 8)) * 2);
+        mma16816<T>(o[dt], a, pb[mt][0], pb[mt][1]);
+      }
+    }
+  });
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 4);
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 8);
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 16);
+    const int qh = 2 * quad + h;
+    if (qh >= G) continue;
+    const int64_t orow = static_cast<int64_t>(t) * n_q + kvh * G + qh;
+    if (splits == 1) {
+      const float inv = 1.0f / (l[h] + L.sink_term(kvh * G + qh, m[h]));
+      float* op = out + orow * HD + g;
+#pragma unroll
+      for (int dt = 0; dt < HD / 16; ++dt) op[dt * 16] = o[dt][h] * inv, op[dt * 16 + 8] = o[dt][2 + h] * inv;
+    } else {
+      const int64_t prow = orow * gridDim.z + split;
+      float* op = part_o + prow * HD + g;
+#pragma unroll
+      for (int dt = 0; dt < HD / 16; ++dt) op[dt * 16] = o[dt][h], op[dt * 16 + 8] = o[dt][2 + h];
+      if (g == 0) part_ml[prow * 2] = m[h], part_ml[prow * 2 + 1] = l[h];
+    }
+  }
+  if (splits > 1 && arrived) merge_in_last_split<HD, 32>(part_o, part_ml, out, arrived + blockIdx.x * n_kv + kvh,
                                                           static_cast<int64_t>(blockIdx.x) * n_q + kvh * G, G, n_q, splits, L);
 }
 
@@ -805,6 +1013,53 @@ int flash_capacity(DType dt, int hd, int R) {
     if (R == 1) return h ? flash_capacity_of<__half, decltype(HD)::value, 1>() : flash_capacity_of<__nv_bfloat16, decltype(HD)::value, 1>();
     return h ? flash_capacity_of<__half, decltype(HD)::value, 4>() : flash_capacity_of<__nv_bfloat16, decltype(HD)::value, 4>();
   });
+}
+
+// Decode tokens of head_dim 64 or 128 with at most 8 query heads per KV head run in
+// decode_swap_kernel, the rest in flash_kernel.
+constexpr bool swap_decode(int hd, int G) { return (hd == 64 || hd == 128) && G <= 8; }
+
+template <typename T, int HD>
+cudaError_t swap_attr() {
+  return cuda::allow_dynamic_smem<decode_swap_kernel<T, HD>>(SwapShape<HD>::kSmemBytes);
+}
+
+// Blocks of decode_swap_kernel resident on the whole device at once.
+template <typename T, int HD>
+int swap_capacity_of() {
+  static const int cap = [] {
+    int per_sm = 0, sms = 0, dev = 0;
+    if (swap_attr<T, HD>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_swap_kernel<T, HD>, 32, SwapShape<HD>::kSmemBytes) !=
+            cudaSuccess) {
+      return 1056;
+    }
+    return std::max(per_sm * sms, 1);
+  }();
+  return cap;
+}
+
+int swap_capacity(DType dt, int hd) {
+  const bool h = dt == DType::kF16;
+  if (hd == 64) return h ? swap_capacity_of<__half, 64>() : swap_capacity_of<__nv_bfloat16, 64>();
+  return h ? swap_capacity_of<__half, 128>() : swap_capacity_of<__nv_bfloat16, 128>();
+}
+
+template <typename T, int HD>
+cudaError_t launch_swap(dim3 grid, cudaStream_t st, const Meta& M, const float* q, float* out, float* part_o, float* part_ml,
+                        int* arrived, int n_kv, int G, float scale_log2, LayerDev L) {
+  if (const cudaError_t e = swap_attr<T, HD>(); e != cudaSuccess) return e;
+  return cuda::launch_pdl(decode_swap_kernel<T, HD>, grid, dim3(32), SwapShape<HD>::kSmemBytes, st, M, q, out, part_o, part_ml,
+                          arrived, n_kv, G, scale_log2, L);
+}
+
+// decode_swap_kernel for a cache of T, head_dim 64 or 128.
+template <typename T>
+cudaError_t launch_swap(int hd, dim3 grid, cudaStream_t st, const Meta& M, const float* q, float* out, float* part_o,
+                        float* part_ml, int* arrived, int n_kv, int G, float scale_log2, LayerDev L) {
+  return hd == 64 ? launch_swap<T, 64>(grid, st, M, q, out, part_o, part_ml, arrived, n_kv, G, scale_log2, L)
+                  : launch_swap<T, 128>(grid, st, M, q, out, part_o, part_ml, arrived, n_kv, G, scale_log2, L);
 }
 
 // Keys of one tile of the kernel for head_dim hd with R warps a block.
@@ -953,7 +1208,7 @@ Status CudaAttentionPlan::prepare(std::span<const SeqWork> work, int n_kv, int n
       // slower: 1 x 32k 0.44 vs 0.57 of copy bandwidth); where a single split fills more than half
       // of them (64 sessions), two waves' worth (measured faster than one split: 7.3k vs 6.9k
       // tok/s for llama-8b).
-      const int64_t capacity = flash_capacity(dtype_, hd_, G <= 16 ? 1 : 4);
+      const int64_t capacity = swap_decode(hd_, G) ? swap_capacity(dtype_, hd_) : flash_capacity(dtype_, hd_, G <= 16 ? 1 : 4);
       const int64_t target = base_blocks > capacity / 2 ? 2 * capacity : capacity;
       grid_splits_ = static_cast<int>(std::clamp<int64_t>(target / base_blocks, 1, max_splits));
       // One tile of the decode kernel in use (4-warp blocks, for groups above 16 heads, take 64 keys).
@@ -1101,11 +1356,19 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
   if (tensor_cores_) {
     const int R = G <= 16 ? 1 : 4;
     int* arrived = fold_ ? counters_ : nullptr;
-    COMBS_CUDA_RETURN_IF_ERROR(
-        f16 ? launch_flash<__half>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(), part_o_,
-                                   part_ml_, arrived, n_kv, G, scale_log2, L)
-            : launch_flash<__nv_bfloat16>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(),
-                                          part_o_, part_ml_, arrived, n_kv, G, scale_log2, L));
+    if (swap_decode(hd, G)) {
+      COMBS_CUDA_RETURN_IF_ERROR(
+          f16 ? launch_swap<__half>(hd, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, arrived,
+                                    n_kv, G, scale_log2, L)
+              : launch_swap<__nv_bfloat16>(hd, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_,
+                                           arrived, n_kv, G, scale_log2, L));
+    } else {
+      COMBS_CUDA_RETURN_IF_ERROR(
+          f16 ? launch_flash<__half>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(), part_o_,
+                                     part_ml_, arrived, n_kv, G, scale_log2, L)
+              : launch_flash<__nv_bfloat16>(hd, R, grid, st, M, nullptr, q.data_as<float>(), out->data_as<float>(),
+                                            part_o_, part_ml_, arrived, n_kv, G, scale_log2, L));
+    }
   } else {
     ok = dtype_ == DType::kF32 &&
          dispatch_hd<float>(hd, G, grid, st, M, q.data_as<float>(), out->data_as<float>(), part_o_, part_ml_, n_kv, scale_log2, L);
