@@ -207,6 +207,33 @@ TEST_CASE("cuda fused projections split outputs and fold swiglu into the down pr
   }
 }
 
+TEST_CASE("the down projection of block weights rounds silu(gate) * up as it rounds x to 8 bits: silu_mul's numbers", "[cuda]") {
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(6);
+  const int64_t in = 512, out = 96;
+  // Q4_K and Q6_K: the decode kernel (3 rows) and int8 tensor cores (40, 64); Q4_0 at 40 rows
+  // takes BF16 x (silu_mul over gate, then the projection): the same path on both sides.
+  for (DType t : {DType::kQ4_K, DType::kQ6_K, DType::kQ4_0}) {
+    for (int64_t n : {3, 40, 64}) {
+      for (bool accumulate : {false, true}) {
+        INFO(dtype_name(t) << ", n " << n << ", accumulate " << accumulate);
+        const auto w = random_floats(rng, out * in, 0.05f), g = random_floats(rng, n * in, 3.0f), u = random_floats(rng, n * in),
+                   y0 = random_floats(rng, n * out);
+        const Tensor wd = upload(*gpu, w, Shape{out, in}, t), ud = upload(*gpu, u, Shape{n * in});
+        Tensor g1 = upload(*gpu, g, Shape{n * in}), y1 = upload(*gpu, y0, Shape{n * out});
+        REQUIRE(cuda::matmul_swiglu(*gpu, wd, g1.data_as<float>(), ud.data_as<float>(), n, y1.data_as<float>(), accumulate).ok());
+        Tensor g2 = upload(*gpu, g, Shape{n * in}), y2 = upload(*gpu, y0, Shape{n * out});
+        REQUIRE(cuda::silu_mul(*gpu, g2.data_as<float>(), ud.data_as<float>(), n * in).ok());
+        REQUIRE(cuda::matmul(*gpu, wd, g2.data_as<float>(), n, y2.data_as<float>(), nullptr, accumulate).ok());
+        const auto got = download(*gpu, y1), want = download(*gpu, y2);
+        CHECK(got == want);  // bit for bit
+        CHECK(std::none_of(got.begin(), got.end(), [](float v) { return std::isnan(v); }));
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda argmax rows take the first of equal maxima", "[cuda]") {
   auto gpu = gpu_or_skip();
   if (!gpu) return;
@@ -355,22 +382,26 @@ TEST_CASE("a norm rounded to 8 bits in its kernel gives quantized projections th
   if (!gpu) return;
   std::mt19937 rng(22);
   // Rows of 2,560 (groups of 256, kept in registers), 96 (groups of 32) and 8,192 (past the
-  // registers: the f32 norm, then rounded); with and without a post norm on delta; 1 and 3 rows.
+  // registers: the f32 norm, then rounded); with and without a post norm on delta; 1 and 3 rows
+  // (the decode kernel), and 40 where every part is a super-block format (int8 tensor cores).
   struct Case {
     int64_t in;
-    DType wt;
+    DType wt, wv;  // Q and K's type, V's
   };
-  for (const Case k : {Case{2560, DType::kQ4_K}, Case{96, DType::kQ4_0}, Case{8192, DType::kQ6_K}}) {
-    for (int64_t n : {1, 3}) {
+  for (const Case k : {Case{2560, DType::kQ4_K, DType::kQ8_0}, Case{96, DType::kQ4_0, DType::kQ8_0},
+                       Case{8192, DType::kQ6_K, DType::kQ4_K}, Case{2560, DType::kQ4_K, DType::kQ6_K}}) {
+    for (int64_t n : {1, 3, 40}) {
+      const bool batch = n > 8;
+      if (batch && (k.in % 256 != 0 || k.wv == DType::kQ8_0)) continue;
       for (bool post : {false, true}) {
-        INFO("in " << k.in << ", " << dtype_name(k.wt) << ", n " << n << ", post norm " << post);
+        INFO("in " << k.in << ", " << dtype_name(k.wt) << " and " << dtype_name(k.wv) << ", n " << n << ", post norm " << post);
         const int64_t in = k.in, a = 64, kv = 32, ff = 64;
         const auto x = random_floats(rng, n * in, 2.0f), delta = random_floats(rng, n * in), g = random_floats(rng, in),
                    dg = random_floats(rng, in);
         const auto w = random_floats(rng, (a + 2 * kv) * in, 0.05f), wv = random_floats(rng, kv * in, 0.05f),
                    wgu = random_floats(rng, 2 * ff * in, 0.05f);
         // Q and K in one tensor, V in another of another type (a Q4_K_M layer's parts).
-        const Tensor parts[] = {upload(*gpu, w, Shape{a + kv, in}, k.wt), upload(*gpu, wv, Shape{kv, in}, DType::kQ8_0)};
+        const Tensor parts[] = {upload(*gpu, w, Shape{a + kv, in}, k.wt), upload(*gpu, wv, Shape{kv, in}, k.wv)};
         const size_t outputs[] = {2, 1};
         const Tensor gate_up = upload(*gpu, wgu, Shape{2 * ff, in}, k.wt);
         const Tensor dd = upload(*gpu, delta, Shape{n * in}), gd = upload(*gpu, g, Shape{in}), dgd = upload(*gpu, dg, Shape{in});
@@ -387,13 +418,15 @@ TEST_CASE("a norm rounded to 8 bits in its kernel gives quantized projections th
             REQUIRE(cuda::add_normed_rms_norm_q8(*gpu, xd.data_as<float>(), dd.data_as<float>(), post_w, gd.data_as<float>(),
                                                  y.data(), n, in, 1e-6f).ok());
             REQUIRE(cuda::matmul_split_parts_q8(*gpu, parts, outputs, y.data(), n, outs).ok());
-            REQUIRE(cuda::matmul_gate_up_q8(*gpu, gate_up, y.data(), n, hd.data(), cuda::GateActivation::kGeluTanh).ok());
+            if (!batch) REQUIRE(cuda::matmul_gate_up_q8(*gpu, gate_up, y.data(), n, hd.data(), cuda::GateActivation::kGeluTanh).ok());
           } else {
             REQUIRE(cuda::add_normed_rms_norm(*gpu, xd.data_as<float>(), dd.data_as<float>(), post_w, gd.data_as<float>(),
                                               y.data(), DType::kF32, n, in, 1e-6f).ok());
             REQUIRE(cuda::matmul_split_parts(*gpu, parts, outputs, y.data_as<float>(), n, outs).ok());
-            REQUIRE(cuda::matmul_gate_up(*gpu, gate_up, y.data_as<float>(), n, nullptr, 0.0f, hd.data(),
-                                         cuda::GateActivation::kGeluTanh).ok());
+            if (!batch) {
+              REQUIRE(cuda::matmul_gate_up(*gpu, gate_up, y.data_as<float>(), n, nullptr, 0.0f, hd.data(),
+                                           cuda::GateActivation::kGeluTanh).ok());
+            }
           }
           return Got{download(*gpu, xd), download(*gpu, q), download(*gpu, kvd), download(*gpu, hd)};
         };
@@ -401,21 +434,28 @@ TEST_CASE("a norm rounded to 8 bits in its kernel gives quantized projections th
         CHECK(got.residual == want.residual);
         CHECK(got.q == want.q);  // bit for bit (NaN, the poison, fails ==)
         CHECK(got.kv == want.kv);
-        CHECK(got.h == want.h);
+        if (!batch) CHECK(got.h == want.h);
       }
     }
   }
-  // Weights that do not take 8-bit x, or more rows than the decode kernel takes, are refused.
+  // Weights that do not take 8-bit x, or more rows than their kernels take, are refused; the
+  // gate/up pair's kernel only for decode-sized batches.
   const Tensor bf = upload(*gpu, random_floats(rng, 64 * 256), Shape{64, 256}, DType::kBF16);
   const Tensor q4 = upload(*gpu, random_floats(rng, 64 * 256), Shape{64, 256}, DType::kQ4_K);
-  Tensor y = poisoned(*gpu, 16 * 256), out = poisoned(*gpu, 16 * 64);
+  const Tensor q40 = upload(*gpu, random_floats(rng, 64 * 256), Shape{64, 256}, DType::kQ4_0);
+  Tensor y = poisoned(*gpu, 80 * 256), out = poisoned(*gpu, 80 * 64);
   const size_t one[] = {1};
   const cuda::MatmulOut outs[] = {{out.data_as<float>(), 64}};
   CHECK(cuda::matmul_split_parts_q8(*gpu, std::span(&bf, 1), one, y.data(), 1, outs).code() == StatusCode::kInvalidArgument);
-  CHECK(cuda::matmul_split_parts_q8(*gpu, std::span(&q4, 1), one, y.data(), 9, outs).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::matmul_split_parts_q8(*gpu, std::span(&q4, 1), one, y.data(), 65, outs).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::matmul_split_parts_q8(*gpu, std::span(&q40, 1), one, y.data(), 9, outs).code() == StatusCode::kInvalidArgument);
   CHECK(cuda::matmul_gate_up_q8(*gpu, bf, y.data(), 1, out.data()).code() == StatusCode::kInvalidArgument);
+  CHECK(cuda::matmul_gate_up_q8(*gpu, q4, y.data(), 9, out.data()).code() == StatusCode::kInvalidArgument);
   CHECK(cuda::takes_q8(q4, 8));
-  CHECK_FALSE(cuda::takes_q8(q4, 9));
+  CHECK(cuda::takes_q8(q4, 64));
+  CHECK_FALSE(cuda::takes_q8(q4, 65));
+  CHECK(cuda::takes_q8(q40, 8));
+  CHECK_FALSE(cuda::takes_q8(q40, 9));
   CHECK_FALSE(cuda::takes_q8(bf, 1));
 }
 

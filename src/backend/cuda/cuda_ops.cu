@@ -804,6 +804,15 @@ Status quant_decode(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   return quant_gemv(stream_of(b), w, xq, static_cast<int>(n), outs, pairs);
 }
 
+// outs (+)= w xq for xq x rounded to 8 bits (quantize_activations' layout) where
+// rounds_x_to_8_bits(w, n): the decode kernel, or int8 tensor cores (their split-k scratch in
+// kMmaSplitSlot).
+Status quant_q8(CudaBackend& b, const Tensor& w, const void* xq, int64_t n, const GemvOut& outs) {
+  if (gemv_fits(w, n)) return quant_gemv(stream_of(b), w, xq, static_cast<int>(n), outs, false);
+  COMBS_ASSIGN_OR_RETURN(void* split, b.scratch(quant_imma_scratch_bytes(w, static_cast<int>(n)), CudaBackend::kMmaSplitSlot));
+  return quant_imma(stream_of(b), w, xq, static_cast<int>(n), outs, split);
+}
+
 // Larger batches of block-quantized weights: x rounded to BF16 (scratch slot 0), each output's rows
 // dequantized to BF16 a tile at a time (kWeightTileSlot, at most kQuantTileBytes) and multiplied on
 // cuBLAS; the tiles are scratch, never a copy of the model.
@@ -851,8 +860,7 @@ Status quant_matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   if (n <= kQuantMmaMaxRows && quant_imma_takes(w.dtype())) {
     COMBS_ASSIGN_OR_RETURN(void* xq, b.scratch(activation_bytes(n, w.dim(1))));
     COMBS_RETURN_IF_ERROR(quantize_activations(stream_of(b), x, n, w.dim(1), nullptr, 0.0f, xq));
-    COMBS_ASSIGN_OR_RETURN(void* split, b.scratch(quant_imma_scratch_bytes(w, static_cast<int>(n)), CudaBackend::kMmaSplitSlot));
-    return quant_imma(stream_of(b), w, xq, static_cast<int>(n), gemv_out(outs, accumulate, nullptr, 0.0f), split);
+    return quant_q8(b, w, xq, n, gemv_out(outs, accumulate, nullptr, 0.0f));
   }
   // The weights read once, widened in shared memory: for up to 32 rows of x every llama-1b/8b
   // matrix took 0.46-0.96 the time of the tiles below; for 33-64 rows only rows of 4,096 and more
@@ -980,7 +988,9 @@ Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n
 Status matmul_gate_up_q8(CudaBackend& b, const Tensor& w, const void* xq, int64_t n, void* h, GateActivation act) {
   COMBS_RETURN_IF_ERROR(check_gate_up(w, "cuda matmul_gate_up_q8"));
   if (n == 0) return ok_status();
-  if (!takes_q8(w, n)) return invalid_argument_error("cuda matmul_gate_up_q8: needs takes_q8(w, n)");
+  if (!is_block_quant(w.dtype()) || !gemv_fits(w, n)) {
+    return invalid_argument_error("cuda matmul_gate_up_q8: needs block-quantized weights and decode_fused(w, n)");
+  }
   return quant_gemv(stream_of(b), w, xq, static_cast<int>(n), gate_up_out(w, h, act, nullptr, 0.0f), /*pairs=*/true);
 }
 
@@ -1000,6 +1010,14 @@ Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* 
                      bool accumulate) {
   COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul"));
   if (n == 0) return ok_status();
+  const bool rows16 = reinterpret_cast<uintptr_t>(gate) % 16 == 0 && reinterpret_cast<uintptr_t>(up) % 16 == 0;
+  if (rows16 && rounds_x_to_8_bits(w, n) && w.dim(1) % dtype_block_elems(w.dtype()) == 0) {
+    // The product formed as it is rounded to 8 bits: no silu_mul pass (the same numbers).
+    COMBS_ASSIGN_OR_RETURN(void* xq, b.scratch(activation_bytes(n, w.dim(1))));
+    COMBS_RETURN_IF_ERROR(quantize_activations(stream_of(b), gate, n, w.dim(1), nullptr, 0.0f, xq, up));
+    const MatmulOut o[] = {{y, w.dim(0)}};
+    return quant_q8(b, w, xq, n, gemv_out(o, accumulate, nullptr, 0.0f));
+  }
   if (w.dtype() != DType::kF16 && w.dtype() != DType::kBF16) {
     COMBS_RETURN_IF_ERROR(silu_mul(b, gate, up, n * w.dim(1)));
     return matmul(b, w, gate, n, y, nullptr, accumulate);
@@ -1063,7 +1081,7 @@ Status add_normed_rms_norm(CudaBackend& b, float* residual, const float* delta, 
   return launched("add_rms_norm_kernel");
 }
 
-bool takes_q8(const Tensor& w, int64_t n) { return is_block_quant(w.dtype()) && gemv_fits(w, n); }
+bool takes_q8(const Tensor& w, int64_t n) { return rounds_x_to_8_bits(w, n); }
 
 size_t q8_bytes(int64_t n, int64_t dim) { return activation_bytes(n, dim); }
 
@@ -1101,9 +1119,7 @@ Status matmul_split_parts_q8(CudaBackend& b, std::span<const Tensor> parts, std:
     if (at + outputs[i] > outs.size()) return invalid_argument_error("cuda matmul_split_parts_q8: more outputs than outs");
     const auto part_outs = outs.subspan(at, outputs[i]);
     COMBS_RETURN_IF_ERROR(check_split(parts[i], part_outs));
-    if (n > 0) {
-      COMBS_RETURN_IF_ERROR(quant_gemv(stream_of(b), parts[i], xq, static_cast<int>(n), gemv_out(part_outs, false, nullptr, 0.0f), false));
-    }
+    if (n > 0) COMBS_RETURN_IF_ERROR(quant_q8(b, parts[i], xq, n, gemv_out(part_outs, false, nullptr, 0.0f)));
     at += outputs[i];
   }
   return ok_status();

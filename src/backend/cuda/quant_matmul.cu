@@ -270,8 +270,10 @@ __device__ __forceinline__ const uint8_t* unit_block(const uint8_t* row, int64_t
 // takes 256 elements at a time,
 // eight per lane; a group's max over 4 lanes (32) or the warp (256). The rounding is the CPU's
 // (quantize_act in quant_dot_avx512vnni.cc): d = max / 127, q = nearest(x * (127 / max)).
+// up (then norm_w is null): x is the gate, and silu(x) * up is rounded (silu_mul_kernel's floats).
 __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t in, const float* __restrict__ norm_w, float eps,
-                                    int8_t* __restrict__ xq, float* __restrict__ xd, int group, int8_t* __restrict__ xs) {
+                                    int8_t* __restrict__ xq, float* __restrict__ xd, int group, int8_t* __restrict__ xs,
+                                    const float* __restrict__ up) {
   const float* xr = x + blockIdx.x * in;
   int8_t* qr = xq + blockIdx.x * in;
   float* dr = xd + blockIdx.x * (in / group);
@@ -305,6 +307,13 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t in, con
       if (norm_w) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(__fmul_rn(v[e], scale), norm_w[i + e]);
+      }
+      if (up) {
+        const float* ur = up + blockIdx.x * in + i;
+        const float4 c = *reinterpret_cast<const float4*>(ur), d = *reinterpret_cast<const float4*>(ur + 4);
+        const float u[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = silu(v[e]) * u[e];
       }
     }
     float amax = 0.0f;
@@ -1503,15 +1512,18 @@ Status for_mma_variant(DType t, int n, F&& f) {
 }  // namespace
 
 Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t in, const float* norm_w, float eps,
-                            void* xq) {
+                            void* xq, const float* up) {
   if (in % 32 != 0) return invalid_argument_error("cuda quantize_activations: rows of " + std::to_string(in) + " (not whole groups of 32)");
+  if (up && (norm_w || reinterpret_cast<uintptr_t>(up) % 16 != 0)) {
+    return invalid_argument_error("cuda quantize_activations: up takes no norm, and 16-byte aligned rows");
+  }
   if (n == 0) return ok_status();
   int8_t* q = static_cast<int8_t*>(xq);
   float* d = reinterpret_cast<float*>(q + activation_scales_offset(n, in));
   int8_t* s = activation_group(in) == 256 ? q + activation_sums_offset(n, in) : nullptr;
   constexpr int kQuantizeThreads = 1024;
   launch_pdl(quantize_act_kernel, dim3(static_cast<unsigned>(n)), dim3(kQuantizeThreads), 0, st, x, in, norm_w, eps, q, d,
-             static_cast<int>(activation_group(in)), s);
+             static_cast<int>(activation_group(in)), s, up);
   return cuda_status(cudaGetLastError(), "quantize_act_kernel");
 }
 

@@ -65,9 +65,10 @@ __host__ __device__ inline void store_unit_sum(int8_t* group_sums, int u, int s)
 
 // x [n, in] f32 -> xq (activation_bytes(n, in)): int8 values [n, in], then float scales
 // [n, in / group] (16-byte aligned), then for groups of 256 the unit sums (activation_sums_offset).
-// norm_w: RMS-normalize each row first (eps), as add_rms_norm.
+// norm_w: RMS-normalize each row first (eps), as add_rms_norm. up (norm_w null): x is a gate, and
+// silu(x) * up [n, in] is rounded (the floats of silu_mul; the down projection's input).
 Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t in, const float* norm_w, float eps,
-                            void* xq);
+                            void* xq, const float* up = nullptr);
 
 // outs (+)= w x for w a block-quantized device tensor [rows, in] and xq from quantize_activations,
 // n <= kQuantGemvMaxRows. pairs: w holds gate rows then up rows; y[0] [n, rows / 2] =

@@ -87,8 +87,10 @@ Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n
 // of 32 where the rows are not whole 256s: src/backend/cuda/quant_matmul.h), made by
 // add_normed_rms_norm_q8 and taken by matmul_split_parts_q8 / matmul_gate_up_q8: a norm followed
 // by such a projection then needs no rounding kernel between them (the same numbers as the
-// projections that round x themselves). takes_q8: whether w takes it for n rows (a block type,
-// decode_fused(w, n)); q8_bytes: its size for n rows of dim.
+// projections that round x themselves). takes_q8: whether w takes it for n rows (a block type
+// whose kernel for n rows multiplies 8-bit x: decode_fused(w, n), or the int8 tensor-core kernel
+// of the super-block formats up to 64 rows); q8_bytes: its size for n rows of dim.
+// matmul_gate_up_q8 only where decode_fused(w, n).
 bool takes_q8(const Tensor& w, int64_t n);
 size_t q8_bytes(int64_t n, int64_t dim);
 Status matmul_split_parts_q8(CudaBackend& b, std::span<const Tensor> parts, std::span<const size_t> outputs,
@@ -105,7 +107,8 @@ DType input_dtype(const Tensor& w);
 Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n, float* y, bool accumulate = false);
 
 // y = (silu(gate) * up) @ w^T, the MLP's down projection: the product formed first, rounded to w's
-// dtype in scratch (16-bit weights) or over gate (f32 weights).
+// dtype in scratch (16-bit weights), to 8 bits in scratch where w's kernel takes 8-bit x
+// (takes_q8), else over gate (f32 and the other block weights).
 Status matmul_swiglu(CudaBackend& b, const Tensor& w, float* gate, const float* up, int64_t n, float* y,
                      bool accumulate = false);
 
