@@ -9,7 +9,7 @@
 //   nvcc -O3 -std=c++20 --use_fast_math -arch=sm_90 -Iinclude -Isrc bench/gpu/qgemv.cu \
 //     build/portable/libcombs_core.a -lcublas -o qgemv
 // Run: ./qgemv [REPS]   (tab-separated: case, variant, us per call, GB/s, fraction of copy, max diff
-// to the first variant)
+// to the first variant; QGEMV_ONLY=S: the cases whose name holds S)
 //      ./qgemv REPS mma N   the batch kernel (quant_mma) for N rows of x on the same matrices: us per
 // call, the weights' GB/s and fraction of copy, and TFLOPS
 //      ./qgemv REPS imma N  the 8-bit batch kernel (quant_imma) against quant_mma, N rows of x: us per
@@ -226,7 +226,9 @@ int main(int argc, char** argv) {
   std::mt19937 rng(7);
   cudaStream_t st;
   CHECK(cudaStreamCreate(&st));
+  const char* only = std::getenv("QGEMV_ONLY");  // (a substring of the cases' names to run)
   for (const Case& c : cases) {
+    if (only != nullptr && std::string(c.name).find(only) == std::string::npos) continue;
     const int64_t wrows = c.pairs ? 2 * c.rows : c.rows;
     const int64_t row_bytes = static_cast<int64_t>(nbytes_for(c.type, c.in));
     const int64_t bytes = wrows * row_bytes;
@@ -247,6 +249,7 @@ int main(int argc, char** argv) {
     if (!quantize_activations(st, x, 1, c.in, nullptr, 0.0f, xq).ok()) return 1;
     const int8_t* q = static_cast<const int8_t*>(xq);
     const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(1, c.in));
+    const int8_t* s = q + activation_sums_offset(1, c.in);
     GemvOut outs{};
     outs.y[0] = y, outs.end[0] = c.rows, outs.count = 1;
     // The variants: rows cut into 1, 2, 4 segments, and the kernel's own choice.
@@ -256,7 +259,7 @@ int main(int argc, char** argv) {
     };
     std::vector<Variant> variants = {{"split/1", 1}, {"split/2", 2}, {"split/4", 4}, {"auto", 0}};
     auto launch = [&](const Variant& v, const uint8_t* wp) {
-      auto go = [&](auto k) { return decltype(k)::launch(st, wp, q, d, outs, 1, c.in, 3, c.rows, v.split); };
+      auto go = [&](auto k) { return decltype(k)::launch(st, wp, q, d, s, outs, 1, c.in, 3, c.rows, v.split); };
       if (c.type == DType::kQ4_K) return c.pairs ? go(GemvVariant<DType::kQ4_K, 1, true>{}) : go(GemvVariant<DType::kQ4_K, 1, false>{});
       return c.pairs ? go(GemvVariant<DType::kQ6_K, 1, true>{}) : go(GemvVariant<DType::kQ6_K, 1, false>{});
     };
