@@ -249,7 +249,6 @@ int main(int argc, char** argv) {
     if (!quantize_activations(st, x, 1, c.in, nullptr, 0.0f, xq).ok()) return 1;
     const int8_t* q = static_cast<const int8_t*>(xq);
     const float* d = reinterpret_cast<const float*>(q + activation_scales_offset(1, c.in));
-    const int8_t* s = q + activation_sums_offset(1, c.in);
     GemvOut outs{};
     outs.y[0] = y, outs.end[0] = c.rows, outs.count = 1;
     // The variants: rows cut into 1, 2, 4 segments, and the kernel's own choice.
@@ -259,7 +258,7 @@ int main(int argc, char** argv) {
     };
     std::vector<Variant> variants = {{"split/1", 1}, {"split/2", 2}, {"split/4", 4}, {"auto", 0}};
     auto launch = [&](const Variant& v, const uint8_t* wp) {
-      auto go = [&](auto k) { return decltype(k)::launch(st, wp, q, d, s, outs, 1, c.in, 3, c.rows, v.split); };
+      auto go = [&](auto k) { return decltype(k)::launch(st, wp, q, d, outs, 1, c.in, 3, c.rows, v.split); };
       if (c.type == DType::kQ4_K) return c.pairs ? go(GemvVariant<DType::kQ4_K, 1, true>{}) : go(GemvVariant<DType::kQ4_K, 1, false>{});
       return c.pairs ? go(GemvVariant<DType::kQ6_K, 1, true>{}) : go(GemvVariant<DType::kQ6_K, 1, false>{});
     };

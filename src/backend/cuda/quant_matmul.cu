@@ -249,46 +249,6 @@ __device__ __forceinline__ UnitX unit_x(const int8_t* __restrict__ xq, const flo
   return {{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, __ldg(xd + xr * groups + (gu >> gshift))};
 }
 
-// Q4_K's decode, a lane two units at a time: units 2k and 2k + 1 of a block are the low and high
-// nibbles of the same 32 bytes, read once; their 6-bit scales and mins decoded without a branch
-// (a warp's lanes take every k at once); the offsets' sums of x from the activations' unit sums
-// (activation_sums_offset) instead of dot products. Exact integer sums a pair, two float steps:
-// d (sc0 s0 + sc1 s1) - dmin (m0 S0 + m1 S1), for s the units' dot products with x and S x's sums.
-// (Per unit the float steps differ from decode<kQ4_K> + unit_dot's; the batch kernel's are again
-// other ones: each kernel's numbers are its own, and the same whatever n is.)
-// b: the block (16-byte aligned), k: the pair (0..3), xv: x's 64 int8 of the two units (16
-// words), xsum: x's unit sums of the block's group of 256 (16 bytes: lo[8], hi[8]).
-__device__ __forceinline__ float q4k_pair_dot(const uint8_t* b, int k, const int (&xv)[16], const int8_t* xsum) {
-  const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(b));
-  // Scale bytes j, j + 4, j + 8 of units j = 2k & 3 and j + 1 (both below 4, or both not).
-  const int j = (2 * k) & 3;
-  const uint32_t a = *reinterpret_cast<const unsigned short*>(b + 4 + j);
-  const uint32_t mb = *reinterpret_cast<const unsigned short*>(b + 8 + j);
-  const uint32_t c = *reinterpret_cast<const unsigned short*>(b + 12 + j);
-  int sc[2], mn[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t ah = (a >> (8 * h)) & 0xFF, mh = (mb >> (8 * h)) & 0xFF, ch = (c >> (8 * h)) & 0xFF;
-    sc[h] = k >= 2 ? static_cast<int>((ch & 0xF) | (ah >> 6) << 4) : static_cast<int>(ah & 63);
-    mn[h] = k >= 2 ? static_cast<int>((ch >> 4) | (mh >> 6) << 4) : static_cast<int>(mh & 63);
-  }
-  const uint4* qs = reinterpret_cast<const uint4*>(b + 16 + 32 * k);
-  const uint4 q0 = qs[0], q1 = qs[1];
-  const uint32_t v[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-  int s0 = 0, s1 = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    s0 = __dp4a(static_cast<int>(v[i] & 0x0F0F0F0Fu), xv[i], s0);
-    s1 = __dp4a(static_cast<int>((v[i] >> 4) & 0x0F0F0F0Fu), xv[8 + i], s1);
-  }
-  const uint32_t lo = *reinterpret_cast<const unsigned short*>(xsum + 2 * k);
-  const uint32_t hi = *reinterpret_cast<const unsigned short*>(xsum + 8 + 2 * k);
-  const int S0 = 128 * static_cast<int8_t>(hi & 0xFF) + static_cast<int>(lo & 0xFF);
-  const int S1 = 128 * static_cast<int8_t>(hi >> 8) + static_cast<int>(lo >> 8);
-  const int isum = sc[0] * s0 + sc[1] * s1, msum = mn[0] * S0 + mn[1] * S1;
-  return dm.x * static_cast<float>(isum) - dm.y * static_cast<float>(msum);
-}
-
 // Element e of a unit, as quant.cc computes it.
 __device__ __forceinline__ float unit_value(const Unit& U, int e) {
   const int q = static_cast<int8_t>(U.q[e / 4] >> (8 * (e % 4)));
@@ -403,8 +363,7 @@ __host__ __device__ constexpr int64_t stage_bytes(int64_t row_bytes) { return (r
 template <DType T, int N, bool PAIRS, bool kSplit>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     quant_gemv_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                      const int8_t* __restrict__ xs, GemvOut outs, int n, int64_t in, int gshift, int split_arg,
-                      int64_t staged) {
+                      GemvOut outs, int n, int64_t in, int gshift, int split_arg, int64_t staged) {
   const int split = kSplit ? split_arg : 1;  // (kSplit false: the whole-row kernel, fewer registers)
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float partial[2][kMaxWarps][PAIRS ? 2 * N : N];  // the segments' sums, by iteration parity
@@ -460,49 +419,18 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       };
       const uint8_t* wr = staged_at(0);
       const uint8_t* wu = PAIRS ? staged_at(1) : wr;
-      // One row of x through Q4_K's gate/up pairs cut in segments: a lane two units at a time
-      // (q4k_pair_dot; H100, bench/gpu/qgemv.cu: llama-8b's gate/up 28.5 -> 24.6 us, two warps a
-      // row). The rest keep the unit loop: by pairs Q/K took 7.4 us against 7.0, O 6.3 against
-      // 5.9 (half the lanes' loads of x in flight a row), the down rows 19.1 against 18.8 in two
-      // warps (17.8 in four); whole pairs of short rows (llama-1b's) were not measured, and for
-      // 2-8 rows of x the pairs took 123-128 registers against 72-88 (fewer resident blocks).
-      if constexpr (T == DType::kQ4_K && PAIRS && kSplit && N == 1) {
-        const int pairs = static_cast<int>(b1 - b0) * 4;
-        const int groups256 = static_cast<int>(in >> 8);
-        for (int sp = lane; sp < pairs; sp += 32) {  // sp: pair of the segment
-          const int blk = sp >> 2, k = sp & 3;
-          const int gb = static_cast<int>(b0) + blk;  // the block's index in the row (its group of 256)
-          const uint8_t* bw = wr + blk * kBlockBytes<T>;
+      for (int64_t su = lane; su < (b1 - b0) * kUnits<T>; su += 32) {  // su: unit of the segment
+        const int64_t gu = b0 * kUnits<T> + su;
+        const int u = static_cast<int>(su % kUnits<T>);
+        const Unit U = decode<T>(unit_block<T>(wr, su), u);
+        Unit V;
+        if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, su), u);
 #pragma unroll
-          for (int r = 0; r < N; ++r) {
-            if (r >= n) break;
-            const int4* xp = reinterpret_cast<const int4*>(xq + r * in + gb * 256 + 64 * k);
-            int xv[16];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int4 t = __ldg(xp + i);
-              xv[4 * i] = t.x, xv[4 * i + 1] = t.y, xv[4 * i + 2] = t.z, xv[4 * i + 3] = t.w;
-            }
-            const int8_t* xsum = xs + (static_cast<int64_t>(r) * groups256 + gb) * 16;
-            const float dx = __ldg(xd + static_cast<int64_t>(r) * groups256 + gb);
-            acc[r] += dx * q4k_pair_dot(bw, k, xv, xsum);
-            acc_up[r] += dx * q4k_pair_dot(wu + blk * kBlockBytes<T>, k, xv, xsum);
-          }
-        }
-      } else {
-        for (int64_t su = lane; su < (b1 - b0) * kUnits<T>; su += 32) {  // su: unit of the segment
-          const int64_t gu = b0 * kUnits<T> + su;
-          const int u = static_cast<int>(su % kUnits<T>);
-          const Unit U = decode<T>(unit_block<T>(wr, su), u);
-          Unit V;
-          if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, su), u);
-#pragma unroll
-          for (int r = 0; r < N; ++r) {
-            if (r >= n) break;
-            const UnitX x = unit_x(xq, xd, r, in, groups, gu, gshift);
-            acc[r] += x.d * unit_dot<T>(U, x.q);
-            if constexpr (PAIRS) acc_up[r] += x.d * unit_dot<T>(V, x.q);
-          }
+        for (int r = 0; r < N; ++r) {
+          if (r >= n) break;
+          const UnitX x = unit_x(xq, xd, r, in, groups, gu, gshift);
+          acc[r] += x.d * unit_dot<T>(U, x.q);
+          if constexpr (PAIRS) acc_up[r] += x.d * unit_dot<T>(V, x.q);
         }
       }
     }
@@ -1372,8 +1300,6 @@ int64_t segment_stage_bytes(DType t, int64_t in, int split) {
 // four); and rows too few to give every resident warp one are cut further, down to segments of
 // kMinSegmentBlocks blocks (a 1,024-row V of 4,096: 5.0 us whole, 3.9 in two; shorter rows lose:
 // llama-1b's Q/K of 2,048, 3.1 us whole, 3.75 in two). Measured by bench/gpu/qgemv.cu on the H200.
-// row_bytes: what a warp stages a row; Q4_K's gate/up pairs for one row of x count both rows
-// (H100: llama-8b's, 2 x 2,304 bytes, 24.6 us in two warps against 26.9 whole).
 constexpr int64_t kSegmentBytes = 4096, kMinSegmentBlocks = 8;
 int gemv_split(int64_t row_bytes, int64_t blocks, int64_t rows, int64_t resident_warps) {
   int split = row_bytes <= kSegmentBytes ? 1 : row_bytes <= 2 * kSegmentBytes ? 2 : 4;
@@ -1408,22 +1334,15 @@ struct GemvVariant {
     return per_sm;
   }
   // split: warps a row (0: gemv_split's choice).
-  // s: x's unit sums (activation_sums_offset), where the groups are of 256 (Q4_K's pairs read them).
-  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const int8_t* s,
-                       const GemvOut& outs, int n, int64_t in, int gshift, int64_t rows, int split) {
-    if (T == DType::kQ4_K && PAIRS && N == 1 && (s == nullptr || gshift != 3)) {  // (q4k_pair_dot's x sums)
-      return invalid_argument_error("cuda quant_gemv: Q4_K gate/up pairs take x in groups of 256 with their unit sums");
-    }
+  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const GemvOut& outs, int n,
+                       int64_t in, int gshift, int64_t rows, int split) {
     const int sms = device_sms();
     // Blocks a multiprocessor holds: by its shared memory (two staged segments per warp), by registers.
     auto smem_of = [&](int s) { return static_cast<size_t>(kMaxWarps * 2 * (PAIRS ? 2 : 1) * segment_stage_bytes(T, in, s)); };
     auto by_smem = [&](int s) { return static_cast<int>(std::max<size_t>(1, (size_t{228} << 10) / (smem_of(s) + 1024))); };
     if (split == 0) {
       const int64_t resident = int64_t{sms} * std::min(resident_blocks<false>(), by_smem(1)) * kMaxWarps;
-      // (Q4_K's gate/up rows for one row of x counted as the two they are, measured; the other
-      // pairs as one.)
-      const int64_t row_bytes = static_cast<int64_t>(nbytes_for(T, in)) * (PAIRS && N == 1 && T == DType::kQ4_K ? 2 : 1);
-      split = gemv_split(row_bytes, in / static_cast<int64_t>(dtype_block_elems(T)), rows, resident);
+      split = gemv_split(static_cast<int64_t>(nbytes_for(T, in)), in / static_cast<int64_t>(dtype_block_elems(T)), rows, resident);
     }
     const int64_t staged = segment_stage_bytes(T, in, split);
     const size_t smem = smem_of(split);
@@ -1435,10 +1354,10 @@ struct GemvVariant {
     const int64_t wanted = (rows + per_block - 1) / per_block;
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(wanted, int64_t{sms} * std::min(by_registers, by_smem(split)))));
     if (split > 1) {
-      launch_pdl(quant_gemv_kernel<T, N, PAIRS, true>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, s, outs, n, in, gshift,
+      launch_pdl(quant_gemv_kernel<T, N, PAIRS, true>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, outs, n, in, gshift,
                  split, staged);
     } else {
-      launch_pdl(quant_gemv_kernel<T, N, PAIRS, false>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, s, outs, n, in,
+      launch_pdl(quant_gemv_kernel<T, N, PAIRS, false>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, outs, n, in,
                  gshift, 1, staged);
     }
     return cuda_status(cudaGetLastError(), "quant_gemv_kernel");
@@ -1619,8 +1538,7 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
   return for_block_type(w.dtype(), [&](auto tag) -> Status {
     constexpr DType T = decltype(tag)::value;
-    const int8_t* s = gshift == 3 ? q + activation_sums_offset(n, in) : nullptr;
-    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, s, outs, n, in, gshift, rows, 0); };
+    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, outs, n, in, gshift, rows, 0); };
     if (pairs) {
       if (n <= 1) return go(GemvVariant<T, 1, true>{});
       if (n <= 2) return go(GemvVariant<T, 2, true>{});
