@@ -207,7 +207,7 @@ TEST_CASE("cuda fused projections split outputs and fold swiglu into the down pr
   }
 }
 
-TEST_CASE("the down projection of block weights rounds silu(gate) * up as it rounds x to 8 bits: silu_mul's numbers", "[cuda]") {
+TEST_CASE("the down projection of block weights forms silu(gate) times up as it rounds x to 8 bits: silu_mul's numbers", "[cuda]") {
   auto gpu = gpu_or_skip();
   if (!gpu) return;
   std::mt19937 rng(6);
