@@ -454,6 +454,20 @@ __device__ void merge_in_last_split(const float* part_o, const float* part_ml, f
   if (threadIdx.x == 0) *counter = 0;  // for the next launch
 }
 
+// One row's online-softmax step for a tile of the tensor-core kernels: mx, the row's max over the
+// tile (reduced over the row's lanes), joins the running max m and the running sum l is rescaled.
+// Returns the factor for O (0 while m was -inf) and leaves in mx the max to subtract from the
+// tile's scores (0 while the row has no key yet, so exp2 of -inf stays 0).
+__device__ __forceinline__ float online_rescale(float& m, float& mx, float& l) {
+  const float m_new = fmaxf(m, mx);
+  const float base = m_new == -INFINITY ? 0.0f : m_new;
+  const float corr = exp2f(m - base);
+  m = m_new;
+  mx = base;
+  l *= corr;
+  return corr;
+}
+
 // The K/V tile pipeline of the tensor-core kernels: the tiles of KT keys over [kb, ke), STAGES
 // deep in shared memory. fetch(k0) reads a tile's page-table entries one tile ahead of its copies
 // (load(stage, k0): cp.async, so the table's round trip to L2 or DRAM does not stall every tile);
@@ -641,12 +655,7 @@ __global__ void __launch_bounds__(FlashShape<HD, R>::kThreads)
     for (int h = 0; h < 2; ++h) {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-      const float m_new = fmaxf(m[h], mx[h]);
-      const float base = m_new == -INFINITY ? 0.0f : m_new;
-      corr[h] = exp2f(m[h] - base);  // 0 while m is -inf
-      m[h] = m_new;
-      mx[h] = base;
-      l[h] *= corr[h];
+      corr[h] = online_rescale(m[h], mx[h], l[h]);
     }
 #pragma unroll
     for (int n = 0; n < KT / 8; ++n) {
@@ -841,12 +850,7 @@ __global__ void __launch_bounds__(32) decode_swap_kernel(const Meta M, const flo
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 4));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 8));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 16));
-      const float m_new = fmaxf(m[h], mx[h]);
-      const float base = m_new == -INFINITY ? 0.0f : m_new;
-      corr[h] = exp2f(m[h] - base);  // 0 while m is -inf
-      m[h] = m_new;
-      mx[h] = base;
-      l[h] *= corr[h];
+      corr[h] = online_rescale(m[h], mx[h], l[h]);
     }
     uint32_t pb[MT][2];  // P^T's B fragments: keys 2 quad, +1 (and + 8) of query g
 #pragma unroll
@@ -980,20 +984,26 @@ cudaError_t flash_attr() {  // (prefill with head_dim 128 takes 64 KB)
   return cuda::allow_dynamic_smem<flash_kernel<T, HD, R>>(FlashShape<HD, R>::kSmemBytes);
 }
 
-// Blocks of the decode kernel resident on the whole device at once.
-template <typename T, int HD, int R>
-int flash_capacity_of() {
+// Blocks of Kernel (Threads a block, Smem bytes of dynamic shared memory) resident on the whole
+// device at once, found once (1,056 where the runtime cannot tell).
+template <auto Kernel, int Threads, int Smem>
+int resident_capacity() {
   static const int cap = [] {
     int per_sm = 0, sms = 0, dev = 0;
-    if (flash_attr<T, HD, R>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
+    if (cuda::allow_dynamic_smem<Kernel>(Smem) != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, flash_kernel<T, HD, R>, FlashShape<HD, R>::kThreads,
-                                                      FlashShape<HD, R>::kSmemBytes) != cudaSuccess) {
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, Threads, Smem) != cudaSuccess) {
       return 1056;
     }
     return std::max(per_sm * sms, 1);
   }();
   return cap;
+}
+
+// Blocks of the decode kernel resident on the whole device at once.
+template <typename T, int HD, int R>
+int flash_capacity_of() {
+  return resident_capacity<flash_kernel<T, HD, R>, FlashShape<HD, R>::kThreads, FlashShape<HD, R>::kSmemBytes>();
 }
 
 // Calls f(std::integral_constant<int, HD>) for the head dimensions the tensor-core kernel has.
@@ -1027,17 +1037,7 @@ cudaError_t swap_attr() {
 // Blocks of decode_swap_kernel resident on the whole device at once.
 template <typename T, int HD>
 int swap_capacity_of() {
-  static const int cap = [] {
-    int per_sm = 0, sms = 0, dev = 0;
-    if (swap_attr<T, HD>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_swap_kernel<T, HD>, 32, SwapShape<HD>::kSmemBytes) !=
-            cudaSuccess) {
-      return 1056;
-    }
-    return std::max(per_sm * sms, 1);
-  }();
-  return cap;
+  return resident_capacity<decode_swap_kernel<T, HD>, 32, SwapShape<HD>::kSmemBytes>();
 }
 
 int swap_capacity(DType dt, int hd) {
