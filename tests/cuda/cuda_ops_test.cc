@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 
 #include "combs/backend/cpu/cpu_backend.h"
@@ -538,4 +539,87 @@ TEST_CASE("cuda projections take a norm already rounded for them and batch equal
   Tensor xd = upload(*gpu, x, Shape{n * in}), gd = upload(*gpu, g, Shape{in}), y = poisoned(*gpu, n * in);
   CHECK(cuda::add_rms_norm(*gpu, xd.data_as<float>(), nullptr, gd.data_as<float>(), y.data(), DType::kQ8_0, n, in, 1e-5f)
             .code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("the 16-bit decode kernels give a row of x the same numbers whatever rows share the call", "[cuda]") {
+  // A verification of k + 1 drafted tokens, or sessions decoding together: each row's numbers
+  // must not depend on the other rows of the step (within each kernel: the one-row kernel below
+  // decode_mma_min_rows, the tensor-core one from there to 8).
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(71);
+  auto all_finite = [](const std::vector<float>& v) {
+    return std::all_of(v.begin(), v.end(), [](float f) { return std::isfinite(f); });
+  };
+  // Row r of a [rows, cols] result.
+  auto row_of = [](const std::vector<float>& v, int64_t r, int64_t cols) {
+    return std::vector<float>(v.begin() + r * cols, v.begin() + (r + 1) * cols);
+  };
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    // in not whole chunks of a warp's share; outputs not whole tiles of 16 rows.
+    const int64_t in = 2312, out = 1000, ff = 1480, wide = 8192;
+    const int64_t nin = 4096, q = 520, kv = 136;  // a fused Q/K/V with the norm folded in (one row: its own staging path)
+    auto w = random_floats(rng, out * in, 0.05f), bias = random_floats(rng, out);
+    auto wqkv = random_floats(rng, (q + 2 * kv) * nin, 0.05f), g = random_floats(rng, nin);
+    auto wgu = random_floats(rng, 2 * ff * nin, 0.05f), wdn = random_floats(rng, out * wide, 0.02f);
+    Tensor w_d = upload(*gpu, w, Shape{out, in}, dt), b_d = upload(*gpu, bias, Shape{out});
+    Tensor wqkv_d = upload(*gpu, wqkv, Shape{q + 2 * kv, nin}, dt), g_d = upload(*gpu, g, Shape{nin});
+    Tensor wgu_d = upload(*gpu, wgu, Shape{2 * ff, nin}, dt), wdn_d = upload(*gpu, wdn, Shape{out, wide}, dt);
+    for (int64_t n : {2, 3, 5, 8}) {
+      INFO(dtype_name(dt) << " n " << n);
+      auto x = random_floats(rng, n * in, 2.0f), xn = random_floats(rng, n * nin, 2.0f), xw = random_floats(rng, n * wide);
+      // f(x rows, count) -> outputs as rows of `cols` floats, run on all n rows, then on each row
+      // first in a call of the fewest rows that take the same kernel (alone, or with the rows after
+      // it: the tensor-core kernel's least).
+      const int64_t least = n >= cuda::decode_mma_min_rows(dt) ? cuda::decode_mma_min_rows(dt) : 1;
+      auto same_rows = [&](const std::vector<float>& xs, int64_t width, int64_t cols, auto&& f) {
+        const auto together = f(xs, n);
+        REQUIRE(together.size() == static_cast<size_t>(n * cols));
+        CHECK(all_finite(together));
+        for (int64_t r = 0; r < n; ++r) {
+          std::vector<float> few;
+          for (int64_t k = 0; k < least; ++k) {
+            const int64_t s = (r + k) % n;
+            few.insert(few.end(), xs.begin() + s * width, xs.begin() + (s + 1) * width);
+          }
+          const auto first = row_of(f(few, least), 0, cols);
+          INFO("row " << r << " first of " << least);
+          CHECK(all_finite(first));
+          CHECK(std::memcmp(first.data(), row_of(together, r, cols).data(), first.size() * sizeof(float)) == 0);
+        }
+      };
+      same_rows(x, in, out, [&](const std::vector<float>& xs, int64_t rows) {  // plain, with bias
+        Tensor x_d = upload(*gpu, xs, Shape{rows * in}), y = poisoned(*gpu, rows * out);
+        REQUIRE(cuda::matmul(*gpu, w_d, x_d.data_as<float>(), rows, y.data_as<float>(), b_d.data_as<float>()).ok());
+        return download(*gpu, y);
+      });
+      same_rows(xn, nin, q + 2 * kv, [&](const std::vector<float>& xs, int64_t rows) {  // split, norm folded in
+        Tensor x_d = upload(*gpu, xs, Shape{rows * nin}), yq = poisoned(*gpu, rows * q), yk = poisoned(*gpu, rows * kv),
+               yv = poisoned(*gpu, rows * kv);
+        const cuda::MatmulOut o[] = {{yq.data_as<float>(), q}, {yk.data_as<float>(), kv}, {yv.data_as<float>(), kv}};
+        REQUIRE(cuda::matmul_split(*gpu, wqkv_d, x_d.data_as<float>(), rows, o, g_d.data_as<float>(), 1e-5f).ok());
+        const auto a = download(*gpu, yq), k = download(*gpu, yk), v = download(*gpu, yv);
+        std::vector<float> joined;  // row r: its q, k, v
+        for (int64_t r = 0; r < rows; ++r) {
+          for (const auto* part : {&a, &k, &v}) {
+            const int64_t c = static_cast<int64_t>(part->size()) / rows;
+            joined.insert(joined.end(), part->begin() + r * c, part->begin() + (r + 1) * c);
+          }
+        }
+        return joined;
+      });
+      same_rows(xn, nin, ff, [&](const std::vector<float>& xs, int64_t rows) {  // gate/up pairs, norm folded in
+        Tensor x_d = upload(*gpu, xs, Shape{rows * nin}), h = gpu->alloc(Shape{rows, ff}, dt).value();
+        std::vector<uint16_t> nan16(static_cast<size_t>(rows * ff), 0xFFFF);
+        REQUIRE(gpu->copy(Tensor::wrap(nan16.data(), Shape{rows, ff}, dt), h).ok());
+        REQUIRE(cuda::matmul_gate_up(*gpu, wgu_d, x_d.data_as<float>(), rows, g_d.data_as<float>(), 1e-5f, h.data()).ok());
+        return download_16bit(*gpu, h);
+      });
+      same_rows(xw, wide, out, [&](const std::vector<float>& xs, int64_t rows) {  // x already 16-bit, 8,192 wide
+        Tensor x_dt = upload(*gpu, xs, Shape{rows, wide}, dt), y = poisoned(*gpu, rows * out);
+        REQUIRE(cuda::matmul_rounded(*gpu, wdn_d, x_dt.data(), rows, y.data_as<float>()).ok());
+        return download(*gpu, y);
+      });
+    }
+  }
 }

@@ -465,14 +465,16 @@ TEST_CASE("cuda block-quantized projections at a real model's shapes follow floa
   if (!gpu) return;
   std::mt19937 rng(13);
   // llama-1b's logits (128,256 x 2,048), its down projection (2,048 x 8,192) and its gate/up pair
-  // (2 x 8,192 x 2,048): many blocks of rows, several BF16 tiles, rows not 16-byte aligned (Q6_K).
+  // (2 x 8,192 x 2,048): many blocks of rows, several BF16 tiles, rows not 16-byte aligned (Q6_K);
+  // and a gate/up pair of rows of 4,096 whose count is not whole tiles of 16.
   struct Case {
     DType dt;
     int64_t out, in;
     bool pairs;
   };
   for (const Case& c : {Case{DType::kQ6_K, 128256, 2048, false}, Case{DType::kQ4_K, 2048, 8192, false},
-                        Case{DType::kQ4_K, 2 * 8192, 2048, true}, Case{DType::kQ6_K, 2048, 8192, false}}) {
+                        Case{DType::kQ4_K, 2 * 8192, 2048, true}, Case{DType::kQ6_K, 2048, 8192, false},
+                        Case{DType::kQ4_K, 2 * 1000, 4096, true}}) {
     const QuantFormat& f = *quant_format(c.dt);
     const std::vector<uint8_t> wb = weight_bytes(f, c.out, c.in);
     const Tensor wd = upload_bytes(*gpu, wb, Shape{c.out, c.in}, c.dt);
@@ -831,6 +833,78 @@ TEST_CASE("cuda experts split over ranks add up to the whole", "[cuda][quant]") 
         for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(double(got[i]) - want[i]) / scale);
         INFO("worst " << worst);
         CHECK(worst < 1e-5);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda decode products give a row of x the same numbers whatever rows share the call", "[cuda][quant]") {
+  // A verification of k + 1 drafted tokens, or sessions decoding together: each row's numbers
+  // must not depend on the other rows of the step, within each kernel (the unit loop below
+  // decode_mma_min_rows, the tensor-core one from there to 8): plain, split with the norm folded
+  // in, gate/up pairs.
+  auto gpu = gpu_or_skip();
+  if (!gpu) return;
+  std::mt19937 rng(29);
+  auto all_finite = [](const std::vector<float>& v) {
+    return std::all_of(v.begin(), v.end(), [](float f) { return std::isfinite(f); });
+  };
+  for (const QuantFormat& f : quant_formats()) {
+    // Rows long enough for the unit loop's split (several warps a row), and outputs not whole
+    // tiles of 16 rows.
+    const int64_t in = 4096, out = 200;
+    if (in % f.block_elems != 0) continue;
+    const std::vector<uint8_t> wb = weight_bytes(f, out, in);
+    const Tensor wd = upload_bytes(*gpu, wb, Shape{out, in}, f.dtype);
+    const auto norm = random_floats(rng, static_cast<size_t>(in));
+    const Tensor nwd = upload(*gpu, norm, Shape{in});
+    for (const int64_t n : {3, 5, 8}) {
+      INFO(f.name << " n " << n);
+      const auto x = random_floats(rng, static_cast<size_t>(n * in), 2.0f);
+      // kind 0: plain; 1: split 120 + 80 with the norm; 2: gate/up pairs (f32 h [rows, out / 2]).
+      auto run = [&](int kind, const float* xs, int64_t rows) {
+        const Tensor xd = upload(*gpu, std::vector<float>(xs, xs + rows * in), Shape{rows, in});
+        const int64_t cols = kind == 2 ? out / 2 : out;
+        const Tensor y = upload(*gpu, std::vector<float>(static_cast<size_t>(rows * cols), std::nanf("")), Shape{rows, cols});
+        if (kind == 0) {
+          REQUIRE(cuda::matmul(*gpu, wd, xd.data_as<float>(), rows, y.data_as<float>()).ok());
+          return download(*gpu, y);
+        }
+        if (kind == 2) {
+          REQUIRE(cuda::matmul_gate_up(*gpu, wd, xd.data_as<float>(), rows, nwd.data_as<float>(), 1e-5f, y.data()).ok());
+          return download(*gpu, y);
+        }
+        const Tensor y2 = upload(*gpu, std::vector<float>(static_cast<size_t>(rows * 80), std::nanf("")), Shape{rows, 80});
+        const cuda::MatmulOut outs[] = {{y.data_as<float>(), 120}, {y2.data_as<float>(), 80}};
+        REQUIRE(cuda::matmul_split(*gpu, wd, xd.data_as<float>(), rows, outs, nwd.data_as<float>(), 1e-5f).ok());
+        const auto a = download(*gpu, y), b = download(*gpu, y2);
+        std::vector<float> joined;  // row r: its 120, then its 80
+        for (int64_t r = 0; r < rows; ++r) {
+          joined.insert(joined.end(), a.begin() + r * 120, a.begin() + (r + 1) * 120);
+          joined.insert(joined.end(), b.begin() + r * 80, b.begin() + (r + 1) * 80);
+        }
+        return joined;
+      };
+      // Each row against the row first in a call of the fewest rows that take the same kernel
+      // (alone, or with the rows after it: the tensor-core kernel's least).
+      const int64_t least = n >= cuda::decode_mma_min_rows(f.dtype) ? cuda::decode_mma_min_rows(f.dtype) : 1;
+      for (int kind = 0; kind < 3; ++kind) {
+        INFO("kind " << kind);
+        const auto together = run(kind, x.data(), n);
+        CHECK(all_finite(together));
+        const size_t cols = together.size() / static_cast<size_t>(n);
+        for (int64_t r = 0; r < n; ++r) {
+          INFO("row " << r << " first of " << least);
+          std::vector<float> few;
+          for (int64_t k = 0; k < least; ++k) {
+            const int64_t s = (r + k) % n;
+            few.insert(few.end(), x.begin() + s * in, x.begin() + (s + 1) * in);
+          }
+          const auto first = run(kind, few.data(), least);
+          REQUIRE(first.size() == cols * static_cast<size_t>(least));
+          CHECK(all_finite(first));
+          CHECK(std::memcmp(first.data(), together.data() + r * cols, cols * sizeof(float)) == 0);
+        }
       }
     }
   }

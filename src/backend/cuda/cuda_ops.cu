@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "async_copy.h"
 #include "block_reduce.h"
 #include "combs/backend/cuda/cuda_ops.h"
@@ -10,6 +13,7 @@
 #include "float_convert.h"
 #include "gemv_out.h"
 #include "kernel_smem.h"
+#include "mma.h"
 #include "pdl.h"
 #include "quant_matmul.h"
 
@@ -319,65 +323,25 @@ __device__ __forceinline__ uint4 load_weights16(const void* p) {
   return v;
 }
 
-// Small-batch matmul (decode): y[n, o] = sum_i w[o, i] x[n, i] (+ bias[o]) for N <= 8 rows of x.
-// Decode is bound by reading the weights once, so the kernel is built to keep enough of them in
-// flight: persistent blocks (a few per SM) whose warps walk the output rows with a stride, one row
-// at a time, each lane reading 16 bytes (8 elements) per load in batches of kGemvBatch loads, two
-// batches in flight, the next row's loads issued while the current row is summed (~8 KB in flight
-// per warp, across row ends). The first two batches are requested before the block stages x in
-// shared memory — once per block — rounded to the weights' dtype, as the cuBLAS path rounds it (the
-// same numbers whatever n), with the RMSNorm folded in (norm_w); or (XT) x already in the weights'
-// dtype, copied as it is (cp.async).
-// PAIRS: the MLP's gate/up projection, w = the ff gate rows then the ff up rows: a warp takes gate
-// row u and up row u one after the other and writes silu(gate) * up rounded to T (the down
-// projection's input, as matmul_swiglu rounds it), so the down projection stages half the bytes
-// and nothing computes the product twice.
 constexpr int kGemvWarps = 8;  // warps per block
 constexpr int kGemvBatch = 8;  // 16-byte loads per lane per batch
 
-template <typename T, int N, bool XT, bool PAIRS>
-__global__ void __launch_bounds__(kGemvWarps * 32, 2)
-    gemv_kernel(const T* __restrict__ w, const void* __restrict__ xin, GemvOut outs, int n, int64_t in) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  T* xs = reinterpret_cast<T*>(smem);  // [n, in]
-  __shared__ float scale[8];
-  constexpr int kStep = 32 * 8;  // elements of one warp-wide 16-byte load
-  constexpr int kSpan = kGemvBatch * kStep;
-  constexpr int kParts = PAIRS ? 2 : 1;  // rows per unit of work: one, or a gate/up pair
-  const int lane = threadIdx.x % 32;
-  const int64_t units = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kGemvWarps;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
-  // This warp's units: first, first + warps, ...; each of kParts rows in nb batches: a flat stream
-  // of n_batches batches, batch j = (unit first + (j / (kParts nb)) * warps, part (j / nb) % kParts,
-  // elements (j % nb) * kSpan ..).
-  const int nb = static_cast<int>((in + kSpan - 1) / kSpan);
-  const int64_t my_units = first < units ? (units - first + warps - 1) / warps : 0;
-  const int64_t n_batches = my_units * kParts * nb;
-  auto unit_of = [&](int64_t j) { return first + (j / (kParts * nb)) * warps; };
-  pdl_launch_dependents();  // the next kernel may start loading its weights as this one's blocks end
-  uint4 buf0[kGemvBatch], buf1[kGemvBatch];
-  auto load = [&](uint4(&buf)[kGemvBatch], int64_t j) {
-    const int64_t row = PAIRS ? unit_of(j) + ((j / nb) & 1) * units : unit_of(j);
-    const T* wr = w + row * in;
-    const int64_t base = (j % nb) * kSpan + lane * 8;
-#pragma unroll
-    for (int u = 0; u < kGemvBatch; ++u) {
-      const int64_t i = base + u * kStep;
-      buf[u] = i < in ? load_weights16(wr + i) : make_uint4(0, 0, 0, 0);
-    }
-  };
-  if (n_batches > 0) load(buf0, 0);
-  if (n_batches > 1) load(buf1, 1);
-  // The norm's weights are this layer's own, not an output of the kernels before: requested into
-  // L1 now (one 128-byte line per thread), so the staging below finds them there, not in DRAM.
-  if (!XT && outs.norm_w) {
-    for (int64_t k = threadIdx.x * 32; k < in; k += blockDim.x * 32) {
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(outs.norm_w + k));
-    }
+// The norm's weights are the layer's own, not an output of the kernels before: requested into L1
+// before the PDL wait (one 128-byte line per thread), so stage_gemv_x finds them there, not in DRAM.
+__device__ __forceinline__ void prefetch_norm_l1(const GemvOut& outs, int64_t in) {
+  if (!outs.norm_w) return;
+  for (int64_t k = threadIdx.x * 32; k < in; k += blockDim.x * 32) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(outs.norm_w + k));
   }
-  pdl_wait();  // x (and y, for accumulate) come from the kernels before
+}
 
+// Stages the decode kernels' x into shared memory xs [n, in] (after the PDL wait), rounded to T as
+// the cuBLAS path rounds it (the same numbers whatever n), with the RMSNorm folded in (outs.norm_w);
+// or (XT) x already in T, copied as it is (cp.async). Ends with a barrier.
+template <typename T, int N, bool XT>
+__device__ __forceinline__ void stage_gemv_x(T* xs, const void* __restrict__ xin, const GemvOut& outs, int n, int64_t in) {
+  const int lane = threadIdx.x % 32;
+  __shared__ float scale[8];
   // Staging x: float4 loads, kStageUnroll per thread in flight (a block's staging is a few round
   // trips to L2, not one per element): for one row four (a 4,096-wide x in one round trip per
   // pass; llama-8b decode 236 vs 234 tok/s on the H200), for more two (four spill registers).
@@ -485,6 +449,58 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
     }
   }
   __syncthreads();
+}
+
+
+// Small-batch matmul (decode): y[n, o] = sum_i w[o, i] x[n, i] (+ bias[o]) for N <= 8 rows of x.
+// Decode is bound by reading the weights once, so the kernel is built to keep enough of them in
+// flight: persistent blocks (a few per SM) whose warps walk the output rows with a stride, one row
+// at a time, each lane reading 16 bytes (8 elements) per load in batches of kGemvBatch loads, two
+// batches in flight, the next row's loads issued while the current row is summed (~8 KB in flight
+// per warp, across row ends). The first two batches are requested before the block stages x in
+// shared memory — once per block — rounded to the weights' dtype, as the cuBLAS path rounds it (the
+// same numbers whatever n), with the RMSNorm folded in (norm_w); or (XT) x already in the weights'
+// dtype, copied as it is (cp.async).
+// PAIRS: the MLP's gate/up projection, w = the ff gate rows then the ff up rows: a warp takes gate
+// row u and up row u one after the other and writes silu(gate) * up rounded to T (the down
+// projection's input, as matmul_swiglu rounds it), so the down projection stages half the bytes
+// and nothing computes the product twice.
+template <typename T, int N, bool XT, bool PAIRS>
+__global__ void __launch_bounds__(kGemvWarps * 32, 2)
+    gemv_kernel(const T* __restrict__ w, const void* __restrict__ xin, GemvOut outs, int n, int64_t in) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* xs = reinterpret_cast<T*>(smem);  // [n, in]
+  constexpr int kStep = 32 * 8;  // elements of one warp-wide 16-byte load
+  constexpr int kSpan = kGemvBatch * kStep;
+  constexpr int kParts = PAIRS ? 2 : 1;  // rows per unit of work: one, or a gate/up pair
+  const int lane = threadIdx.x % 32;
+  const int64_t units = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kGemvWarps;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
+  // This warp's units: first, first + warps, ...; each of kParts rows in nb batches: a flat stream
+  // of n_batches batches, batch j = (unit first + (j / (kParts nb)) * warps, part (j / nb) % kParts,
+  // elements (j % nb) * kSpan ..).
+  const int nb = static_cast<int>((in + kSpan - 1) / kSpan);
+  const int64_t my_units = first < units ? (units - first + warps - 1) / warps : 0;
+  const int64_t n_batches = my_units * kParts * nb;
+  auto unit_of = [&](int64_t j) { return first + (j / (kParts * nb)) * warps; };
+  pdl_launch_dependents();  // the next kernel may start loading its weights as this one's blocks end
+  uint4 buf0[kGemvBatch], buf1[kGemvBatch];
+  auto load = [&](uint4(&buf)[kGemvBatch], int64_t j) {
+    const int64_t row = PAIRS ? unit_of(j) + ((j / nb) & 1) * units : unit_of(j);
+    const T* wr = w + row * in;
+    const int64_t base = (j % nb) * kSpan + lane * 8;
+#pragma unroll
+    for (int u = 0; u < kGemvBatch; ++u) {
+      const int64_t i = base + u * kStep;
+      buf[u] = i < in ? load_weights16(wr + i) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  if (n_batches > 0) load(buf0, 0);
+  if (n_batches > 1) load(buf1, 1);
+  if (!XT) prefetch_norm_l1(outs, in);
+  pdl_wait();  // x (and y, for accumulate) come from the kernels before
+  stage_gemv_x<T, N, XT>(xs, xin, outs, n, in);
 
   float acc[N], gate[PAIRS ? N : 1];
 #pragma unroll
@@ -551,7 +567,105 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   }
 }
 
+// The decode matmul on tensor cores, for gemv_mma_rows() to 8 rows of x (gemv_kernel above takes
+// fewer): the rows of x are the n side of an mma m16n8k16, so 1 to 8 rows cost the same
+// instructions, where gemv_kernel's cost grows with each row (a verification of 5 drafted tokens
+// took 2.5 decode steps). A lane's 16-byte loads of weight rows g and g + 8 (g = lane / 4, t = lane
+// % 4: elements k0 + 8t .. k0 + 8t + 7) are its A fragments as they come: the mma's k indices 2t,
+// 2t + 1 / 2t + 8, 2t + 9 stand for elements 8t, 8t + 1 / 8t + 2, 8t + 3 (the first mma; 8t + 4 ..
+// 8t + 7 the second), and row g of x's same 8 elements are the B fragments (x's rows past n are
+// zeros) — the same permutation of k on both sides, so the products are w's and x's. No shared
+// memory for the weights, no conversions. A tile is 16 weight rows (PAIRS: 16 gate rows and their
+// 16 up rows); the block's 8 warps split its k in chunks of 32 (warp w takes chunks w, w + 8, ..)
+// and their sums are added in warp order (sums[tile parity]: one barrier a tile): a row of x gets
+// the same numbers whatever rows share the call (an mma's columns do not mix). Blocks are
+// persistent, each with the same number of consecutive tiles. x: staged once a block as
+// gemv_kernel stages it (stage_gemv_x: f32 rounded to T, the norm folded in; its many-row path for
+// every n, so a row's norm is summed alike whatever n is), or (XT) read from global memory as it
+// is (no staging, so no limit on its width).
+constexpr int kMmaTile = 16;  // weight rows a tile
+
+template <typename T, bool XT, bool PAIRS>
+__global__ void __launch_bounds__(kGemvWarps * 32, 2)
+    gemv_mma_kernel(const T* __restrict__ w, const void* __restrict__ xin, GemvOut outs, int n, int64_t in,
+                    int64_t tiles_per_block) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* xs = reinterpret_cast<T*>(smem);  // [n, in] (staged x)
+  constexpr int kParts = PAIRS ? 2 : 1;
+  constexpr int kChunks = kGemvBatch / (2 * kParts);  // chunks of 32 elements a batch (two rows each, per part)
+  __shared__ float sums[2][kGemvWarps][4 * kParts][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int64_t units = outs.end[outs.count - 1];  // weight rows (PAIRS: gate rows)
+  const int64_t tiles = (units + kMmaTile - 1) / kMmaTile;
+  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
+  const int64_t left = tiles - tile0, my_tiles = left < 0 ? 0 : left < tiles_per_block ? left : tiles_per_block;
+  // Each tile is nb batches for every warp: batch b holds the warp's chunks b kChunks .. + kChunks.
+  const int64_t chunks = (in + 31) / 32;
+  const int nb = static_cast<int>(((chunks + kGemvWarps - 1) / kGemvWarps + kChunks - 1) / kChunks);
+  const int64_t n_batches = my_tiles * nb;
+  // Element offset of this lane's 8 in chunk c of batch b of a tile.
+  auto element = [&](int b, int c) { return (static_cast<int64_t>(warp + kGemvWarps * (b * kChunks + c))) * 32 + 8 * t; };
+  pdl_launch_dependents();
+  // buf[(p * 2 + h) * kChunks + c]: part p's row g + 8h, chunk c.
+  uint4 buf0[kGemvBatch], buf1[kGemvBatch];
+  auto load = [&](uint4(&buf)[kGemvBatch], int64_t j) {
+    const int64_t tile = tile0 + j / nb;
+    const int b = static_cast<int>(j % nb);
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = tile * kMmaTile + g + 8 * h;
+        const T* wr = w + (row + p * units) * in;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const int64_t k = element(b, c);
+          buf[(p * 2 + h) * kChunks + c] = row < units && k < in ? load_weights16(wr + k) : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  };
+  if (n_batches > 0) load(buf0, 0);
+  if (n_batches > 1) load(buf1, 1);
+  if (!XT) prefetch_norm_l1(outs, in);
+  pdl_wait();  // x (and y, for accumulate) come from the kernels before
+  if constexpr (!XT) stage_gemv_x<T, 8, false>(xs, xin, outs, n, in);  // (one path for every n)
+  const T* xg = static_cast<const T*>(xin) + g * in;  // (XT) this lane's row of x
+
+  float acc[kParts][4];
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.0f;
+  int parity = 0;
+  auto consume = [&](const uint4(&buf)[kGemvBatch], int64_t j) {
+    const int b = static_cast<int>(j % nb);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t k = element(b, c);
+      uint4 xv = make_uint4(0, 0, 0, 0);
+      if (g < n && k < in) xv = XT ? __ldg(reinterpret_cast<const uint4*>(xg + k)) : *reinterpret_cast<const uint4*>(xs + g * in + k);
+#pragma unroll
+      for (int p = 0; p < kParts; ++p) {
+        const uint4 lo = buf[(p * 2) * kChunks + c], hi = buf[(p * 2 + 1) * kChunks + c];  // rows g, g + 8
+        const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
+        mma16816<T>(acc[p], a0, xv.x, xv.y);
+        mma16816<T>(acc[p], a1, xv.z, xv.w);
+      }
+    }
+    if (b != nb - 1) return;
+    finish_mma_tile<kGemvWarps, kParts, T>(sums, acc, parity, (tile0 + j / nb) * kMmaTile, outs, n, units);
+  };
+  for (int64_t j = 0; j < n_batches; j += 2) {
+    consume(buf0, j);
+    if (j + 2 < n_batches) load(buf0, j + 2);
+    if (j + 1 < n_batches) {
+      consume(buf1, j + 1);
+      if (j + 3 < n_batches) load(buf1, j + 3);
+    }
+  }
+}
+
 constexpr size_t kGemvMaxShared = 96 * 1024;  // x staged per block; larger goes to cuBLAS
+constexpr int kGemvMaxRows = 8;                // rows of x the decode kernels take
 
 template <typename T, int N, bool XT, bool PAIRS>
 void launch_gemv_n(const T* w, const void* x, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
@@ -573,7 +687,41 @@ void launch_gemv_n(const T* w, const void* x, const GemvOut& outs, int n, int64_
 }
 
 template <typename T, bool XT, bool PAIRS>
+void launch_gemv_mma(const T* w, const void* x, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
+  allow_dynamic_smem<gemv_mma_kernel<T, XT, PAIRS>>(kGemvMaxShared);
+  static const int resident = [] {
+    int device = 0, sms = 0, per_sm = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_mma_kernel<T, XT, PAIRS>, kGemvWarps * 32,
+                                                  XT ? 0 : size_t{8} * 2048 * sizeof(T));
+    cudaGetLastError();
+    return std::max(1, sms) * std::clamp(per_sm, 1, 2);
+  }();
+  // Every block the same number of tiles (the last block's share may be short), as few as keep
+  // every resident block busy.
+  const int64_t tiles = (outs.end[outs.count - 1] + kMmaTile - 1) / kMmaTile;
+  const int64_t per_block = std::max<int64_t>(1, (tiles + resident - 1) / resident);
+  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, (tiles + per_block - 1) / per_block));
+  launch_pdl(gemv_mma_kernel<T, XT, PAIRS>, dim3(grid), dim3(kGemvWarps * 32),
+             XT ? size_t{0} : static_cast<size_t>(n * in) * sizeof(T), st, w, x, outs, n, in, per_block);
+}
+
+// The fewest rows of x that take gemv_mma_kernel; fewer take gemv_kernel, which is faster for one
+// to three rows of llama-8b's (H100, a step of one session: 5.56 vs 6.30 ms; 2 sessions 6.44 vs
+// 6.81; 3: 7.88 vs 8.98; 5: 10.4 vs 8.2 — llama-1b's from 2 rows). COMBS_GEMV_MMA_ROWS (1-9)
+// overrides it, for comparing the two in one binary (9: gemv_kernel always).
+int gemv_mma_rows() {
+  static const int rows = rows_from_env("COMBS_GEMV_MMA_ROWS", 4);
+  return rows;
+}
+
+template <typename T, bool XT, bool PAIRS>
 void launch_gemv(const T* w, const void* x, const GemvOut& outs, int n, int64_t in, cudaStream_t st) {
+  if (n >= gemv_mma_rows()) {
+    launch_gemv_mma<T, XT, PAIRS>(w, x, outs, n, in, st);
+    return;
+  }
   if (n <= 1) launch_gemv_n<T, 1, XT, PAIRS>(w, x, outs, n, in, st);
   else if (n <= 2) launch_gemv_n<T, 2, XT, PAIRS>(w, x, outs, n, in, st);
   else if (n <= 4) launch_gemv_n<T, 4, XT, PAIRS>(w, x, outs, n, in, st);
@@ -587,13 +735,18 @@ void gemv(const Tensor& w, const void* x, const GemvOut& outs, int n, cudaStream
   else launch_gemv<__half, XT, PAIRS>(w.data_as<__half>(), x, outs, n, w.dim(1), st);
 }
 
-thread_local int t_decode_kernel_max_rows = 8;  // set_decode_kernel_max_rows()
-
 bool gemv_fits(const Tensor& w, int64_t n) {
   // Block types: x is read from global memory as 8-bit values (quant_matmul.h), no staging limit.
   if (is_block_quant(w.dtype())) return n <= kQuantGemvMaxRows && w.dim(1) % dtype_block_elems(w.dtype()) == 0;
-  return n <= t_decode_kernel_max_rows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16) &&
+  return n <= kGemvMaxRows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16) &&
          static_cast<size_t>(n * w.dim(1)) * 2 <= kGemvMaxShared;
+}
+
+// gemv_fits for x already in w's dtype (matmul_rounded): the tensor-core kernel reads it from
+// global memory, any width; gemv_kernel stages it.
+bool gemv_fits_rounded(const Tensor& w, int64_t n) {
+  if (n < gemv_mma_rows() || is_block_quant(w.dtype())) return gemv_fits(w, n);
+  return n <= kGemvMaxRows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16);
 }
 
 // This thread's share of columns [c0, c1) of row r, a block's threads blockDim.x apart: four
@@ -876,14 +1029,17 @@ Status quant_matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
 
 }  // namespace
 
-void set_decode_kernel_max_rows(int rows) { t_decode_kernel_max_rows = std::clamp(rows, 1, 8); }
-int decode_kernel_max_rows() { return t_decode_kernel_max_rows; }
 
 DType input_dtype(const Tensor& w) {
   return w.dtype() == DType::kF16 || w.dtype() == DType::kBF16 ? w.dtype() : DType::kF32;
 }
 
 bool decode_fused(const Tensor& w, int64_t n) { return gemv_fits(w, n); }
+
+int decode_mma_min_rows(DType t) {
+  if (t == DType::kBF16 || t == DType::kF16) return gemv_mma_rows();
+  return quant_gemv_mma_min_rows(t);
+}
 
 bool rounds_x_to_8_bits(const Tensor& w, int64_t n) {
   return is_block_quant(w.dtype()) && (gemv_fits(w, n) || (n <= kQuantMmaMaxRows && quant_imma_takes(w.dtype())));
@@ -998,7 +1154,7 @@ Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n,
   COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul"));
   if (input_dtype(w) == DType::kF32) return matmul(b, w, static_cast<const float*>(x), n, y, nullptr, accumulate);
   if (n == 0) return ok_status();
-  if (gemv_fits(w, n) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // staged by 16-byte copies
+  if (gemv_fits_rounded(w, n) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // 16-byte loads of x
     GemvOut g{{y, nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0), 0, 0}, 1, accumulate, nullptr, 0.0f};
     gemv</*XT=*/true>(w, x, g, static_cast<int>(n), stream_of(b));
     return launched("gemv_kernel");

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -479,6 +480,154 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     }
   }
   cp_async_wait<0>();
+}
+
+// Q4_K decode on int8 tensor cores, from q4k_mma_rows() rows of x (fewer: the unit loop above):
+// the rows of x are the n side of an mma m16n8k32, one mma a unit of 32 weights (one scale, one
+// offset) for 16 weight rows and 8 rows of x, so 1 to 8 rows of x cost the same instructions
+// (quant_gemv_kernel's grow with each row: 8 sessions' step 3.2x one session's on the H100). A
+// lane (g = lane / 4, t = lane % 4) reads, of each block of weight rows g and g + 8: the 16-byte
+// head (d, dmin, the 12 scale bytes) and bytes 8t .. 8t + 7 of each 32-byte group of nibbles — the
+// low nibbles are unit 2j's elements 8t .. 8t + 7, the high ones unit 2j + 1's: as they come, the
+// A fragments of two mmas (k indices 4t .. 4t + 3 / 16 + 4t .. 16 + 4t + 3 stand for elements 8t ..
+// 8t + 3 / 8t + 4 .. 8t + 7), with x row g's same elements (8 bytes of the rounded activations) as
+// B. A block's integer sums are exact: S = sum of sc * (the unit's integer sum) and M = sum of m *
+// (x's unit sums, from quantize_activations), then one float step a block: y += xd (d S - dmin M)
+// (quant_imma's arithmetic). A tile is 16 rows (PAIRS: 16 gate rows, then their up rows); the
+// block's 8 warps split the row's blocks (warp w: w, w + 8, ..) and their sums are added in warp
+// order: a row of x gets the same numbers in every call of this kernel. (One row runs slower than
+// the unit loop, 295 vs 332 tok/s on llama-8b, though it issues far fewer instructions a weight:
+// its 8-byte loads and the warps in flight are the suspects, not measured.)
+constexpr int kQ4kWarps = 8;
+constexpr int kQ4kTile = 16;
+
+__device__ __forceinline__ uint4 load_nc16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 load_nc8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// One block (256 weights) of weight rows g and g + 8 as a lane holds it.
+struct Q4kSlice {
+  uint4 head[2];     // rows g, g + 8: d, dmin, scales
+  uint2 nib[2][4];   // rows g, g + 8: bytes 8t .. 8t + 7 of nibble groups 0..3
+};
+
+template <bool PAIRS>
+__global__ void __launch_bounds__(kQ4kWarps * 32, 2)
+    q4k_mma_gemv_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                        const int8_t* __restrict__ xsums, GemvOut outs, int n, int64_t in, int64_t tiles_per_block) {
+  constexpr int kParts = PAIRS ? 2 : 1;
+  constexpr int kBytes = 144;
+  __shared__ float sums[2][kQ4kWarps][4 * kParts][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int64_t units = outs.end[outs.count - 1];  // weight rows (PAIRS: gate rows)
+  const int64_t tiles = (units + kQ4kTile - 1) / kQ4kTile;
+  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
+  const int64_t left = tiles - tile0, my_tiles = left < 0 ? 0 : left < tiles_per_block ? left : tiles_per_block;
+  const int64_t nblocks = in / 256, row_bytes = nblocks * kBytes;
+  const int per_warp = static_cast<int>((nblocks + kQ4kWarps - 1) / kQ4kWarps);  // blocks a warp, each part
+  const int steps = kParts * per_warp;  // a tile's steps: part p's blocks i (step p per_warp + i)
+  const int64_t n_steps = my_tiles * steps;
+  pdl_launch_dependents();
+  auto load = [&](Q4kSlice& s, int64_t j) {
+    const int64_t tile = tile0 + j / steps;
+    const int step = static_cast<int>(j % steps), p = step / per_warp;
+    const int64_t kb = warp + static_cast<int64_t>(kQ4kWarps) * (step % per_warp);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = tile * kQ4kTile + g + 8 * h;
+      if (row < units && kb < nblocks) {
+        const uint8_t* b = w + (row + p * units) * row_bytes + kb * kBytes;
+        s.head[h] = load_nc16(b);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) s.nib[h][q] = load_nc8(b + 16 + 32 * q + 8 * t);
+      } else {  // zero levels and scales: adds nothing
+        s.head[h] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) s.nib[h][q] = make_uint2(0, 0);
+      }
+    }
+  };
+  Q4kSlice s0, s1;
+  if (n_steps > 0) load(s0, 0);
+  if (n_steps > 1) load(s1, 1);
+  pdl_wait();  // x (and y, for accumulate) come from the kernels before
+
+  const int64_t groups = nblocks;  // x's groups of 256: one a block
+  float acc[kParts][4];
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.0f;
+  int parity = 0;
+  auto consume = [&](const Q4kSlice& s, int64_t j) {
+    const int step = static_cast<int>(j % steps), p = step / per_warp;
+    const int64_t kb = warp + static_cast<int64_t>(kQ4kWarps) * (step % per_warp);
+    if (kb < nblocks) {
+      // The scales of rows g, g + 8 as bytes: sc of units 0-3 / 4-7, m of units 0-3 / 4-7.
+      uint32_t sc[2][2], mn[2][2];
+      float d[2], dmin[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t w0 = s.head[h].y, w1 = s.head[h].z, w2 = s.head[h].w;
+        sc[h][0] = w0 & 0x3F3F3F3F;
+        mn[h][0] = w1 & 0x3F3F3F3F;
+        sc[h][1] = (w2 & 0x0F0F0F0F) | ((w0 >> 2) & 0x30303030);
+        mn[h][1] = ((w2 >> 4) & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030);
+        d[h] = __half2float(__ushort_as_half(static_cast<unsigned short>(s.head[h].x & 0xFFFF)));
+        dmin[h] = __half2float(__ushort_as_half(static_cast<unsigned short>(s.head[h].x >> 16)));
+      }
+      // S[i]: c[i]'s sum over the block's units of sc times the unit's integer sum.
+      int S[4] = {0, 0, 0, 0};
+      const int8_t* xr = xq + g * in + kb * 256 + 8 * t;  // x row g's elements 8t .. of each unit
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        uint2 xv = make_uint2(0, 0);
+        if (g < n) xv = __ldg(reinterpret_cast<const uint2*>(xr + 32 * u));
+        const int shift = 4 * (u & 1);
+        const uint2 r0 = s.nib[0][u / 2], r8 = s.nib[1][u / 2];  // rows g, g + 8
+        const uint32_t a[4] = {(r0.x >> shift) & 0x0F0F0F0F, (r8.x >> shift) & 0x0F0F0F0F, (r0.y >> shift) & 0x0F0F0F0F,
+                               (r8.y >> shift) & 0x0F0F0F0F};
+        int c[4];
+        mma_s8_16832_zero(c, a, xv.x, xv.y);
+        const int s_g = (sc[0][u / 4] >> (8 * (u % 4))) & 0xFF, s_g8 = (sc[1][u / 4] >> (8 * (u % 4))) & 0xFF;
+        S[0] += s_g * c[0], S[1] += s_g * c[1], S[2] += s_g8 * c[2], S[3] += s_g8 * c[3];
+      }
+      // x rows 2t, 2t + 1: their scale and unit sums (128 hi + lo) for this block.
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 2 * t + e;
+        if (r >= n) continue;
+        const uint4 xs = __ldg(reinterpret_cast<const uint4*>(xsums + (r * groups + kb) * 16));
+        const float xscale = __ldg(xd + r * groups + kb);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int lo_sum = __dp4a(static_cast<int>(mn[h][0]), static_cast<int>(xs.x), __dp4a(static_cast<int>(mn[h][1]), static_cast<int>(xs.y), 0));
+          const int hi_sum = __dp4a(static_cast<int>(mn[h][0]), static_cast<int>(xs.z), __dp4a(static_cast<int>(mn[h][1]), static_cast<int>(xs.w), 0));
+          const int M = hi_sum * 128 + lo_sum;
+          const int i = 2 * h + e;  // c[i]: row g + 8h, x row 2t + e
+          const float v = d[h] * static_cast<float>(S[i]) - dmin[h] * static_cast<float>(M);
+          if (p == 0) acc[0][i] += xscale * v;
+          else acc[kParts - 1][i] += xscale * v;
+        }
+      }
+    }
+    if (step != steps - 1) return;
+    finish_mma_tile<kQ4kWarps, kParts, float>(sums, acc, parity, (tile0 + j / steps) * kQ4kTile, outs, n, units);
+  };
+  for (int64_t j = 0; j < n_steps; j += 2) {
+    consume(s0, j);
+    if (j + 2 < n_steps) load(s0, j + 2);
+    if (j + 1 < n_steps) {
+      consume(s1, j + 1);
+      if (j + 3 < n_steps) load(s1, j + 3);
+    }
+  }
 }
 
 // An expert's gate/up product: silu(gate) * up, or gpt-oss's clamped SwiGLU where ep.limit > 0
@@ -1340,8 +1489,8 @@ struct GemvVariant {
     // Blocks a multiprocessor holds: by its shared memory (two staged segments per warp), by registers.
     auto smem_of = [&](int s) { return static_cast<size_t>(kMaxWarps * 2 * (PAIRS ? 2 : 1) * segment_stage_bytes(T, in, s)); };
     auto by_smem = [&](int s) { return static_cast<int>(std::max<size_t>(1, (size_t{228} << 10) / (smem_of(s) + 1024))); };
-    if (split == 0) {
-      const int64_t resident = int64_t{sms} * std::min(resident_blocks<false>(), by_smem(1)) * kMaxWarps;
+    if (split == 0) {  // (by the 8-row kernel's residency: a row's split, so its numbers, the same whatever n)
+      const int64_t resident = int64_t{sms} * std::min(GemvVariant<T, 8, PAIRS>::template resident_blocks<false>(), by_smem(1)) * kMaxWarps;
       split = gemv_split(static_cast<int64_t>(nbytes_for(T, in)), in / static_cast<int64_t>(dtype_block_elems(T)), rows, resident);
     }
     const int64_t staged = segment_stage_bytes(T, in, split);
@@ -1363,6 +1512,32 @@ struct GemvVariant {
     return cuda_status(cudaGetLastError(), "quant_gemv_kernel");
   }
 };
+
+// The Q4_K tensor-core decode kernel's launch: persistent blocks, each the same number of tiles.
+template <bool PAIRS>
+Status launch_q4k_mma(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const int8_t* sums,
+                      const GemvOut& outs, int n, int64_t in) {
+  static const int per_sm = [] {
+    int blocks = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, q4k_mma_gemv_kernel<PAIRS>, kQ4kWarps * 32, 0);
+    cudaGetLastError();
+    return std::clamp(blocks, 1, 2);
+  }();
+  const int64_t resident = int64_t{device_sms()} * per_sm;
+  const int64_t tiles = (outs.end[outs.count - 1] + kQ4kTile - 1) / kQ4kTile;
+  const int64_t per_block = std::max<int64_t>(1, (tiles + resident - 1) / resident);
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, (tiles + per_block - 1) / per_block)));
+  launch_pdl(q4k_mma_gemv_kernel<PAIRS>, grid, dim3(kQ4kWarps * 32), 0, st, w, q, d, sums, outs, n, in, per_block);
+  return cuda_status(cudaGetLastError(), "q4k_mma_gemv_kernel");
+}
+
+// The fewest rows of x that take q4k_mma_gemv_kernel; fewer take the unit loop, which is faster
+// for one to three (H100, llama-8b Q4_K_M, tok/s: one session 332 vs 295; 2 sessions 517 vs 505;
+// 3: 618 vs 553; 4: 697 vs 707; 8: 838 vs 1,138). COMBS_Q4K_MMA_ROWS (1-9) overrides it (9: never).
+int q4k_mma_rows() {
+  static const int rows = rows_from_env("COMBS_Q4K_MMA_ROWS", 4);
+  return rows;
+}
 
 // The batch kernels' row tiles; their split scratch: a counter per tile in a region of fixed size
 // (kMaxMmaTiles counters), then the partial sums. Fixed, because every call shares one scratch slot
@@ -1536,6 +1711,11 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   const int gshift = activation_group(in) == 256 ? 3 : 0;
   const int64_t rows = outs.end[outs.count - 1];
   const uint8_t* wp = static_cast<const uint8_t*>(w.data());
+  if (w.dtype() == DType::kQ4_K && n >= q4k_mma_rows() && reinterpret_cast<uintptr_t>(wp) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(q) % 16 == 0) {
+    const int8_t* sums = q + activation_sums_offset(n, in);
+    return pairs ? launch_q4k_mma<true>(st, wp, q, d, sums, outs, n, in) : launch_q4k_mma<false>(st, wp, q, d, sums, outs, n, in);
+  }
   return for_block_type(w.dtype(), [&](auto tag) -> Status {
     constexpr DType T = decltype(tag)::value;
     auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, outs, n, in, gshift, rows, 0); };
@@ -1578,6 +1758,16 @@ Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int 
 }
 
 bool quant_imma_takes(DType t) { return imma_type(t); }
+
+int quant_gemv_mma_min_rows(DType t) { return t == DType::kQ4_K ? q4k_mma_rows() : kQuantGemvMaxRows + 1; }
+
+int rows_from_env(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long rows = std::strtol(v, &end, 10);
+  return *end == '\0' && rows >= 1 && rows <= kQuantGemvMaxRows + 1 ? static_cast<int>(rows) : fallback;
+}
 
 size_t quant_imma_scratch_bytes(const Tensor& w, int n) {
   return variant_scratch_bytes([](DType t, int m, auto&& f) { return for_imma_variant(t, m, f); }, w, n);

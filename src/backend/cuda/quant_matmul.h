@@ -7,7 +7,8 @@
 // as the CPU's int8 kernels round it (combs/backend/cpu/kernels/quant_dot.h: d = max|x| / 127 per
 // group of 256, or of 32 where the row is not whole groups of 256), then each warp reads one weight
 // row's blocks once and sums int8 products (dp4a) per 16 weights, scaled by the blocks' scales:
-// the bandwidth of the quantized bytes, and the CPU's rounding of x.
+// the bandwidth of the quantized bytes, and the CPU's rounding of x. Q4_K from
+// quant_gemv_mma_min_rows rows: int8 tensor cores with the rows of x as the mma's n side.
 // Batches up to kQuantMmaMaxRows: for the super-block formats (Q2_K-Q6_K, IQ4_XS: quant_imma) x
 // rounded to 8 bits as decode rounds it and int8 tensor cores on the blocks' integer levels and
 // scales (exact integer sums, one float step a block); for the others (quant_mma) x rounded to
@@ -74,6 +75,12 @@ Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t 
 // n <= kQuantGemvMaxRows. pairs: w holds gate rows then up rows; y[0] [n, rows / 2] =
 // silu(gate) * up in f32.
 Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const GemvOut& outs, bool pairs);
+// The fewest rows of x for which quant_gemv takes a tensor-core kernel (Q4_K: rows of x as an int8
+// mma's n side), kQuantGemvMaxRows + 1 where t has none.
+int quant_gemv_mma_min_rows(DType t);
+// A row count from the environment variable `name` (1 to kQuantGemvMaxRows + 1), else fallback: the
+// decode kernels' switches between their one-row and tensor-core kernels.
+int rows_from_env(const char* name, int fallback);
 
 // outs (+)= w x for w a block-quantized device tensor [rows, in] and xs [n, in] BF16 (x rounded),
 // n <= kQuantMmaMaxRows: the products of the BF16 dequantized weights with xs, summed in f32.

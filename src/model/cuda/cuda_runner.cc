@@ -575,13 +575,6 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       if (every || i + 1 == in.tokens.size()) I.host_ints[static_cast<size_t>(total + out++)] = static_cast<int32_t>(row);
     }
   }
-  // A step that verifies drafts (a sequence with an output row per token) of 4 to 8 rows takes
-  // cuBLAS for its F16/BF16 projections: the decode kernel's cost grows with the rows (5 rows: 2.5x
-  // a decode step on the H200 for llama-1b), cuBLAS's barely (1.8x). Its numbers differ from the
-  // decode kernel's in the last bits, as a multi-token step's attention does already.
-  bool verifying = false;
-  for (const SequenceInput& in : seqs) verifying |= in.tokens.size() > 1 && (options.all_logits || in.all_logits);
-  const cuda::RowsForDecodeKernel decode_kernel_rows(verifying ? 3 : 8);
   // Checks the caches, reserves their pages and uploads the attention metadata, for every layer;
   // RoPE runs inside the step, fused with the K/V append.
   const AttentionRope rope{I.inv_freq.data_as<float>(), c.rope_dim, c.rope_style == RopeStyle::kAdjacent};

@@ -28,27 +28,14 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
 // Whether w and n take the decode kernel, which can also fold an RMSNorm of x into its input
 // (matmul_split's norm_weight).
 bool decode_fused(const Tensor& w, int64_t n);
+// The fewest rows of x for which w's type takes a tensor-core decode kernel (the rows of x as an
+// mma's n side: 2 to 8 rows cost about what one does), 9 where it has none; fewer rows take the
+// kernel built for one row. A row's numbers are the same in every call of that many to 8 rows.
+int decode_mma_min_rows(DType t);
 // Whether matmul rounds x to 8 bits (per 256, or per 32 where the row is not whole groups of 256)
 // for w and n rows: the decode kernel's n <= 8, and the super-block formats' batches up to 64
 // rows; otherwise a block-quantized product rounds x and the weights to BF16.
 bool rounds_x_to_8_bits(const Tensor& w, int64_t n);
-
-// Rows of x the F16/BF16 decode kernel takes at most on this thread (1 to 8, default 8); more go
-// to cuBLAS. The decode kernel's cost grows with the rows (each row's products are its own
-// arithmetic: 5 rows take 2.7-3x one row's time on the H200), cuBLAS's tensor cores barely: a
-// runner lowers it for a step that verifies drafts (RowsForDecodeKernel scopes it).
-void set_decode_kernel_max_rows(int rows);
-int decode_kernel_max_rows();
-class RowsForDecodeKernel {
- public:
-  explicit RowsForDecodeKernel(int rows) : before_(decode_kernel_max_rows()) { set_decode_kernel_max_rows(rows); }
-  ~RowsForDecodeKernel() { set_decode_kernel_max_rows(before_); }
-  RowsForDecodeKernel(const RowsForDecodeKernel&) = delete;
-  RowsForDecodeKernel& operator=(const RowsForDecodeKernel&) = delete;
-
- private:
-  int before_;
-};
 
 // One output of matmul_split: the next `rows` rows of the weight go to y [n, rows] (+ bias).
 struct MatmulOut {
