@@ -735,10 +735,12 @@ void gemv(const Tensor& w, const void* x, const GemvOut& outs, int n, cudaStream
   else launch_gemv<__half, XT, PAIRS>(w.data_as<__half>(), x, outs, n, w.dim(1), st);
 }
 
+thread_local int t_decode_kernel_max_rows = kGemvMaxRows;  // set_decode_kernel_max_rows()
+
 bool gemv_fits(const Tensor& w, int64_t n) {
   // Block types: x is read from global memory as 8-bit values (quant_matmul.h), no staging limit.
   if (is_block_quant(w.dtype())) return n <= kQuantGemvMaxRows && w.dim(1) % dtype_block_elems(w.dtype()) == 0;
-  return n <= kGemvMaxRows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16) &&
+  return n <= t_decode_kernel_max_rows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16) &&
          static_cast<size_t>(n * w.dim(1)) * 2 <= kGemvMaxShared;
 }
 
@@ -746,7 +748,7 @@ bool gemv_fits(const Tensor& w, int64_t n) {
 // global memory, any width; gemv_kernel stages it.
 bool gemv_fits_rounded(const Tensor& w, int64_t n) {
   if (n < gemv_mma_rows() || is_block_quant(w.dtype())) return gemv_fits(w, n);
-  return n <= kGemvMaxRows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16);
+  return n <= t_decode_kernel_max_rows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16);
 }
 
 // This thread's share of columns [c0, c1) of row r, a block's threads blockDim.x apart: four
@@ -1035,6 +1037,9 @@ DType input_dtype(const Tensor& w) {
 }
 
 bool decode_fused(const Tensor& w, int64_t n) { return gemv_fits(w, n); }
+
+void set_decode_kernel_max_rows(int rows) { t_decode_kernel_max_rows = std::clamp(rows, 1, kGemvMaxRows); }
+int decode_kernel_max_rows() { return t_decode_kernel_max_rows; }
 
 int decode_mma_min_rows(DType t) {
   if (t == DType::kBF16 || t == DType::kF16) return gemv_mma_rows();

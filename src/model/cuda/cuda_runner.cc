@@ -575,6 +575,14 @@ Status CudaRunner::forward(std::span<const SequenceInput> seqs, float* logits, F
       if (every || i + 1 == in.tokens.size()) I.host_ints[static_cast<size_t>(total + out++)] = static_cast<int32_t>(row);
     }
   }
+  // A step that verifies drafts (a sequence with an output row per token) of 4 to 8 rows takes
+  // cuBLAS for its F16/BF16 projections: on the H100 a 5-token verification of llama-8b took 6.9 ms
+  // there against 7.6 on the tensor-core decode kernel (llama-1b: 1.88 vs 1.77 ms; bench/RESULTS.md,
+  // 2026-12-07 session 12). Its numbers differ from the decode kernels' in the last bits, as a
+  // multi-token step's attention does already.
+  bool verifying = false;
+  for (const SequenceInput& in : seqs) verifying |= in.tokens.size() > 1 && (options.all_logits || in.all_logits);
+  const cuda::RowsForDecodeKernel decode_kernel_rows(verifying ? 3 : 8);
   // Checks the caches, reserves their pages and uploads the attention metadata, for every layer;
   // RoPE runs inside the step, fused with the K/V append.
   const AttentionRope rope{I.inv_freq.data_as<float>(), c.rope_dim, c.rope_style == RopeStyle::kAdjacent};

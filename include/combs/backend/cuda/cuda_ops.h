@@ -37,6 +37,22 @@ int decode_mma_min_rows(DType t);
 // rows; otherwise a block-quantized product rounds x and the weights to BF16.
 bool rounds_x_to_8_bits(const Tensor& w, int64_t n);
 
+// Rows of x the F16/BF16 decode kernels take at most on this thread (1 to 8, default 8); more go
+// to cuBLAS. A runner lowers it for a step that verifies drafts (RowsForDecodeKernel scopes it),
+// where cuBLAS measured faster on llama-8b (cuda_runner.cc).
+void set_decode_kernel_max_rows(int rows);
+int decode_kernel_max_rows();
+class RowsForDecodeKernel {
+ public:
+  explicit RowsForDecodeKernel(int rows) : before_(decode_kernel_max_rows()) { set_decode_kernel_max_rows(rows); }
+  ~RowsForDecodeKernel() { set_decode_kernel_max_rows(before_); }
+  RowsForDecodeKernel(const RowsForDecodeKernel&) = delete;
+  RowsForDecodeKernel& operator=(const RowsForDecodeKernel&) = delete;
+
+ private:
+  int before_;
+};
+
 // One output of matmul_split: the next `rows` rows of the weight go to y [n, rows] (+ bias).
 struct MatmulOut {
   float* y;
