@@ -707,12 +707,13 @@ void launch_gemv_mma(const T* w, const void* x, const GemvOut& outs, int n, int6
              XT ? size_t{0} : static_cast<size_t>(n * in) * sizeof(T), st, w, x, outs, n, in, per_block);
 }
 
-// The fewest rows of x that take gemv_mma_kernel; fewer take gemv_kernel, which is faster for one
-// to three rows of llama-8b's (H100, a step of one session: 5.56 vs 6.30 ms; 2 sessions 6.44 vs
-// 6.81; 3: 7.88 vs 8.98; 5: 10.4 vs 8.2 — llama-1b's from 2 rows). COMBS_GEMV_MMA_ROWS (1-9)
-// overrides it, for comparing the two in one binary (9: gemv_kernel always).
+// The fewest rows of x that take gemv_mma_kernel; fewer take gemv_kernel, faster there for
+// llama-8b (H100, a step of sessions decoding together: one 5.56 vs 6.30 ms, 2: 6.44 vs 6.81, 3:
+// 7.88 vs 8.98, 4: 7.85 vs 8.21; 5: 10.4 vs 8.2, where gemv_kernel's 8-row variant takes over;
+// llama-1b's gains from 2 rows). COMBS_GEMV_MMA_ROWS (1-9) overrides it, for comparing the two in
+// one binary (9: gemv_kernel always).
 int gemv_mma_rows() {
-  static const int rows = rows_from_env("COMBS_GEMV_MMA_ROWS", 4);
+  static const int rows = rows_from_env("COMBS_GEMV_MMA_ROWS", 5);
   return rows;
 }
 
