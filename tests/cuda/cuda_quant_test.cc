@@ -205,7 +205,7 @@ TEST_CASE("cuda block-quantized matmul of every format against float64 with deri
 
 TEST_CASE("cuda block-quantized embedding equals the cpu's values and fused projections follow float64", "[cuda][quant]") {
   // A decode step's one row of x and a few.
-  const int64_t n = GENERATE(as<int64_t>{}, 1, 3);
+  const int64_t n = GENERATE(as<int64_t>{}, 1, 3, 5, 8);  // (Q4_K from 4 rows: its tensor-core kernel)
   INFO("n " << n);
   auto gpu = gpu_or_skip();
   if (!gpu) return;

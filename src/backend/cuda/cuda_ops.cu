@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   constexpr int kSpan = kGemvBatch * kStep;
   constexpr int kParts = PAIRS ? 2 : 1;  // rows per unit of work: one, or a gate/up pair
   const int lane = threadIdx.x % 32;
-  const int64_t units = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t units = gemv_rows(outs);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kGemvWarps;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   // This warp's units: first, first + warps, ...; each of kParts rows in nb batches: a flat stream
@@ -595,7 +595,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   constexpr int kChunks = kGemvBatch / (2 * kParts);  // chunks of 32 elements a batch (two rows each, per part)
   __shared__ float sums[2][kGemvWarps][4 * kParts][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int64_t units = outs.end[outs.count - 1];  // weight rows (PAIRS: gate rows)
+  const int64_t units = gemv_rows(outs);  // weight rows (PAIRS: gate rows)
   const int64_t tiles = (units + kMmaTile - 1) / kMmaTile;
   const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
   const int64_t left = tiles - tile0, my_tiles = left < 0 ? 0 : left < tiles_per_block ? left : tiles_per_block;
@@ -1064,7 +1064,7 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
   if (gemv_fits(w, n)) {
     GemvOut o{{y, nullptr, nullptr}, {bias, nullptr, nullptr}, {out, 0, 0}, 1, accumulate, nullptr, 0.0f};
     gemv(w, x, o, static_cast<int>(n), stream_of(b));
-    return launched("gemv_kernel");
+    return launched("decode matmul");
   }
   COMBS_ASSIGN_OR_RETURN(const void* xin, gemm_input(b, w, x, n));
   return gemm(b, w, xin, n, y, bias, accumulate);
@@ -1077,7 +1077,7 @@ Status matmul_split(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
   if (is_block_quant(w.dtype())) return quant_matmul(b, w, x, n, outs, false, norm_weight, eps);
   if (gemv_fits(w, n)) {
     gemv(w, x, gemv_out(outs, false, norm_weight, eps), static_cast<int>(n), stream_of(b));
-    return launched("gemv_kernel");
+    return launched("decode matmul");
   }
   if (norm_weight) return invalid_argument_error("cuda matmul_split: a fused norm needs decode_fused(w, n)");
   // x rounded once for every part.
@@ -1144,7 +1144,7 @@ Status matmul_gate_up(CudaBackend& b, const Tensor& w, const float* x, int64_t n
   const GemvOut g = gate_up_out(w, h, act, norm_weight, eps);
   if (is_block_quant(w.dtype())) return quant_decode(b, w, x, n, g, /*pairs=*/true);
   gemv</*XT=*/false, /*PAIRS=*/true>(w, x, g, static_cast<int>(n), stream_of(b));
-  return launched("gemv_kernel");
+  return launched("decode matmul");
 }
 
 Status matmul_gate_up_q8(CudaBackend& b, const Tensor& w, const void* xq, int64_t n, void* h, GateActivation act) {
@@ -1163,7 +1163,7 @@ Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n,
   if (gemv_fits_rounded(w, n) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // 16-byte loads of x
     GemvOut g{{y, nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0), 0, 0}, 1, accumulate, nullptr, 0.0f};
     gemv</*XT=*/true>(w, x, g, static_cast<int>(n), stream_of(b));
-    return launched("gemv_kernel");
+    return launched("decode matmul");
   }
   return gemm(b, w, x, n, y, nullptr, accumulate);
 }

@@ -1,5 +1,6 @@
-// The outputs of one decode-sized matmul (the BF16/F16 kernel in cuda_ops.cu and the block-quantized
-// one in quant_matmul.cu). Private to the CUDA backend.
+// The outputs of one decode-sized matmul (the BF16/F16 kernels in cuda_ops.cu and the
+// block-quantized ones in quant_matmul.cu), and the tile epilogue of the tensor-core ones
+// (finish_mma_tile). Private to the CUDA backend.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,10 @@ struct GemvRow {
   const float* bias;
   int64_t rows, index;
 };
+// The rows of all outputs (outs.end's last), by selects.
+__device__ __forceinline__ int64_t gemv_rows(const GemvOut& outs) {
+  return outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+}
 __device__ __forceinline__ GemvRow gemv_row(const GemvOut& outs, int64_t row) {
   const int seg = row < outs.end[0] ? 0 : row < outs.end[1] ? 1 : 2;
   const int64_t begin = seg == 0 ? 0 : seg == 1 ? outs.end[0] : outs.end[1];

@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   __shared__ float partial[2][kMaxWarps][PAIRS ? 2 * N : N];  // the segments' sums, by iteration parity
   constexpr int kParts = PAIRS ? 2 : 1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t rows = gemv_rows(outs);
   const int64_t units = in / 32, nb = units / kUnits<T>, row_bytes = nb * kBlockBytes<T>, groups = in >> (5 + gshift);
   const int seg = warp % split, per_block = warps / split;
   const int64_t b0 = nb * seg / split, b1 = nb * (seg + 1) / split;  // this warp's blocks of each row
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 // 8t + 3 / 8t + 4 .. 8t + 7), with x row g's same elements (8 bytes of the rounded activations) as
 // B. A block's integer sums are exact: S = sum of sc * (the unit's integer sum) and M = sum of m *
 // (x's unit sums, from quantize_activations), then one float step a block: y += xd (d S - dmin M)
-// (quant_imma's arithmetic). A tile is 16 rows (PAIRS: 16 gate rows, then their up rows); the
+// (quant_imma's arithmetic; S past 2^24 rounds as it becomes a float). A tile is 16 rows (PAIRS: 16 gate rows, then their up rows); the
 // block's 8 warps split the row's blocks (warp w: w, w + 8, ..) and their sums are added in warp
 // order: a row of x gets the same numbers in every call of this kernel. (One row runs slower than
 // the unit loop, 295 vs 332 tok/s on llama-8b, though it issues far fewer instructions a weight:
@@ -527,7 +527,7 @@ __global__ void __launch_bounds__(kQ4kWarps * 32, 2)
   constexpr int kBytes = 144;
   __shared__ float sums[2][kQ4kWarps][4 * kParts][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int64_t units = outs.end[outs.count - 1];  // weight rows (PAIRS: gate rows)
+  const int64_t units = gemv_rows(outs);  // weight rows (PAIRS: gate rows)
   const int64_t tiles = (units + kQ4kTile - 1) / kQ4kTile;
   const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
   const int64_t left = tiles - tile0, my_tiles = left < 0 ? 0 : left < tiles_per_block ? left : tiles_per_block;
@@ -976,7 +976,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     quant_mma_kernel(const uint8_t* __restrict__ w, const __nv_bfloat16* __restrict__ x, GemvOut outs, int n, int64_t in,
                      float* __restrict__ partial, int* __restrict__ arrived) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t rows = gemv_rows(outs);
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
   const int64_t units = in / 32, row_bytes = units / kUnits<T> * kBlockBytes<T>;
   const int chunks = static_cast<int>((units + kMmaChunkUnits - 1) / kMmaChunkUnits), splits = gridDim.y;
@@ -1126,7 +1126,7 @@ __global__ void __launch_bounds__(kImmaWarps<NT> * 32, kImmaWarps<NT> == kMmaWar
   // This warp's rows from warp * 16, its x rows from col0 (half: which of its pair).
   const int warp = kPair == 1 ? tid / 32 : tid / 32 % kMmaWarps, half = kPair == 1 ? 0 : tid / 32 / kMmaWarps;
   const int col0 = half * NTW * 8;
-  const int64_t rows = outs.count == 1 ? outs.end[0] : outs.count == 2 ? outs.end[1] : outs.end[2];
+  const int64_t rows = gemv_rows(outs);
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
   const int64_t nb = in / 256, row_bytes = nb * kBlockBytes<T>;
   const int chunks = static_cast<int>(nb), splits = gridDim.y;

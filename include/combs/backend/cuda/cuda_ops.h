@@ -30,7 +30,10 @@ Status matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, float*
 bool decode_fused(const Tensor& w, int64_t n);
 // The fewest rows of x for which w's type takes a tensor-core decode kernel (the rows of x as an
 // mma's n side: 2 to 8 rows cost about what one does), 9 where it has none; fewer rows take the
-// kernel built for one row. A row's numbers are the same in every call of that many to 8 rows.
+// kernel built for one row. A row's numbers are the same in every call of that many to 8 rows
+// that takes the decode kernels (decode_fused: F16/BF16 with f32 x stage n x in in 96 KB, so at
+// rows of 8,192 7-8 rows go to cuBLAS; RowsForDecodeKernel lowers the rows; Q4_K needs weights and
+// rounded x 16-byte aligned, else the unit loop).
 int decode_mma_min_rows(DType t);
 // Whether matmul rounds x to 8 bits (per 256, or per 32 where the row is not whole groups of 256)
 // for w and n rows: the decode kernel's n <= 8, and the super-block formats' batches up to 64
