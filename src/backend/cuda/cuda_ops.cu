@@ -3,9 +3,6 @@
 #include <algorithm>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "async_copy.h"
 #include "block_reduce.h"
 #include "combs/backend/cuda/cuda_ops.h"
@@ -313,16 +310,6 @@ __global__ void gather_rows_kernel(const float* __restrict__ src, const int32_t*
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) d[i] = s[i];
 }
 
-// The weights' 16-byte loads: read-only, and not kept in L1 (each is read once per step; measured
-// on the H200 against __ldg: llama-8b decode 232 vs 227-228 tok/s, llama-1b 1,145 vs 1,113-1,118).
-__device__ __forceinline__ uint4 load_weights16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
 constexpr int kGemvWarps = 8;  // warps per block
 constexpr int kGemvBatch = 8;  // 16-byte loads per lane per batch
 
@@ -450,7 +437,6 @@ __device__ __forceinline__ void stage_gemv_x(T* xs, const void* __restrict__ xin
   }
   __syncthreads();
 }
-
 
 // Small-batch matmul (decode): y[n, o] = sum_i w[o, i] x[n, i] (+ bias[o]) for N <= 8 rows of x.
 // Decode is bound by reading the weights once, so the kernel is built to keep enough of them in
@@ -698,11 +684,8 @@ void launch_gemv_mma(const T* w, const void* x, const GemvOut& outs, int n, int6
     cudaGetLastError();
     return std::max(1, sms) * std::clamp(per_sm, 1, 2);
   }();
-  // Every block the same number of tiles (the last block's share may be short), as few as keep
-  // every resident block busy.
-  const int64_t tiles = (outs.end[outs.count - 1] + kMmaTile - 1) / kMmaTile;
-  const int64_t per_block = std::max<int64_t>(1, (tiles + resident - 1) / resident);
-  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, (tiles + per_block - 1) / per_block));
+  int64_t per_block = 0;
+  const unsigned grid = equal_tiles_grid((outs.end[outs.count - 1] + kMmaTile - 1) / kMmaTile, resident, &per_block);
   launch_pdl(gemv_mma_kernel<T, XT, PAIRS>, dim3(grid), dim3(kGemvWarps * 32),
              XT ? size_t{0} : static_cast<size_t>(n * in) * sizeof(T), st, w, x, outs, n, in, per_block);
 }
@@ -738,18 +721,15 @@ void gemv(const Tensor& w, const void* x, const GemvOut& outs, int n, cudaStream
 
 thread_local int t_decode_kernel_max_rows = kGemvMaxRows;  // set_decode_kernel_max_rows()
 
-bool gemv_fits(const Tensor& w, int64_t n) {
+// Whether the decode kernels take w and n rows of x: f32 x (staged in shared memory, at most
+// kGemvMaxShared), or x_rounded, already in w's dtype (matmul_rounded: the tensor-core kernel reads
+// it from global memory, any width; gemv_kernel stages it too).
+bool gemv_fits(const Tensor& w, int64_t n, bool x_rounded = false) {
   // Block types: x is read from global memory as 8-bit values (quant_matmul.h), no staging limit.
   if (is_block_quant(w.dtype())) return n <= kQuantGemvMaxRows && w.dim(1) % dtype_block_elems(w.dtype()) == 0;
+  const bool staged = !x_rounded || n < gemv_mma_rows();
   return n <= t_decode_kernel_max_rows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16) &&
-         static_cast<size_t>(n * w.dim(1)) * 2 <= kGemvMaxShared;
-}
-
-// gemv_fits for x already in w's dtype (matmul_rounded): the tensor-core kernel reads it from
-// global memory, any width; gemv_kernel stages it.
-bool gemv_fits_rounded(const Tensor& w, int64_t n) {
-  if (n < gemv_mma_rows() || is_block_quant(w.dtype())) return gemv_fits(w, n);
-  return n <= t_decode_kernel_max_rows && w.dim(1) % 8 == 0 && (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16);
+         (!staged || static_cast<size_t>(n * w.dim(1)) * 2 <= kGemvMaxShared);
 }
 
 // This thread's share of columns [c0, c1) of row r, a block's threads blockDim.x apart: four
@@ -1032,7 +1012,6 @@ Status quant_matmul(CudaBackend& b, const Tensor& w, const float* x, int64_t n, 
 
 }  // namespace
 
-
 DType input_dtype(const Tensor& w) {
   return w.dtype() == DType::kF16 || w.dtype() == DType::kBF16 ? w.dtype() : DType::kF32;
 }
@@ -1160,7 +1139,7 @@ Status matmul_rounded(CudaBackend& b, const Tensor& w, const void* x, int64_t n,
   COMBS_RETURN_IF_ERROR(check_weight(w, "cuda matmul"));
   if (input_dtype(w) == DType::kF32) return matmul(b, w, static_cast<const float*>(x), n, y, nullptr, accumulate);
   if (n == 0) return ok_status();
-  if (gemv_fits_rounded(w, n) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // 16-byte loads of x
+  if (gemv_fits(w, n, /*x_rounded=*/true) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // 16-byte loads of x
     GemvOut g{{y, nullptr, nullptr}, {nullptr, nullptr, nullptr}, {w.dim(0), 0, 0}, 1, accumulate, nullptr, 0.0f};
     gemv</*XT=*/true>(w, x, g, static_cast<int>(n), stream_of(b));
     return launched("decode matmul");

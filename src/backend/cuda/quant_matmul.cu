@@ -8,7 +8,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -493,25 +492,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 // 8t + 3 / 8t + 4 .. 8t + 7), with x row g's same elements (8 bytes of the rounded activations) as
 // B. A block's integer sums are exact: S = sum of sc * (the unit's integer sum) and M = sum of m *
 // (x's unit sums, from quantize_activations), then one float step a block: y += xd (d S - dmin M)
-// (quant_imma's arithmetic; S past 2^24 rounds as it becomes a float). A tile is 16 rows (PAIRS: 16 gate rows, then their up rows); the
-// block's 8 warps split the row's blocks (warp w: w, w + 8, ..) and their sums are added in warp
-// order: a row of x gets the same numbers in every call of this kernel. (One row runs slower than
-// the unit loop, 295 vs 332 tok/s on llama-8b, though it issues far fewer instructions a weight:
-// its 8-byte loads and the warps in flight are the suspects, not measured.)
+// (quant_imma's arithmetic; S past 2^24 rounds as it becomes a float). A tile is 16 rows (PAIRS:
+// 16 gate rows, then their up rows); the block's 8 warps split the row's blocks (warp w: w, w + 8,
+// ..) and their sums are added in warp order: a row of x gets the same numbers in every call of
+// this kernel. (One row runs slower than the unit loop, 295 vs 332 tok/s on llama-8b, though it
+// issues far fewer instructions a weight: its 8-byte loads and the warps in flight are the
+// suspects, not measured.)
 constexpr int kQ4kWarps = 8;
 constexpr int kQ4kTile = 16;
-
-__device__ __forceinline__ uint4 load_nc16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 load_nc8(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
 
 // One block (256 weights) of weight rows g and g + 8 as a lane holds it.
 struct Q4kSlice {
@@ -545,9 +533,9 @@ __global__ void __launch_bounds__(kQ4kWarps * 32, 2)
       const int64_t row = tile * kQ4kTile + g + 8 * h;
       if (row < units && kb < nblocks) {
         const uint8_t* b = w + (row + p * units) * row_bytes + kb * kBytes;
-        s.head[h] = load_nc16(b);
+        s.head[h] = load_weights16(b);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) s.nib[h][q] = load_nc8(b + 16 + 32 * q + 8 * t);
+        for (int q = 0; q < 4; ++q) s.nib[h][q] = load_weights8(b + 16 + 32 * q + 8 * t);
       } else {  // zero levels and scales: adds nothing
         s.head[h] = make_uint4(0, 0, 0, 0);
 #pragma unroll
@@ -1523,11 +1511,10 @@ Status launch_q4k_mma(cudaStream_t st, const uint8_t* w, const int8_t* q, const 
     cudaGetLastError();
     return std::clamp(blocks, 1, 2);
   }();
-  const int64_t resident = int64_t{device_sms()} * per_sm;
-  const int64_t tiles = (outs.end[outs.count - 1] + kQ4kTile - 1) / kQ4kTile;
-  const int64_t per_block = std::max<int64_t>(1, (tiles + resident - 1) / resident);
-  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, (tiles + per_block - 1) / per_block)));
-  launch_pdl(q4k_mma_gemv_kernel<PAIRS>, grid, dim3(kQ4kWarps * 32), 0, st, w, q, d, sums, outs, n, in, per_block);
+  int64_t per_block = 0;
+  const unsigned grid = equal_tiles_grid((outs.end[outs.count - 1] + kQ4kTile - 1) / kQ4kTile,
+                                         int64_t{device_sms()} * per_sm, &per_block);
+  launch_pdl(q4k_mma_gemv_kernel<PAIRS>, dim3(grid), dim3(kQ4kWarps * 32), 0, st, w, q, d, sums, outs, n, in, per_block);
   return cuda_status(cudaGetLastError(), "q4k_mma_gemv_kernel");
 }
 
@@ -1760,14 +1747,6 @@ Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int 
 bool quant_imma_takes(DType t) { return imma_type(t); }
 
 int quant_gemv_mma_min_rows(DType t) { return t == DType::kQ4_K ? q4k_mma_rows() : kQuantGemvMaxRows + 1; }
-
-int rows_from_env(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long rows = std::strtol(v, &end, 10);
-  return *end == '\0' && rows >= 1 && rows <= kQuantGemvMaxRows + 1 ? static_cast<int>(rows) : fallback;
-}
 
 size_t quant_imma_scratch_bytes(const Tensor& w, int n) {
   return variant_scratch_bytes([](DType t, int m, auto&& f) { return for_imma_variant(t, m, f); }, w, n);

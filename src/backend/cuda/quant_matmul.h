@@ -78,9 +78,6 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
 // The fewest rows of x for which quant_gemv takes a tensor-core kernel (Q4_K: rows of x as an int8
 // mma's n side), kQuantGemvMaxRows + 1 where t has none.
 int quant_gemv_mma_min_rows(DType t);
-// A row count from the environment variable `name` (1 to kQuantGemvMaxRows + 1), else fallback: the
-// decode kernels' switches between their one-row and tensor-core kernels.
-int rows_from_env(const char* name, int fallback);
 
 // outs (+)= w x for w a block-quantized device tensor [rows, in] and xs [n, in] BF16 (x rounded),
 // n <= kQuantMmaMaxRows: the products of the BF16 dequantized weights with xs, summed in f32.
