@@ -10,7 +10,8 @@
 #   bench/peer/build.sh tarball FILE      # the parts a build needs, as FILE (.tar.xz), for the GPU machine
 #   bench/peer/build.sh cuda [FILE]       # CUDA sm_90 (on the GPU machine, from FILE when given) -> $PEER_DIR/build-cuda/bin
 #
-# PEER_DIR defaults to ~/.cache/combs-peer. Why these CPU options: llama.cpp built with
+# PEER_DIR defaults to ~/.cache/combs-peer; PEER_TARGETS names the targets to build (default:
+# llama-bench llama-batched-bench llama-quantize; e.g. llama-quantize alone for test files). Why these CPU options: llama.cpp built with
 # -march=native dies with an illegal instruction in its AMX path on these Xeons, so the ISA
 # extensions are named one by one (all that the CPUs have but AMX).
 set -euo pipefail
@@ -31,7 +32,7 @@ fetch() {
 # The options of every build: no tests, examples, server or network code.
 common=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF)
-targets=(llama-bench llama-batched-bench llama-quantize)
+targets=(${PEER_TARGETS:-llama-bench llama-batched-bench llama-quantize})
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 

@@ -91,7 +91,7 @@ int builtin_vocab(gguf::GgufWriter& w, const std::vector<std::string>& extra) {
 }  // namespace
 
 std::vector<std::string> shape_names() {
-  return {"tiny",     "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
+  return {"tiny",     "qwen2-tiny", "qwen2-tiny-384", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-yarn-tiny", "phi3-tiny",
           "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny", "gpt-oss-tiny", "llama-1b", "llama-8b", "qwen3-8b", "gemma3-4b",
           "qwen3-30b-a3b", "gpt-oss-20b"};
 }
@@ -111,6 +111,12 @@ StatusOr<ModelShape> named_shape(std::string_view name) {
     tiny(name == "tiny" ? "llama" : "qwen2");
     s.rope_freq_base = name == "tiny" ? 10000.0f : 1000000.0f;
     s.rms_eps = name == "tiny" ? 1e-5f : 1e-6f;
+    return s;
+  }
+  if (name == "qwen2-tiny-384") {  // rows of 384: not whole 256-wide K-quant blocks, as Qwen2-0.5B's 896
+    tiny("qwen2");                  // (and down's of 768 are, as its 4,864)
+    s.n_embd = 384, s.n_heads = 6, s.n_kv_heads = 2, s.n_ff = 768;
+    s.rope_freq_base = 1000000.0f, s.rms_eps = 1e-6f;
     return s;
   }
   if (name == "qwen3-tiny") {  // heads wider than n_embd / n_heads, as Qwen3-0.6B's

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -188,6 +189,57 @@ TEST_CASE("on block-quantized files the runner predicts llama.cpp's greedy token
   CHECK(cases == 18);
 }
 
+TEST_CASE("on llama.cpp's quantization presets the runner predicts its greedy tokens under teacher forcing",
+          "[model][quant]") {
+  // tests/data/models/presets/llama_cpp_greedy.txt (tests/reference/record_llama_quantize_presets.sh):
+  // file|tensor types|prompt|continuation. llama-quantize's presets of random f16 llama and qwen2
+  // models (its per-tensor mixes, e.g. Q4_K_M's Q6_K on the output and on some attn_v / ffn_down),
+  // and of qwen2-tiny-384, whose rows of 384 and 640 are not whole K-quant blocks (its fallbacks:
+  // Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_0 ...).
+  const std::string dir = std::string(COMBS_TEST_DATA_DIR) + "/models/presets/";
+  std::ifstream in(dir + "llama_cpp_greedy.txt");
+  REQUIRE(in.good());
+  std::set<std::string> files, fallback_types;
+  std::unique_ptr<TinyModel> m;
+  std::string loaded;
+  int cases = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const auto f = split_bars(line);
+    REQUIRE(f.size() == 4);
+    INFO(line);
+    if (loaded != f[0]) {
+      m = std::make_unique<TinyModel>(ModelFile{dir + f[0]});
+      loaded = f[0];
+      // The file holds the types the reference line names (and combs reads them as such).
+      std::map<std::string, int> types;
+      for (const auto& t : m->model->file().tensors()) ++types[std::string(dtype_name(t.dtype))];
+      std::string listed;
+      for (const auto& [name, count] : types) listed += (listed.empty() ? "" : " ") + name + ":" + std::to_string(count);
+      std::string want = f[1];
+      std::transform(want.begin(), want.end(), want.begin(), ::toupper);
+      std::transform(listed.begin(), listed.end(), listed.begin(), ::toupper);
+      CHECK(listed == want);
+      if (f[0].starts_with("qwen2-tiny-384")) {
+        for (const char* t : {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"})
+          if (types.count(t)) fallback_types.insert(t);
+      }
+    }
+    check_teacher_forced(*m, ids_of(f[2]), ids_of(f[3]));
+    files.insert(f[0]);
+    ++cases;
+  }
+  for (const char* shape : {"tiny", "qwen2-tiny"}) {
+    for (const char* preset : {"q4_k_m", "q5_k_m", "q6_k", "q4_0", "q4_1", "iq4_xs", "q3_k_m", "q2_k"}) {
+      INFO(shape << " " << preset);
+      CHECK(files.count(std::string(shape) + "-" + preset + ".gguf"));
+    }
+  }
+  INFO("fallback types on qwen2-tiny-384: " << fallback_types.size());
+  CHECK(fallback_types.size() >= 2);  // rows that are not whole K-quant blocks took other types
+  CHECK(cases == 2 * static_cast<int>(files.size()));
+}
+
 TEST_CASE("on every architecture the runner predicts llama.cpp's greedy tokens under teacher forcing", "[model]") {
   // tests/data/models/llama_cpp_arch_greedy.txt (tests/reference/record_llama_cpp_greedy.sh):
   // shape|type|seed|hash|prompt|continuation, on the files combs-mkmodel writes; written here
@@ -254,7 +306,7 @@ TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[m
 
 // Every architecture's tiny shape (random_model.h): 24 tokens cross the windows of 8 keys; the
 // mixtures of experts route each token to 2 of 4 or 8 experts (gpt-oss: 4 of 8).
-const char* const kArchShapes[] = {"tiny",          "qwen2-tiny",    "qwen3-tiny",   "gemma2-tiny",
+const char* const kArchShapes[] = {"tiny",          "qwen2-tiny",    "qwen2-tiny-384", "qwen3-tiny",   "gemma2-tiny",
                                    "gemma3-tiny",   "llama-yarn-tiny", "phi3-tiny",  "qwen3moe-tiny",
                                    "qwen2moe-tiny", "mixtral-tiny",  "gpt-oss-tiny", "gemma3-swa-tiny"};
 

@@ -44,7 +44,8 @@ struct ModelShape {
 };
 
 // Tiny shapes for tests (head_dim 64, small windows so that short contexts cross them): "tiny"
-// (llama), "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "gemma3-swa-tiny" (every layer
+// (llama), "qwen2-tiny", "qwen2-tiny-384" (rows of 384: K-quant types fall back, as llama.cpp's for
+// Qwen2-0.5B's 896; ffn_down's rows of 768 keep them), "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "gemma3-swa-tiny" (every layer
 // windowed), "llama-yarn-tiny", "phi3-tiny",
 // and with experts "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny" (llama), "gpt-oss-tiny"; real shapes for
 // benchmarks: "llama-1b" (Llama-3.2-1B), "llama-8b" (Llama-3.1-8B), "qwen3-8b" (Qwen3-8B),
