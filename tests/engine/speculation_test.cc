@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
 
 #include "combs/engine/engine.h"
 #include "combs/engine/speculation.h"
+#include "combs/model/runner.h"
 #include "support/engine_helpers.h"
 #include "support/engine_model.h"
 #include "support/random.h"
@@ -213,6 +215,90 @@ TEST_CASE("sessions with and without speculation share steps and each gets its a
     CHECK(cs[i].tokens == alone[i]);
   }
   REQUIRE(e->check_invariants().ok());
+}
+
+namespace {
+
+// The CPU runner, recording each forward: its sequences' token counts and which were
+// verifications (every position's output).
+class RecordingRunner final : public ModelRunner {
+ public:
+  struct Forward {
+    std::vector<int64_t> tokens;
+    std::vector<bool> verifies;
+    int64_t total() const { return std::accumulate(tokens.begin(), tokens.end(), int64_t{0}); }
+  };
+  RecordingRunner(std::unique_ptr<Runner> inner, std::vector<Forward>* log) : inner_(std::move(inner)), log_(log) {}
+  Status forward(std::span<const SequenceInput> seqs, float* logits, ForwardOptions options) override {
+    Forward f;
+    for (const SequenceInput& s : seqs) {
+      f.tokens.push_back(static_cast<int64_t>(s.tokens.size()));
+      f.verifies.push_back(s.all_logits);
+    }
+    log_->push_back(std::move(f));
+    return inner_->forward(seqs, logits, options);
+  }
+  Backend& backend() override { return inner_->backend(); }
+  const Model& model() const override { return inner_->model(); }
+
+ private:
+  std::unique_ptr<Runner> inner_;
+  std::vector<Forward>* log_;
+};
+
+}  // namespace
+
+TEST_CASE("a step's token budget counts the drafted tokens", "[engine]") {
+  // Three sessions drafting up to 8 tokens each (all right: the acceptance climbs and so does the
+  // draft length) under a budget of 6 tokens a step: every forward holds at most 6 tokens, drafts
+  // included — a verification takes only the room the step has left, or waits.
+  Rng rng(test_seed());
+  INFO("seed " << rng.seed());
+  ModelFile mf;
+  const std::vector<int32_t> prompt = random_tokens(rng, 10, 3, 258);
+  std::vector<int32_t> truth = prompt;
+  {
+    auto e = mf.engine();
+    const std::vector<int32_t> out = run(*e, e->create_session().value(), request(prompt, 40));
+    truth.insert(truth.end(), out.begin(), out.end());
+  }
+  const std::vector<int32_t> expected(truth.begin() + 10, truth.end());
+  const int64_t budget = 6;
+  CpuBackend backend(CpuBackendOptions{.num_threads = 2});
+  std::vector<RecordingRunner::Forward> log;
+  EngineOptions o;
+  o.step_token_budget = budget;
+  o.prefill_chunk = 4;  // (a prefill chunk alone in its step may exceed the budget; not here)
+  o.proposer = std::make_shared<ReplayProposer>(truth, 0.0);
+  o.make_runner = [&](const Model& m) -> StatusOr<std::unique_ptr<ModelRunner>> {
+    COMBS_ASSIGN_OR_RETURN(std::unique_ptr<Runner> r, Runner::create(m, backend, RunnerOptions{.batch_invariant = true}));
+    return std::unique_ptr<ModelRunner>(std::make_unique<RecordingRunner>(std::move(r), &log));
+  };
+  auto e = mf.engine(o);
+  const int n = 3;
+  std::vector<Collector> cs(n);
+  for (int i = 0; i < n; ++i) {
+    REQUIRE(e->generate(e->create_session().value(), speculative(request(prompt, 40), 8), cs[i].sink()).ok());
+  }
+  int64_t drafted = 0;
+  for (int i = 0; i < n; ++i) {
+    cs[i].wait();
+    INFO("session " << i);
+    CHECK(cs[i].tokens == expected);
+    drafted += cs[i].usage.drafted_tokens;
+  }
+  e.reset();  // (the log is complete)
+  CHECK(drafted > 0);
+  int64_t largest = 0;
+  bool shared = false;  // a verification in a step with another sequence
+  for (const RecordingRunner::Forward& f : log) {
+    largest = std::max(largest, f.total());
+    for (bool v : f.verifies) shared = shared || (v && f.tokens.size() > 1);
+  }
+  INFO(log.size() << " forwards");
+  CHECK(largest <= budget);
+  CHECK(largest == budget);  // the budget was reached: drafts would have taken more
+  CHECK(shared);
 }
 
 TEST_CASE("a stop inside an accepted run ends the request there and the session stays consistent", "[engine]") {
