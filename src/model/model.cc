@@ -456,6 +456,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
   m->memory_.reset(static_cast<char*>(std::aligned_alloc(kHuge, alloc == 0 ? kHuge : alloc)));
   if (!m->memory_) return resource_exhausted_error(path + ": cannot allocate " + std::to_string(total) + " bytes for the weights");
   madvise(m->memory_.get(), alloc, MADV_HUGEPAGE);
+  m->resident_weight_bytes_ = static_cast<int64_t>(alloc == 0 ? kHuge : alloc);
   size_t used = 0;
   for (const WeightSpec& spec : specs) {
     const gguf::TensorInfo* t = m->file_->find_tensor(spec.name);
@@ -493,6 +494,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string& path) {
     }
     m->file_->drop_pages(*t);  // the copy is the weight now: resident once, not twice
     used += (t->nbytes + 63) / 64 * 64;
+    m->file_tensor_bytes_ += static_cast<int64_t>(t->nbytes);
     Tensor* to = slot(spec.name);
     if (to == nullptr) return internal_error(path + ": tensor '" + spec.name + "' has no place in the model");
     *to = Tensor::wrap(dst, shape, t->dtype);

@@ -94,7 +94,7 @@ TEST_CASE("the cuda runner decodes the tiny models greedily as the cpu does unde
 
 TEST_CASE("the cuda runner follows the cpu on block-quantized files under teacher forcing", "[cuda][quant]") {
   if (!have_gpu()) return;
-  // The block types reach the GPU as BF16 (cuda_runner.cc's upload); the CPU multiplies exactly
+  // The block types reach the GPU in their blocks (cuda_runner.cc's upload); the CPU multiplies exactly
   // dequantized weights in f32, or (q4_k, q5_k, q6_k, iq4_xs where it has AVX-512 VNNI) rounds the
   // activations to 8 bits: logits within 5e-2 of the largest (measured on the H200's host: 1.4e-2
   // and 2.2e-2), the same argmax nearly everywhere (46 and 47 of 48; a random model's top two can
@@ -126,6 +126,35 @@ TEST_CASE("the cuda runner follows the cpu on block-quantized files under teache
     CHECK(worst < 5e-2);
     CHECK(agree >= 44);
   }
+}
+
+TEST_CASE("the weights stay in their blocks on the gpu: resident at most 1.05x the file's tensor bytes",
+          "[cuda][quant]") {
+  if (!have_gpu()) return;
+  // Q4_K_M (Q4_K, Q6_K on the output and some V / down) of a 2-layer, 2,048-wide model: ~50 MB of
+  // blocks. The device memory the upload took (free memory before less after, the allocator's
+  // rounding included) and the host's weight buffer, against the bytes of the file's tensors: a
+  // dequantized copy anywhere would take 3.5x (BF16).
+  testing::TempDir dir;
+  RandomModelOptions o;
+  o.shape = named_shape("tiny").value();
+  o.shape.n_embd = 2048, o.shape.n_heads = 16, o.shape.n_kv_heads = 4, o.shape.n_ff = 8192, o.shape.n_layers = 2;
+  o.shape.head_dim = 0;
+  REQUIRE(set_weight_type("q4_k_m", &o).ok());
+  const std::string path = dir.file("q4_k_m.gguf");
+  REQUIRE(write_random_model(o, path).ok());
+  auto model = Model::load(path);
+  REQUIRE(model.ok());
+  const double file_bytes = static_cast<double>((*model)->file_tensor_bytes());
+  auto runner = CudaRunner::create(**model);
+  REQUIRE(runner.ok());
+  const double device = static_cast<double>((*runner)->stats().weight_bytes);
+  const double host = static_cast<double>((*model)->resident_weight_bytes());
+  INFO("file's tensors " << file_bytes << " bytes; device " << device << ", host " << host);
+  CHECK(file_bytes > 40e6);
+  CHECK(device >= 0.99 * file_bytes);  // (all of it went up)
+  CHECK(device <= 1.05 * file_bytes);
+  CHECK(host <= 1.05 * file_bytes);
 }
 
 TEST_CASE("the cuda runner follows the cpu on mixtures of experts under teacher forcing",

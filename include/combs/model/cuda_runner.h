@@ -41,6 +41,10 @@ struct CudaRunnerStats {
   int64_t graph_replays = 0;   // decode steps run as one graph launch
   double host_seconds = 0;     // forward's host work: from its call until it waits for the device
   double device_seconds = 0;   // with time_device: the device's time from a forward's first launch to its last
+  // The device memory the weights took (its free memory before the upload less after: the
+  // allocator's rounding included). Blocks stay blocks: about the file's tensor bytes (this
+  // rank's share of them under tensor parallelism).
+  int64_t weight_bytes = 0;
 };
 
 class CudaRunner final : public ModelRunner {

@@ -193,6 +193,11 @@ class Model {
   // Bytes of weights one decode step reads (every matrix once, one embedding row; of the experts,
   // the router and n_expert_used experts).
   int64_t weight_bytes_per_token() const;
+  // The weights' bytes in the file (every tensor the model reads, as stored: blocks stay blocks),
+  // and the host memory holding them (one buffer: each tensor 64-byte aligned, the whole rounded
+  // up to 2 MB huge pages). No other copy of a weight is made on the host.
+  int64_t file_tensor_bytes() const { return file_tensor_bytes_; }
+  int64_t resident_weight_bytes() const { return resident_weight_bytes_; }
 
   const LayerAttention& attention(int layer) const { return attention_[layer]; }
   // The RoPE frequencies of the global (local = false) or windowed layers: rope_dim / 2 values.
@@ -205,6 +210,7 @@ class Model {
   };
   std::unique_ptr<gguf::GgufFile> file_;
   std::unique_ptr<char, Free> memory_;  // the weights, copied out of the file's mapping
+  int64_t file_tensor_bytes_ = 0, resident_weight_bytes_ = 0;
   ModelConfig config_;
   std::vector<float> inv_freq_[2];
   std::vector<LayerAttention> attention_;

@@ -211,6 +211,7 @@ struct CudaRunner::Impl {
     // (gate_up_exps_b [n_expert, 2 n_ff_exp]: each expert's gate then up, as their rows).
     Tensor bo, sinks, router_b, gate_up_exps_b, down_exps_b;
   };
+  Tensor weights;  // the device memory of every weight below (WeightArena's; undefined under tensor parallelism)
   Tensor tok_embd, output_norm, output, inv_freq, inv_freq_local;  // RoPE of global and windowed layers
   std::vector<Layer> layers;
   // Activations, grown to the largest batch seen.
@@ -239,9 +240,35 @@ struct CudaRunner::Impl {
 
 namespace {
 
+// The weights' device memory: one allocation for all of them, handed out 256-byte aligned (as
+// cudaMalloc's), so that the resident bytes are the file's tensor bytes — a cudaMalloc a tensor
+// rounds each up to the allocator's granularity (2 MB pages for large ones). A tensor past the
+// reservation (none is expected) gets its own allocation.
+class WeightArena {
+ public:
+  explicit WeightArena(CudaBackend& b) : b_(b) {}
+  Status reserve(size_t bytes) {
+    COMBS_ASSIGN_OR_RETURN(block_, b_.alloc({static_cast<int64_t>((bytes + 3) / 4)}, DType::kF32));  // (as words)
+    return ok_status();
+  }
+  StatusOr<Tensor> alloc(Shape shape, DType dtype) {
+    const size_t n = nbytes_for(dtype, shape.numel()), at = (used_ + 255) / 256 * 256;
+    if (!block_.defined() || at + n > block_.nbytes()) return b_.alloc(shape, dtype);
+    used_ = at + n;
+    return Tensor::wrap(block_.data_as<char>() + at, shape, dtype, DeviceType::kCuda);
+  }
+  Status copy(const Tensor& src, const Tensor& dst) { return b_.copy(src, dst); }
+  Tensor block() const { return block_; }  // keeps the weights' memory (the tensors are views of it)
+
+ private:
+  CudaBackend& b_;
+  Tensor block_;
+  size_t used_ = 0;
+};
+
 // Host tensors of one dtype stacked by rows into one device tensor, copied as they are (block
 // types stay in their blocks: no dequantized copy; all parts or none defined).
-StatusOr<Tensor> upload(CudaBackend& b, std::span<const Tensor* const> parts) {
+StatusOr<Tensor> upload(WeightArena& b, std::span<const Tensor* const> parts) {
   const Tensor& first = *parts.front();
   if (!first.defined()) return Tensor();
   int64_t rows = 0;
@@ -258,13 +285,13 @@ StatusOr<Tensor> upload(CudaBackend& b, std::span<const Tensor* const> parts) {
   }
   return d;
 }
-StatusOr<Tensor> upload(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
+StatusOr<Tensor> upload(WeightArena& b, std::initializer_list<const Tensor*> parts) {
   return upload(b, std::span<const Tensor* const>(parts.begin(), parts.size()));
 }
 
 // Columns [begin, end) of a host matrix (whole blocks of a block type: plan_shard checked) on
 // the device, in its dtype.
-StatusOr<Tensor> upload_columns(CudaBackend& b, const Tensor& t, int64_t begin, int64_t end) {
+StatusOr<Tensor> upload_columns(WeightArena& b, const Tensor& t, int64_t begin, int64_t end) {
   if (!t.defined() || (begin == 0 && end == t.dim(1))) return upload(b, {&t});
   const size_t row = nbytes_for(t.dtype(), t.dim(1)), skip = nbytes_for(t.dtype(), begin),
                width = nbytes_for(t.dtype(), end - begin);
@@ -279,7 +306,7 @@ Tensor rows_of(const Tensor& t, int64_t begin, int64_t end) { return t.defined()
 
 // A projection's parts (in output order) as a WeightStack: consecutive parts of one dtype share a
 // device tensor.
-StatusOr<WeightStack> upload_stack(CudaBackend& b, std::initializer_list<const Tensor*> parts) {
+StatusOr<WeightStack> upload_stack(WeightArena& b, std::initializer_list<const Tensor*> parts) {
   WeightStack s;
   std::vector<const Tensor*> run;
   auto flush = [&]() -> Status {
@@ -300,7 +327,7 @@ StatusOr<WeightStack> upload_stack(CudaBackend& b, std::initializer_list<const T
 
 // Stacked gate and up [n, rows, cols] (host, one dtype) on the device as [n, 2 rows, cols]: each
 // expert's gate rows, then its up rows (the pairs quant_gemv_experts reads; their biases alike).
-StatusOr<Tensor> upload_pairs(CudaBackend& b, const Tensor& gate, const Tensor& up) {
+StatusOr<Tensor> upload_pairs(WeightArena& b, const Tensor& gate, const Tensor& up) {
   const int64_t n = gate.dim(0), r = gate.dim(1), cols = gate.dim(2);
   COMBS_ASSIGN_OR_RETURN(Tensor pairs, b.alloc({n, 2 * r, cols}, gate.dtype()));
   const Tensor rows = pairs.reshape({n * 2 * r, cols});
@@ -313,7 +340,7 @@ StatusOr<Tensor> upload_pairs(CudaBackend& b, const Tensor& gate, const Tensor& 
 
 // A layer's experts [e0, e1) on the device: gate and up interleaved per expert (each expert's
 // gate rows, then its up rows: the pairs quant_gemv_experts reads), down as it is. Block types only.
-Status upload_experts(CudaBackend& b, const LayerWeights& w, int layer, int64_t e0, int64_t e1, Tensor* gate_up,
+Status upload_experts(WeightArena& b, const LayerWeights& w, int layer, int64_t e0, int64_t e1, Tensor* gate_up,
                       Tensor* down) {
   for (const Tensor* t : {&w.gate_exps, &w.up_exps, &w.down_exps}) {
     if (!is_block_quant(t->dtype())) {
@@ -385,8 +412,17 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
     COMBS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->finished));
   }
   register_cuda_attention();
-  CudaBackend& b = *impl->backend;
   const ModelConfig& c = model.config();
+  size_t free_before = 0, free_after = 0, total = 0;
+  COMBS_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  COMBS_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_before, &total));
+  WeightArena b(*impl->backend);
+  if (world == 1) {  // every file tensor once, each aligned, and the RoPE tables (a rank's share: unsized)
+    const size_t tensors = model.file().tensors().size() + 2;
+    COMBS_RETURN_IF_ERROR(b.reserve(static_cast<size_t>(model.file_tensor_bytes()) + 256 * tensors +
+                                    2 * sizeof(float) * static_cast<size_t>(c.rope_dim)));
+  }
+  impl->weights = b.block();
   COMBS_ASSIGN_OR_RETURN(impl->tok_embd, upload(b, {&model.tok_embd}));
   COMBS_ASSIGN_OR_RETURN(impl->output_norm, upload(b, {&model.output_norm}));
   if (model.output.data() == model.tok_embd.data() && world == 1) {
@@ -451,6 +487,9 @@ StatusOr<std::unique_ptr<CudaRunner>> CudaRunner::create(const Model& model, Cud
     Tensor& table = local ? impl->inv_freq_local : impl->inv_freq;  // (not `c ? a : b` as a macro's target:
     COMBS_ASSIGN_OR_RETURN(table, upload(b, {&host}));              //  `c ? a : b = x` assigns b alone)
   }
+  COMBS_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  COMBS_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_after, &total));
+  impl->stats.weight_bytes = static_cast<int64_t>(free_before) - static_cast<int64_t>(free_after);
   return std::unique_ptr<CudaRunner>(new CudaRunner(model, std::move(impl)));
 }
 

@@ -25,6 +25,9 @@ inline double now_seconds() {
 
 double median(std::vector<double> v);
 
+// The process's resident memory (VmRSS of /proc/self/status), bytes; 0 where unknown.
+int64_t resident_bytes();
+
 // A comma-separated list flag ("a,b,,c") as its non-empty items.
 std::vector<std::string> split_list(const std::string& s);
 

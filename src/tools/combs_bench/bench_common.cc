@@ -1,6 +1,8 @@
 // Helpers shared by the combs-bench subcommands.
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -9,6 +11,14 @@
 #include "common/flags.h"
 
 namespace combs::bench {
+
+int64_t resident_bytes() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::strtoll(line.c_str() + 6, nullptr, 10) * 1024;  // "VmRSS:  123 kB"
+  }
+  return 0;
+}
 
 // Median GB/s of summing a buffer much larger than the caches, split over the backend's threads.
 double measure_read_bandwidth(CpuBackend& backend, int64_t bytes, int reps) {

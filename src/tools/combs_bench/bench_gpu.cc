@@ -337,6 +337,17 @@ int run_gpu(int argc, char** argv) {
     auto runner = make_runner(**model, {.time_device = !only.empty() && only != "prefill"});
     if (!runner.ok()) return std::fprintf(stderr, "%s\n", runner.status().to_string().c_str()), 1;
     const double bytes = static_cast<double>((*model)->weight_bytes_per_token());
+    {  // Resident weights against the file's tensor bytes: blocks stay blocks, on the host and the device.
+      const double file_bytes = static_cast<double>((*model)->file_tensor_bytes());
+      const double host = static_cast<double>((*model)->resident_weight_bytes());
+      std::printf("# %s weights: the file's tensors %.1f MB; resident on the host %.1f MB (%.3fx)", shape.c_str(),
+                  file_bytes / 1e6, host / 1e6, host / file_bytes);
+      if (auto* one = dynamic_cast<CudaRunner*>(runner->get())) {
+        const double device = static_cast<double>(one->stats().weight_bytes);
+        std::printf(", on the device %.1f MB (%.3fx)", device / 1e6, device / file_bytes);
+      }
+      std::printf("\n");
+    }
     if (!only.empty()) {  // one part alone (for a profiler): no table
       const bool pre = only == "prefill";
       auto r = pre                 ? prefill_run(**runner)

@@ -82,8 +82,9 @@ int run_model(int argc, char** argv) {
               "median of %lld; read bandwidth (%lld MiB, all threads) measured before each decode run; vocabulary %s\n\n",
               backend.num_threads(), std::string(cpu::matmul_isa()).c_str(), prompt, gen, reps, bw_mib,
               vocab->empty() ? "built-in (259 tokens)" : vocab->c_str());
-  std::printf("| model | dtype | vocabulary | weights read/token | prompt tok/s | decode tok/s | bandwidth GB/s "
-              "| decode bound tok/s | decode / bound |\n|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| model | dtype | vocabulary | weights read/token | file's tensors (resident after load / them) "
+              "| prompt tok/s | decode tok/s | bandwidth GB/s | decode bound tok/s | decode / bound |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
   // (model label, weights label, file): --models' files, else the random models of each shape and type.
   struct Job {
     std::string model, weights, path;
@@ -102,7 +103,14 @@ int run_model(int argc, char** argv) {
   for (const Job& job : jobs) {
     {
       std::fprintf(stderr, "combs-bench model: %s\n", job.path.c_str());
-      auto model = Model::load(job.path);      auto runner = Runner::create(**model, backend);
+      const int64_t rss_before = resident_bytes();
+      auto model = Model::load(job.path);
+      if (!model.ok()) return std::fprintf(stderr, "combs-bench model: %s\n", model.status().to_string().c_str()), 1;
+      auto runner = Runner::create(**model, backend);
+      if (!runner.ok()) return std::fprintf(stderr, "combs-bench model: %s\n", runner.status().to_string().c_str()), 1;
+      // What loading made resident (the weights' buffer, the runner's tables): blocks stay blocks.
+      const double file_bytes = double((*model)->file_tensor_bytes());
+      const double loaded = double(resident_bytes() - rss_before);
       const double bytes = double((*model)->weight_bytes_per_token());
       auto f = measure(**runner, backend, int(prompt), int(gen), int(reps), bw_mib << 20, bytes);
       if (!f.ok()) {
@@ -110,9 +118,10 @@ int run_model(int argc, char** argv) {
         return 1;
       }
       const std::string weights = job.weights.empty() ? std::string(dtype_name((*model)->layers[0].wq.dtype())) : job.weights;
-      std::printf("| %s | %s | %d | %.1f MB | %.1f | %.2f | %.1f | %.2f | %.0f%% |\n", job.model.c_str(),
-                  weights.c_str(), (*model)->config().n_vocab, bytes / 1e6, f->prompt_tps, f->decode_tps, f->bandwidth_gbs,
-                  f->bandwidth_gbs * 1e9 / bytes, 100.0 * f->decode_over_bound);
+      std::printf("| %s | %s | %d | %.1f MB | %.1f MB (%.3fx) | %.1f | %.2f | %.1f | %.2f | %.0f%% |\n", job.model.c_str(),
+                  weights.c_str(), (*model)->config().n_vocab, bytes / 1e6, file_bytes / 1e6, loaded / file_bytes,
+                  f->prompt_tps, f->decode_tps, f->bandwidth_gbs, f->bandwidth_gbs * 1e9 / bytes,
+                  100.0 * f->decode_over_bound);
       std::fflush(stdout);
     }
   }
