@@ -115,8 +115,14 @@ __device__ __forceinline__ void finish_mma_tile(float (&sums)[2][kWarps][4 * kPa
 // The grid of a tensor-core decode kernel over `tiles` tiles, `resident` blocks at once: every
 // block the same number of consecutive tiles (*per_block; the last block's share may be short), as
 // few as keep every resident block busy.
+// COMBS_MMA_TILES_PER_BLOCK (1-64) sets the tiles a block instead, for measuring the grid's effect.
 inline unsigned equal_tiles_grid(int64_t tiles, int64_t resident, int64_t* per_block) {
-  *per_block = std::max<int64_t>(1, (tiles + resident - 1) / resident);
+  static const int64_t forced = [] {
+    const char* v = std::getenv("COMBS_MMA_TILES_PER_BLOCK");
+    const long n = v ? std::strtol(v, nullptr, 10) : 0;
+    return n >= 1 && n <= 64 ? static_cast<int64_t>(n) : int64_t{0};
+  }();
+  *per_block = forced > 0 ? forced : std::max<int64_t>(1, (tiles + resident - 1) / resident);
   return static_cast<unsigned>(std::max<int64_t>(1, (tiles + *per_block - 1) / *per_block));
 }
 
