@@ -420,7 +420,8 @@ TEST_CASE("a batch equals its sequences one at a time", "[model]") {
   const std::pair<const char*, const char*> models[] = {
       {"tiny", "bf16"},          {"gemma2-tiny", "bf16"},   {"gemma3-tiny", "bf16"},  {"qwen3moe-tiny", "bf16"},
       {"qwen2moe-tiny", "bf16"}, {"gpt-oss-tiny", "bf16"},  {"tiny", "q4_k_m"},       {"qwen3-tiny", "q5_k_m"},
-      {"tiny", "iq4_xs"},        {"tiny", "q8_0"}};
+      {"tiny", "iq4_xs"},        {"tiny", "q8_0"},          {"phi3-tiny", "bf16"},    {"llama-yarn-tiny", "bf16"},
+      {"mixtral-tiny", "bf16"},  {"qwen2-tiny-384", "q4_k_m"}};
   for (const auto& [shape, weights] : models) {
   INFO(shape << " " << weights);
   RandomModelOptions o;

@@ -3,7 +3,8 @@
 # tiles a block leave some multiprocessors two blocks and others one (llama-8b's Q/K/V: 384 tiles,
 # 2 a block, 192 blocks on 132 SMs). One session's decode with each kernel forced to one row
 # (COMBS_Q4K_MMA_ROWS / COMBS_GEMV_MMA_ROWS=1) and COMBS_MMA_TILES_PER_BLOCK 1, 2, 4 against the
-# default grid and the one-row kernels (default thresholds).
+# default grid and the one-row kernels (default thresholds). Then speculation at 0% acceptance over
+# 256 and 1,024 tokens.
 set -u
 repo=$PWD
 xz -dc .gpu/voc/ggml-vocab-llama-bpe.gguf.xz > tests/data/vocab/ggml-vocab-llama-bpe.gguf
@@ -38,6 +39,11 @@ for round in 1 2; do
   dec tc-auto COMBS_GEMV_MMA_ROWS=1 $b1
   dec tc-1 "COMBS_GEMV_MMA_ROWS=1 COMBS_MMA_TILES_PER_BLOCK=1" $b1
   dec tc-4 "COMBS_GEMV_MMA_ROWS=1 COMBS_MMA_TILES_PER_BLOCK=4" $b1
+done
+# Speculation at 0% acceptance over longer generations (the warm-up's and probes' cost spread).
+for tk in 256 1024; do
+  echo "== spec llama-1b-bf16 --tokens $tk ($(el) s)" | tee -a $O/log.txt
+  timeout 120 $B spec --device cuda --model $b1 --max-draft 4 --rounds 5 --tokens $tk --errors 1 2>&1 | grep "^|" | tee -a $O/log.txt
 done
 cat $O/models.rc >> $O/log.txt
 echo "# end $(el) s" | tee -a $O/log.txt
