@@ -582,9 +582,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   __shared__ float sums[2][kGemvWarps][4 * kParts][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int64_t units = gemv_rows(outs);  // weight rows (PAIRS: gate rows)
-  const int64_t tiles = (units + kMmaTile - 1) / kMmaTile;
-  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
-  const int64_t left = tiles - tile0, my_tiles = left < 0 ? 0 : left < tiles_per_block ? left : tiles_per_block;
+  int64_t tile0 = 0;
+  const int64_t my_tiles = block_tiles(units, kMmaTile, tiles_per_block, &tile0);
   // Each tile is nb batches for every warp: batch b holds the warp's chunks b kChunks .. + kChunks.
   const int64_t chunks = (in + 31) / 32;
   const int nb = static_cast<int>(((chunks + kGemvWarps - 1) / kGemvWarps + kChunks - 1) / kChunks);
@@ -593,8 +592,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
   auto element = [&](int b, int c) { return (static_cast<int64_t>(warp + kGemvWarps * (b * kChunks + c))) * 32 + 8 * t; };
   pdl_launch_dependents();
   // buf[(p * 2 + h) * kChunks + c]: part p's row g + 8h, chunk c.
-  uint4 buf0[kGemvBatch], buf1[kGemvBatch];
-  auto load = [&](uint4(&buf)[kGemvBatch], int64_t j) {
+  using Buf = uint4[kGemvBatch];
+  auto load = [&](Buf& buf, int64_t j) {
     const int64_t tile = tile0 + j / nb;
     const int b = static_cast<int>(j % nb);
 #pragma unroll
@@ -611,18 +610,18 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
       }
     }
   };
-  if (n_batches > 0) load(buf0, 0);
-  if (n_batches > 1) load(buf1, 1);
-  if (!XT) prefetch_norm_l1(outs, in);
-  pdl_wait();  // x (and y, for accumulate) come from the kernels before
-  if constexpr (!XT) stage_gemv_x<T, 8, false>(xs, xin, outs, n, in);  // (one path for every n)
+  auto ready = [&] {
+    if (!XT) prefetch_norm_l1(outs, in);
+    pdl_wait();  // x (and y, for accumulate) come from the kernels before
+    if constexpr (!XT) stage_gemv_x<T, 8, false>(xs, xin, outs, n, in);  // (one path for every n)
+  };
   const T* xg = static_cast<const T*>(xin) + g * in;  // (XT) this lane's row of x
 
   float acc[kParts][4];
 #pragma unroll
   for (int p = 0; p < kParts; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.0f;
   int parity = 0;
-  auto consume = [&](const uint4(&buf)[kGemvBatch], int64_t j) {
+  auto consume = [&](const Buf& buf, int64_t j) {
     const int b = static_cast<int>(j % nb);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
@@ -640,14 +639,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2)
     if (b != nb - 1) return;
     finish_mma_tile<kGemvWarps, kParts, T>(sums, acc, parity, (tile0 + j / nb) * kMmaTile, outs, n, units);
   };
-  for (int64_t j = 0; j < n_batches; j += 2) {
-    consume(buf0, j);
-    if (j + 2 < n_batches) load(buf0, j + 2);
-    if (j + 1 < n_batches) {
-      consume(buf1, j + 1);
-      if (j + 3 < n_batches) load(buf1, j + 3);
-    }
-  }
+  double_buffered<Buf>(n_batches, load, ready, consume);
 }
 
 constexpr size_t kGemvMaxShared = 96 * 1024;  // x staged per block; larger goes to cuBLAS

@@ -112,6 +112,35 @@ __device__ __forceinline__ void finish_mma_tile(float (&sums)[2][kWarps][4 * kPa
   parity ^= 1;
 }
 
+// The tiles of a tensor-core decode kernel's block (blockIdx.x): tiles_per_block consecutive ones
+// of `tile` weight rows from *tile0, fewer for the last block; how many.
+__device__ __forceinline__ int64_t block_tiles(int64_t units, int tile, int64_t tiles_per_block, int64_t* tile0) {
+  const int64_t tiles = (units + tile - 1) / tile;
+  *tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
+  const int64_t left = tiles - *tile0;
+  return left < 0 ? 0 : left < tiles_per_block ? left : tiles_per_block;
+}
+
+// The main loop of the tensor-core decode kernels: steps 0 .. n - 1, each one's weights loaded two
+// steps ahead into one of two slices (load(slice, j)) and consumed in order (consume(slice, j));
+// ready() runs once the first two loads are issued (the programmatic-dependent-launch wait, x's
+// staging): the weights do not depend on the kernels before.
+template <typename Slice, typename Load, typename Ready, typename Consume>
+__device__ __forceinline__ void double_buffered(int64_t n, Load&& load, Ready&& ready, Consume&& consume) {
+  Slice s0, s1;
+  if (n > 0) load(s0, 0);
+  if (n > 1) load(s1, 1);
+  ready();
+  for (int64_t j = 0; j < n; j += 2) {
+    consume(s0, j);
+    if (j + 2 < n) load(s0, j + 2);
+    if (j + 1 < n) {
+      consume(s1, j + 1);
+      if (j + 3 < n) load(s1, j + 3);
+    }
+  }
+}
+
 // The grid of a tensor-core decode kernel over `tiles` tiles, `resident` blocks at once: every
 // block the same number of consecutive tiles (*per_block; the last block's share may be short), as
 // few as keep every resident block busy.

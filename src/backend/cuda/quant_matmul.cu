@@ -516,9 +516,8 @@ __global__ void __launch_bounds__(kQ4kWarps * 32, 2)
   __shared__ float sums[2][kQ4kWarps][4 * kParts][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int64_t units = gemv_rows(outs);  // weight rows (PAIRS: gate rows)
-  const int64_t tiles = (units + kQ4kTile - 1) / kQ4kTile;
-  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
-  const int64_t left = tiles - tile0, my_tiles = left < 0 ? 0 : left < tiles_per_block ? left : tiles_per_block;
+  int64_t tile0 = 0;
+  const int64_t my_tiles = block_tiles(units, kQ4kTile, tiles_per_block, &tile0);
   const int64_t nblocks = in / 256, row_bytes = nblocks * kBytes;
   const int per_warp = static_cast<int>((nblocks + kQ4kWarps - 1) / kQ4kWarps);  // blocks a warp, each part
   const int steps = kParts * per_warp;  // a tile's steps: part p's blocks i (step p per_warp + i)
@@ -543,10 +542,7 @@ __global__ void __launch_bounds__(kQ4kWarps * 32, 2)
       }
     }
   };
-  Q4kSlice s0, s1;
-  if (n_steps > 0) load(s0, 0);
-  if (n_steps > 1) load(s1, 1);
-  pdl_wait();  // x (and y, for accumulate) come from the kernels before
+  auto ready = [] { pdl_wait(); };  // x (and y, for accumulate) come from the kernels before
 
   const int64_t groups = nblocks;  // x's groups of 256: one a block
   float acc[kParts][4];
@@ -608,14 +604,134 @@ __global__ void __launch_bounds__(kQ4kWarps * 32, 2)
     if (step != steps - 1) return;
     finish_mma_tile<kQ4kWarps, kParts, float>(sums, acc, parity, (tile0 + j / steps) * kQ4kTile, outs, n, units);
   };
-  for (int64_t j = 0; j < n_steps; j += 2) {
-    consume(s0, j);
-    if (j + 2 < n_steps) load(s0, j + 2);
-    if (j + 1 < n_steps) {
-      consume(s1, j + 1);
-      if (j + 3 < n_steps) load(s1, j + 3);
+  double_buffered<Q4kSlice>(n_steps, load, ready, consume);
+}
+
+// Q6_K decode on int8 tensor cores, from q6k_mma_rows() rows of x, laid out as
+// q4k_mma_gemv_kernel (16 weight rows a tile, a row's blocks over 8 warps, their sums added in warp
+// order). A Q6_K block (210 bytes: ql[128] the levels' low nibbles, qh[64] their high pairs, 16
+// int8 scales, d) has a scale every 16 weights, so each 16 take one mma m16n8k16: lane (g, t) holds
+// weights 4t .. 4t + 3 of the 16 for rows g and g + 8 (levels less 32: int8) and x row g's same
+// elements as B. Group (n, j, gi) — weights 128 n + 32 j + 16 gi .. + 15 — takes the low (j < 2) or
+// high nibbles of ql bytes 64 n + 32 (j & 1) + 16 gi .., bits 2j, 2j + 1 of qh bytes 128 + 32 n +
+// 16 gi .., and scale 8 n + 2 j + gi. A block's sum is exact, S = sum of scale x (the group's integer
+// sum), then one float step a block: y += xd d S. A block of 210 bytes is 4-byte aligned at even
+// indices only (rows of an even block count: the caller checks); warp w takes blocks w, w + 8, ...,
+// so the odd warps read their words by halves.
+constexpr int kQ6kWarps = 8;
+constexpr int kQ6kTile = 16;
+
+// One block of weight rows g and g + 8 as a lane holds it.
+struct Q6kSlice {
+  uint32_t ql[2][8];  // word 4 n + 2 jj + gi: ql bytes 64 n + 32 jj + 16 gi + 4t ..
+  uint32_t qh[2][4];  // word 2 n + gi: qh bytes 32 n + 16 gi + 4t ..
+  uint32_t sc[2][4];  // the 16 scales
+  uint32_t d[2];      // d (f16 bits)
+};
+
+template <bool PAIRS>
+__global__ void __launch_bounds__(kQ6kWarps * 32, 2)
+    q6k_mma_gemv_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                        GemvOut outs, int n, int64_t in, int64_t tiles_per_block) {
+  constexpr int kParts = PAIRS ? 2 : 1;
+  constexpr int kBytes = 210;
+  __shared__ float sums[2][kQ6kWarps][4 * kParts][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int64_t units = gemv_rows(outs);  // weight rows (PAIRS: gate rows)
+  int64_t tile0 = 0;
+  const int64_t my_tiles = block_tiles(units, kQ6kTile, tiles_per_block, &tile0);
+  const int64_t nblocks = in / 256, row_bytes = nblocks * kBytes;
+  const int per_warp = static_cast<int>((nblocks + kQ6kWarps - 1) / kQ6kWarps);  // blocks a warp, each part
+  const int steps = kParts * per_warp;  // a tile's steps: part p's blocks i (step p per_warp + i)
+  const int64_t n_steps = my_tiles * steps;
+  pdl_launch_dependents();
+  auto load = [&](Q6kSlice& s, int64_t j) {
+    const int64_t tile = tile0 + j / steps;
+    const int step = static_cast<int>(j % steps), p = step / per_warp;
+    const int64_t kb = warp + static_cast<int64_t>(kQ6kWarps) * (step % per_warp);
+    const bool halves = (kb & 1) != 0;  // (the warp's every block: 2 bytes past a 4-byte boundary)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = tile * kQ6kTile + g + 8 * h;
+      if (row < units && kb < nblocks) {
+        const uint8_t* b = w + (row + p * units) * row_bytes + kb * kBytes;
+        auto word = [&](int at) { return halves ? u32_a2(b + at) : u32_a4(b + at); };
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s.ql[h][i] = word(64 * (i / 4) + 32 * (i / 2 % 2) + 16 * (i % 2) + 4 * t);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s.qh[h][i] = word(128 + 32 * (i / 2) + 16 * (i % 2) + 4 * t);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s.sc[h][i] = word(192 + 4 * i);
+        s.d[h] = *reinterpret_cast<const unsigned short*>(b + 208);
+      } else {  // zero scales and d: adds nothing
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s.ql[h][i] = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s.qh[h][i] = 0, s.sc[h][i] = 0;
+        s.d[h] = 0;
+      }
     }
-  }
+  };
+  auto ready = [] { pdl_wait(); };  // x (and y, for accumulate) come from the kernels before
+
+  const int64_t groups = nblocks;  // x's groups of 256: one a block
+  float acc[kParts][4];
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.0f;
+  int parity = 0;
+  auto consume = [&](const Q6kSlice& s, int64_t j) {
+    const int step = static_cast<int>(j % steps), p = step / per_warp;
+    const int64_t kb = warp + static_cast<int64_t>(kQ6kWarps) * (step % per_warp);
+    if (kb < nblocks) {
+      int S[4] = {0, 0, 0, 0};
+      const int8_t* xr = xq + g * in + kb * 256 + 4 * t;  // x row g's elements 4t .. 4t + 3 of each group
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+          for (int gi = 0; gi < 2; ++gi) {
+            uint32_t xv = 0;
+            if (g < n) xv = __ldg(reinterpret_cast<const unsigned int*>(xr + 128 * half + 32 * jj + 16 * gi));
+            uint32_t a[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint32_t lw = s.ql[h][4 * half + 2 * (jj % 2) + gi], hw = s.qh[h][2 * half + gi];
+              const uint32_t lo = (jj < 2 ? lw : lw >> 4) & 0x0F0F0F0F;
+              const uint32_t hi = ((hw >> (2 * jj)) & 0x03030303) << 4;
+              a[h] = __vsub4(lo | hi, 0x20202020);  // levels 0..63 less 32, bytewise
+            }
+            int c[4];
+            mma_s8_16816_zero(c, a[0], a[1], xv);
+            const int is = 8 * half + 2 * jj + gi;
+            const int s_g = static_cast<int8_t>(s.sc[0][is / 4] >> (8 * (is % 4)));
+            const int s_g8 = static_cast<int8_t>(s.sc[1][is / 4] >> (8 * (is % 4)));
+            S[0] += s_g * c[0], S[1] += s_g * c[1], S[2] += s_g8 * c[2], S[3] += s_g8 * c[3];
+          }
+        }
+      }
+      float d[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) d[h] = __half2float(__ushort_as_half(static_cast<unsigned short>(s.d[h])));
+      // x rows 2t, 2t + 1: their scale for this block.
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 2 * t + e;
+        if (r >= n) continue;
+        const float xscale = __ldg(xd + r * groups + kb);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = 2 * h + e;  // c[i]: row g + 8h, x row 2t + e
+          const float v = d[h] * static_cast<float>(S[i]);
+          if (p == 0) acc[0][i] += xscale * v;
+          else acc[kParts - 1][i] += xscale * v;
+        }
+      }
+    }
+    if (step != steps - 1) return;
+    finish_mma_tile<kQ6kWarps, kParts, float>(sums, acc, parity, (tile0 + j / steps) * kQ6kTile, outs, n, units);
+  };
+  double_buffered<Q6kSlice>(n_steps, load, ready, consume);
 }
 
 // An expert's gate/up product: silu(gate) * up, or gpt-oss's clamped SwiGLU where ep.limit > 0
@@ -1501,21 +1617,30 @@ struct GemvVariant {
   }
 };
 
-// The Q4_K tensor-core decode kernel's launch: persistent blocks, each the same number of tiles.
-template <bool PAIRS>
-Status launch_q4k_mma(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const int8_t* sums,
-                      const GemvOut& outs, int n, int64_t in) {
+// A block-quantized tensor-core decode kernel's launch (q4k_ / q6k_mma_gemv_kernel: 8 warps, tiles
+// of 16 rows): persistent blocks, as many as stay resident (at most two a multiprocessor), each the
+// same number of tiles; the kernel's arguments, then the tiles a block.
+static_assert(kQ4kWarps == kQ6kWarps && kQ4kTile == kQ6kTile);
+template <auto Kernel, typename... Args>
+Status launch_quant_mma_gemv(cudaStream_t st, const GemvOut& outs, const char* name, Args... args) {
   static const int per_sm = [] {
     int blocks = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, q4k_mma_gemv_kernel<PAIRS>, kQ4kWarps * 32, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, kQ4kWarps * 32, 0);
     cudaGetLastError();
     return std::clamp(blocks, 1, 2);
   }();
   int64_t per_block = 0;
   const unsigned grid = equal_tiles_grid((outs.end[outs.count - 1] + kQ4kTile - 1) / kQ4kTile,
                                          int64_t{device_sms()} * per_sm, &per_block);
-  launch_pdl(q4k_mma_gemv_kernel<PAIRS>, dim3(grid), dim3(kQ4kWarps * 32), 0, st, w, q, d, sums, outs, n, in, per_block);
-  return cuda_status(cudaGetLastError(), "q4k_mma_gemv_kernel");
+  launch_pdl(Kernel, dim3(grid), dim3(kQ4kWarps * 32), 0, st, args..., per_block);
+  return cuda_status(cudaGetLastError(), name);
+}
+
+// The fewest rows of x that take q6k_mma_gemv_kernel (where a row is an even number of blocks);
+// COMBS_Q6K_MMA_ROWS (1-9) sets it. Default 9 (never) until measured against the unit loop.
+int q6k_mma_rows() {
+  static const int rows = rows_from_env("COMBS_Q6K_MMA_ROWS", 9);
+  return rows;
 }
 
 // The fewest rows of x that take q4k_mma_gemv_kernel; fewer take the unit loop, which is faster
@@ -1701,7 +1826,13 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
   if (w.dtype() == DType::kQ4_K && n >= q4k_mma_rows() && reinterpret_cast<uintptr_t>(wp) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(q) % 16 == 0) {
     const int8_t* sums = q + activation_sums_offset(n, in);
-    return pairs ? launch_q4k_mma<true>(st, wp, q, d, sums, outs, n, in) : launch_q4k_mma<false>(st, wp, q, d, sums, outs, n, in);
+    return pairs ? launch_quant_mma_gemv<q4k_mma_gemv_kernel<true>>(st, outs, "q4k_mma_gemv_kernel", wp, q, d, sums, outs, n, in)
+                 : launch_quant_mma_gemv<q4k_mma_gemv_kernel<false>>(st, outs, "q4k_mma_gemv_kernel", wp, q, d, sums, outs, n, in);
+  }
+  if (w.dtype() == DType::kQ6_K && n >= q6k_mma_rows() && (in / 256) % 2 == 0 && reinterpret_cast<uintptr_t>(wp) % 4 == 0 &&
+      reinterpret_cast<uintptr_t>(q) % 4 == 0) {
+    return pairs ? launch_quant_mma_gemv<q6k_mma_gemv_kernel<true>>(st, outs, "q6k_mma_gemv_kernel", wp, q, d, outs, n, in)
+                 : launch_quant_mma_gemv<q6k_mma_gemv_kernel<false>>(st, outs, "q6k_mma_gemv_kernel", wp, q, d, outs, n, in);
   }
   return for_block_type(w.dtype(), [&](auto tag) -> Status {
     constexpr DType T = decltype(tag)::value;
@@ -1746,7 +1877,9 @@ Status quant_mma(cudaStream_t st, const Tensor& w, const __nv_bfloat16* xs, int 
 
 bool quant_imma_takes(DType t) { return imma_type(t); }
 
-int quant_gemv_mma_min_rows(DType t) { return t == DType::kQ4_K ? q4k_mma_rows() : kQuantGemvMaxRows + 1; }
+int quant_gemv_mma_min_rows(DType t) {
+  return t == DType::kQ4_K ? q4k_mma_rows() : t == DType::kQ6_K ? q6k_mma_rows() : kQuantGemvMaxRows + 1;
+}
 
 size_t quant_imma_scratch_bytes(const Tensor& w, int n) {
   return variant_scratch_bytes([](DType t, int m, auto&& f) { return for_imma_variant(t, m, f); }, w, n);

@@ -7,8 +7,9 @@
 // as the CPU's int8 kernels round it (combs/backend/cpu/kernels/quant_dot.h: d = max|x| / 127 per
 // group of 256, or of 32 where the row is not whole groups of 256), then each warp reads one weight
 // row's blocks once and sums int8 products (dp4a) per 16 weights, scaled by the blocks' scales:
-// the bandwidth of the quantized bytes, and the CPU's rounding of x. Q4_K from
-// quant_gemv_mma_min_rows rows: int8 tensor cores with the rows of x as the mma's n side.
+// the bandwidth of the quantized bytes, and the CPU's rounding of x. Q4_K (and Q6_K, with
+// COMBS_Q6K_MMA_ROWS: off until measured) from quant_gemv_mma_min_rows rows: int8 tensor cores
+// with the rows of x as the mma's n side.
 // Batches up to kQuantMmaMaxRows: for the super-block formats (Q2_K-Q6_K, IQ4_XS: quant_imma) x
 // rounded to 8 bits as decode rounds it and int8 tensor cores on the blocks' integer levels and
 // scales (exact integer sums, one float step a block); for the others (quant_mma) x rounded to
@@ -75,8 +76,9 @@ Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t 
 // n <= kQuantGemvMaxRows. pairs: w holds gate rows then up rows; y[0] [n, rows / 2] =
 // silu(gate) * up in f32.
 Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const GemvOut& outs, bool pairs);
-// The fewest rows of x for which quant_gemv takes a tensor-core kernel (Q4_K: rows of x as an int8
-// mma's n side), kQuantGemvMaxRows + 1 where t has none.
+// The fewest rows of x for which quant_gemv takes a tensor-core kernel (Q4_K, Q6_K: rows of x as
+// an int8 mma's n side; Q6_K's where a row is an even number of blocks), kQuantGemvMaxRows + 1
+// where t has none.
 int quant_gemv_mma_min_rows(DType t);
 
 // outs (+)= w x for w a block-quantized device tensor [rows, in] and xs [n, in] BF16 (x rounded),
