@@ -23,6 +23,16 @@ namespace {
 
 SpeculationParams ngram(int max_draft = 4) { return speculation(SpeculationParams::Method::kNgram, max_draft); }
 
+// The prompt and its greedy continuation of n tokens without speculation (what a replaying
+// proposer drafts).
+std::vector<int32_t> greedy_history(const ModelFile& mf, const std::vector<int32_t>& prompt, int n) {
+  auto e = mf.engine();
+  std::vector<int32_t> history = prompt;
+  const std::vector<int32_t> out = run(*e, e->create_session().value(), request(prompt, n));
+  history.insert(history.end(), out.begin(), out.end());
+  return history;
+}
+
 GenerateRequest speculative(GenerateRequest r, int max_draft = 4) {
   r.speculation = ngram(max_draft);
   return r;
@@ -146,12 +156,7 @@ TEST_CASE("drafts right, wrong or half and half give the tokens of no speculatio
   INFO("seed " << rng.seed());
   ModelFile mf;
   const std::vector<int32_t> prompt = random_tokens(rng, 20, 3, 258);
-  std::vector<int32_t> truth = prompt;
-  {
-    auto e = mf.engine();
-    const std::vector<int32_t> out = run(*e, e->create_session().value(), request(prompt, 60));
-    truth.insert(truth.end(), out.begin(), out.end());
-  }
+  const std::vector<int32_t> truth = greedy_history(mf, prompt, 60);
   const std::vector<int32_t> expected(truth.begin() + 20, truth.end());
   for (double error : {0.0, 0.5, 1.0}) {
     INFO("draft error rate " << error);
@@ -256,12 +261,7 @@ TEST_CASE("a step's token budget counts the drafted tokens", "[engine]") {
   INFO("seed " << rng.seed());
   ModelFile mf;
   const std::vector<int32_t> prompt = random_tokens(rng, 10, 3, 258);
-  std::vector<int32_t> truth = prompt;
-  {
-    auto e = mf.engine();
-    const std::vector<int32_t> out = run(*e, e->create_session().value(), request(prompt, 40));
-    truth.insert(truth.end(), out.begin(), out.end());
-  }
+  const std::vector<int32_t> truth = greedy_history(mf, prompt, 40);
   const std::vector<int32_t> expected(truth.begin() + 10, truth.end());
   const int64_t budget = 6;
   CpuBackend backend(CpuBackendOptions{.num_threads = 2});
@@ -306,12 +306,7 @@ TEST_CASE("a stop inside an accepted run ends the request there and the session 
   INFO("seed " << rng.seed());
   ModelFile mf;
   const std::vector<int32_t> prompt = random_tokens(rng, 16, 3, 258);
-  std::vector<int32_t> truth = prompt;
-  {
-    auto e = mf.engine();
-    const std::vector<int32_t> out = run(*e, e->create_session().value(), request(prompt, 40));
-    truth.insert(truth.end(), out.begin(), out.end());
-  }
+  const std::vector<int32_t> truth = greedy_history(mf, prompt, 40);
   EngineOptions o;
   o.proposer = std::make_shared<ReplayProposer>(truth, 0.0);
   auto e = mf.engine(o);
@@ -345,12 +340,7 @@ TEST_CASE("sampled output with speculation keeps its distribution", "[engine]") 
   ModelFile mf;
   Rng rng(11);
   const std::vector<int32_t> prompt = random_tokens(rng, 12, 3, 258);
-  std::vector<int32_t> truth = prompt;
-  {
-    auto e = mf.engine();
-    const std::vector<int32_t> out = run(*e, e->create_session().value(), request(prompt, 8));
-    truth.insert(truth.end(), out.begin(), out.end());
-  }
+  const std::vector<int32_t> truth = greedy_history(mf, prompt, 8);
   EngineOptions o;
   o.proposer = std::make_shared<ReplayProposer>(truth, 0.0);
   auto e = mf.engine(o);
