@@ -161,6 +161,12 @@ TEST_CASE("cuda paged attention matches the cpu and a contiguous cache over ragg
     run_case(*gpu, {16, 2, group, 128, DType::kBF16, ragged}, seed++);
     run_case(*gpu, {32, 1, group, 64, DType::kF16, ragged}, seed++);
   }
+  // f32 caches (the plain kernel) at every group up to 8: Llama 3.2 3B has 3 heads per KV head,
+  // Qwen2.5-32B 5, Qwen2.5-1.5B 6, Qwen2.5-0.5B 7.
+  for (int group : {3, 5, 6, 7}) {
+    INFO("f32 group " << group);
+    run_case(*gpu, {16, 2, group, group % 2 ? 64 : 128, DType::kF32, ragged}, seed++);
+  }
 }
 
 TEST_CASE("cuda paged decode over a 32k context splits and merges correctly", "[cuda]") {

@@ -1099,7 +1099,11 @@ bool dispatch_g(int G, dim3 grid, cudaStream_t st, const Meta& M,
   switch (G) {
     case 1: launch_attention<T, HD, 1>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
     case 2: launch_attention<T, HD, 2>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
+    case 3: launch_attention<T, HD, 3>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
     case 4: launch_attention<T, HD, 4>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
+    case 5: launch_attention<T, HD, 5>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
+    case 6: launch_attention<T, HD, 6>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
+    case 7: launch_attention<T, HD, 7>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
     case 8: launch_attention<T, HD, 8>(grid, st, M, q, out, part_o, part_ml, n_kv, scale_log2, L); return true;
     default: return false;
   }
@@ -1377,7 +1381,7 @@ Status CudaAttentionPlan::launch(std::span<const SeqWork> work, const Tensor& q,
     return unimplemented_error("attention (cuda): head_dim " + std::to_string(hd) + " with " + std::to_string(G) +
                                " query heads per KV head in a " + std::string(dtype_name(dtype_)) +
                                " cache (kernels: head_dim 64 or 128, f16/bf16 caches also 256, up to 64 heads per KV head; "
-                               "f32 caches 1/2/4/8; COMBS_ATTN=manual runs any)");
+                               "f32 caches 1 to 8; COMBS_ATTN=manual runs any)");
   }
   COMBS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (grid_splits_ > 1 && !fold_) {  // (fold_: tensor cores only)
