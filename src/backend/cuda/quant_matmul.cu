@@ -1637,9 +1637,12 @@ Status launch_quant_mma_gemv(cudaStream_t st, const GemvOut& outs, const char* n
 }
 
 // The fewest rows of x that take q6k_mma_gemv_kernel (where a row is an even number of blocks);
-// COMBS_Q6K_MMA_ROWS (1-9) sets it. Default 9 (never) until measured against the unit loop.
+// fewer take the unit loop. H100, llama-8b Q4_K_M (its output, and V and down of half the layers,
+// are Q6_K), tok/s unit loop vs this kernel: 8 sessions 1,166 / 1,169 vs 1,384 / 1,382; 4: 726 vs
+// 772; one session 333 / 335 vs 315 (2 and 3 not measured: Q4_K's threshold). COMBS_Q6K_MMA_ROWS
+// (1-9) overrides it (9: never).
 int q6k_mma_rows() {
-  static const int rows = rows_from_env("COMBS_Q6K_MMA_ROWS", 9);
+  static const int rows = rows_from_env("COMBS_Q6K_MMA_ROWS", 4);
   return rows;
 }
 
