@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "combs/backend/dtype.h"
@@ -236,6 +237,50 @@ __device__ __forceinline__ float unit_dot(const Unit& U, const int (&xv)[8]) {
   return r;
 }
 
+// Q4_K's unit u (0..7) of the block at b as the unit loop takes it (a lane keeps one u in every
+// block it visits: units 32 apart): its 32 levels' bytes masked in place — the high nibbles of an
+// odd unit stay high, so its integer dot is 16 times the levels' and is shifted back once — and its
+// scale d * sc and offset dmin * m, from the block's 16-byte head read as words, without a branch on
+// u (a branch on a lane's u runs both sides in every warp).
+struct Q4kUnit {
+  uint32_t q[8];
+  float d, m;
+  int shift;  // 4 for an odd unit's high nibbles, else 0
+};
+__device__ __forceinline__ Q4kUnit q4k_unit(const uint8_t* b, int u) {
+  Q4kUnit U;
+  const uint4 h = *reinterpret_cast<const uint4*>(b);  // f16 d, f16 dmin, scale bytes 0..11
+  const int sh = 8 * (u & 3);
+  const uint32_t b0 = h.y >> sh, b1 = h.z >> sh, b2 = h.w >> sh;  // scale bytes u & 3, 4 + (u & 3), 8 + (u & 3)
+  const bool high = u >= 4;
+  const uint32_t sc = high ? (b2 & 0xF) | (b0 >> 2 & 0x30) : b0 & 63;
+  const uint32_t mn = high ? (b2 >> 4 & 0xF) | (b1 >> 2 & 0x30) : b1 & 63;
+  const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+  U.d = __fmul_rn(dm.x, static_cast<float>(sc));
+  U.m = __fmul_rn(dm.y, static_cast<float>(mn));
+  uint32_t v[8];
+  u32x8_a16(b + 16 + 32 * (u >> 1), v);
+  const uint32_t mask = (u & 1) ? 0xF0F0F0F0u : kLow4;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) U.q[k] = v[k] & mask;
+  U.shift = 4 * (u & 1);
+  return U;
+}
+
+// sum over the unit of (d q - m) * xq for Q4_K, with the unit's sum of x's levels (xsum) as
+// quantize_activations left it: one integer dot (unsigned levels, signed x), two float steps.
+__device__ __forceinline__ float q4k_unit_dot(const Q4kUnit& U, const int (&xv)[8], int xsum) {
+  int s = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(s) : "r"(U.q[k]), "r"(xv[k]));
+  return U.d * static_cast<float>(s >> U.shift) - U.m * static_cast<float>(xsum);
+}
+
+// Unit u's sum of x's levels from quantize_activations' unit sums (groups of 256; g: the group).
+__device__ __forceinline__ int unit_xsum(const int8_t* __restrict__ xs, int64_t row_groups_at, int u) {
+  return static_cast<int>(__ldg(xs + row_groups_at * 16 + u)) + 128 * static_cast<int>(__ldg(xs + row_groups_at * 16 + 8 + u));
+}
+
 // Unit gu (32 elements) of row xr of quantize_activations' x: its int8 levels, four to an int,
 // and its group's scale (gshift: log2 of the units a group).
 struct UnitX {
@@ -360,10 +405,13 @@ __host__ __device__ constexpr int64_t stage_bytes(int64_t row_bytes) { return (r
 // segment in flight while this one is decoded; the first is requested before the wait for the
 // kernel that wrote x. Then the lanes take the segment's units, 32 apart: each unit's 32 levels
 // against the 32 int8 activations of each x row (from L1/L2).
-template <DType T, int N, bool PAIRS, bool kSplit>
+// kWords (Q4_K only): each unit as q4k_unit reads it and x's unit sums (xs) from the rounding.
+template <DType T, int N, bool PAIRS, bool kSplit, bool kWords>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     quant_gemv_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                      GemvOut outs, int n, int64_t in, int gshift, int split_arg, int64_t staged) {
+                      const int8_t* __restrict__ xs, GemvOut outs, int n, int64_t in, int gshift, int split_arg,
+                      int64_t staged) {
+  static_assert(!kWords || T == DType::kQ4_K);
   const int split = kSplit ? split_arg : 1;  // (kSplit false: the whole-row kernel, fewer registers)
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float partial[2][kMaxWarps][PAIRS ? 2 * N : N];  // the segments' sums, by iteration parity
@@ -422,15 +470,29 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       for (int64_t su = lane; su < (b1 - b0) * kUnits<T>; su += 32) {  // su: unit of the segment
         const int64_t gu = b0 * kUnits<T> + su;
         const int u = static_cast<int>(su % kUnits<T>);
-        const Unit U = decode<T>(unit_block<T>(wr, su), u);
-        Unit V;
-        if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, su), u);
+        if constexpr (kWords) {
+          const Q4kUnit U = q4k_unit(unit_block<T>(wr, su), u);
+          Q4kUnit V;
+          if constexpr (PAIRS) V = q4k_unit(unit_block<T>(wu, su), u);
 #pragma unroll
-        for (int r = 0; r < N; ++r) {
-          if (r >= n) break;
-          const UnitX x = unit_x(xq, xd, r, in, groups, gu, gshift);
-          acc[r] += x.d * unit_dot<T>(U, x.q);
-          if constexpr (PAIRS) acc_up[r] += x.d * unit_dot<T>(V, x.q);
+          for (int r = 0; r < N; ++r) {
+            if (r >= n) break;
+            const UnitX x = unit_x(xq, xd, r, in, groups, gu, gshift);
+            const int xsum = unit_xsum(xs, r * groups + (gu >> 3), u);
+            acc[r] += x.d * q4k_unit_dot(U, x.q, xsum);
+            if constexpr (PAIRS) acc_up[r] += x.d * q4k_unit_dot(V, x.q, xsum);
+          }
+        } else {
+          const Unit U = decode<T>(unit_block<T>(wr, su), u);
+          Unit V;
+          if constexpr (PAIRS) V = decode<T>(unit_block<T>(wu, su), u);
+#pragma unroll
+          for (int r = 0; r < N; ++r) {
+            if (r >= n) break;
+            const UnitX x = unit_x(xq, xd, r, in, groups, gu, gshift);
+            acc[r] += x.d * unit_dot<T>(U, x.q);
+            if constexpr (PAIRS) acc_up[r] += x.d * unit_dot<T>(V, x.q);
+          }
         }
       }
     }
@@ -1573,28 +1635,28 @@ int device_sms() {
 
 // One instantiation of the decode kernel and its launch: persistent blocks, as many as stay
 // resident with this much shared memory (by registers: the kernel's own occupancy, found once).
-template <DType T, int N, bool PAIRS>
+template <DType T, int N, bool PAIRS, bool W = false>
 struct GemvVariant {
   template <bool kSplit>
   static int resident_blocks() {  // per multiprocessor, by registers
-    allow_dynamic_smem<quant_gemv_kernel<T, N, PAIRS, kSplit>>(kMaxStageBytes);
+    allow_dynamic_smem<quant_gemv_kernel<T, N, PAIRS, kSplit, W>>(kMaxStageBytes);
     static const int per_sm = [] {
       int blocks = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, quant_gemv_kernel<T, N, PAIRS, kSplit>, kMaxWarps * 32, 0);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, quant_gemv_kernel<T, N, PAIRS, kSplit, W>, kMaxWarps * 32, 0);
       cudaGetLastError();
       return std::max(1, blocks);
     }();
     return per_sm;
   }
   // split: warps a row (0: gemv_split's choice).
-  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const GemvOut& outs, int n,
-                       int64_t in, int gshift, int64_t rows, int split) {
+  static Status launch(cudaStream_t st, const uint8_t* w, const int8_t* q, const float* d, const int8_t* xs,
+                       const GemvOut& outs, int n, int64_t in, int gshift, int64_t rows, int split) {
     const int sms = device_sms();
     // Blocks a multiprocessor holds: by its shared memory (two staged segments per warp), by registers.
     auto smem_of = [&](int s) { return static_cast<size_t>(kMaxWarps * 2 * (PAIRS ? 2 : 1) * segment_stage_bytes(T, in, s)); };
     auto by_smem = [&](int s) { return static_cast<int>(std::max<size_t>(1, (size_t{228} << 10) / (smem_of(s) + 1024))); };
     if (split == 0) {  // (by the 8-row kernel's residency: a row's split, so its numbers, the same whatever n)
-      const int64_t resident = int64_t{sms} * std::min(GemvVariant<T, 8, PAIRS>::template resident_blocks<false>(), by_smem(1)) * kMaxWarps;
+      const int64_t resident = int64_t{sms} * std::min(GemvVariant<T, 8, PAIRS, W>::template resident_blocks<false>(), by_smem(1)) * kMaxWarps;
       split = gemv_split(static_cast<int64_t>(nbytes_for(T, in)), in / static_cast<int64_t>(dtype_block_elems(T)), rows, resident);
     }
     const int64_t staged = segment_stage_bytes(T, in, split);
@@ -1607,10 +1669,10 @@ struct GemvVariant {
     const int64_t wanted = (rows + per_block - 1) / per_block;
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(wanted, int64_t{sms} * std::min(by_registers, by_smem(split)))));
     if (split > 1) {
-      launch_pdl(quant_gemv_kernel<T, N, PAIRS, true>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, outs, n, in, gshift,
-                 split, staged);
+      launch_pdl(quant_gemv_kernel<T, N, PAIRS, true, W>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, xs, outs, n, in,
+                 gshift, split, staged);
     } else {
-      launch_pdl(quant_gemv_kernel<T, N, PAIRS, false>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, outs, n, in,
+      launch_pdl(quant_gemv_kernel<T, N, PAIRS, false, W>, grid, dim3(kMaxWarps * 32), smem, st, w, q, d, xs, outs, n, in,
                  gshift, 1, staged);
     }
     return cuda_status(cudaGetLastError(), "quant_gemv_kernel");
@@ -1634,6 +1696,18 @@ Status launch_quant_mma_gemv(cudaStream_t st, const GemvOut& outs, const char* n
                                          int64_t{device_sms()} * per_sm, &per_block);
   launch_pdl(Kernel, dim3(grid), dim3(kQ4kWarps * 32), 0, st, args..., per_block);
   return cuda_status(cudaGetLastError(), name);
+}
+
+// Whether Q4_K's unit loop reads a unit as q4k_unit does (scales as words, x's unit sums from the
+// rounding: about half the instructions a unit of decode<kQ4_K>'s bytes and x's sums by dp4a,
+// where ncu found the one-session GEMVs issue-bound). COMBS_Q4K_UNIT_LOOP=words takes it; off by
+// default until it has run on a GPU (written in session 14, whose device calls found no machine).
+bool q4k_unit_words() {
+  static const bool words = [] {
+    const char* v = std::getenv("COMBS_Q4K_UNIT_LOOP");
+    return v && std::string_view(v) == "words";
+  }();
+  return words;
 }
 
 // The fewest rows of x that take q6k_mma_gemv_kernel (where a row is an even number of blocks);
@@ -1837,9 +1911,24 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
     return pairs ? launch_quant_mma_gemv<q6k_mma_gemv_kernel<true>>(st, outs, "q6k_mma_gemv_kernel", wp, q, d, outs, n, in)
                  : launch_quant_mma_gemv<q6k_mma_gemv_kernel<false>>(st, outs, "q6k_mma_gemv_kernel", wp, q, d, outs, n, in);
   }
+  if (w.dtype() == DType::kQ4_K && q4k_unit_words() && gshift == 3) {
+    const int8_t* xs = q + activation_sums_offset(n, in);
+    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, xs, outs, n, in, gshift, rows, 0); };
+    constexpr DType T = DType::kQ4_K;
+    if (pairs) {
+      if (n <= 1) return go(GemvVariant<T, 1, true, true>{});
+      if (n <= 2) return go(GemvVariant<T, 2, true, true>{});
+      if (n <= 4) return go(GemvVariant<T, 4, true, true>{});
+      return go(GemvVariant<T, 8, true, true>{});
+    }
+    if (n <= 1) return go(GemvVariant<T, 1, false, true>{});
+    if (n <= 2) return go(GemvVariant<T, 2, false, true>{});
+    if (n <= 4) return go(GemvVariant<T, 4, false, true>{});
+    return go(GemvVariant<T, 8, false, true>{});
+  }
   return for_block_type(w.dtype(), [&](auto tag) -> Status {
     constexpr DType T = decltype(tag)::value;
-    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, outs, n, in, gshift, rows, 0); };
+    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, nullptr, outs, n, in, gshift, rows, 0); };
     if (pairs) {
       if (n <= 1) return go(GemvVariant<T, 1, true>{});
       if (n <= 2) return go(GemvVariant<T, 2, true>{});
