@@ -73,23 +73,11 @@ bool cpu_int8_kernels() {
 
 }  // namespace
 
-// Files that llama.cpp's llama-quantize made from random f16 models (tests/data/models/README.md):
-// between them every block type, in per-tensor mixes as real files have.
-const char* const kQuantizedModels[] = {"tiny-mix-a.gguf", "qwen2-tiny-mix-b.gguf"};
-
 TEST_CASE("runner logits on block-quantized files agree with the float64 reference over the dequantized weights",
           "[model][quant]") {
   Rng rng(test_seed());
   INFO("seed " << rng.seed());
-  // The two mixes, then llama.cpp's presets (tests/data/models/presets: one type a file mostly,
-  // and the fallbacks of rows that are not whole K-quant blocks).
-  std::vector<std::string> files(std::begin(kQuantizedModels), std::end(kQuantizedModels));
-  std::vector<std::string> presets;
-  for (const auto& e : std::filesystem::directory_iterator(std::string(COMBS_TEST_DATA_DIR) + "/models/presets"))
-    if (e.path().extension() == ".gguf") presets.push_back("presets/" + e.path().filename().string());
-  std::sort(presets.begin(), presets.end());
-  CHECK(presets.size() == 20);
-  files.insert(files.end(), presets.begin(), presets.end());
+  const std::vector<std::string> files = quantized_test_models(COMBS_TEST_DATA_DIR);
   for (const std::string& file : files) {
     INFO(file);
     TinyModel m(ModelFile{std::string(COMBS_TEST_DATA_DIR) + "/models/" + file});
@@ -291,7 +279,7 @@ TEST_CASE("on every architecture the runner predicts llama.cpp's greedy tokens u
 TEST_CASE("a batch of sessions on a block-quantized file equals each alone", "[model][quant]") {
   RunnerOptions ro;
   ro.batch_invariant = true;
-  TinyModel m(ModelFile{std::string(COMBS_TEST_DATA_DIR) + "/models/" + kQuantizedModels[0]}, ro);
+  TinyModel m(ModelFile{std::string(COMBS_TEST_DATA_DIR) + "/models/tiny-mix-a.gguf"}, ro);
   Rng rng(test_seed());
   std::vector<std::vector<int32_t>> prompts;
   for (int s = 0; s < 5; ++s) prompts.push_back(random_tokens(rng, 3 + 4 * s, m.n_vocab()));

@@ -3,8 +3,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "combs/backend/cpu/cpu_backend.h"
 #include "combs/kv/contiguous_kv_cache.h"
@@ -60,5 +63,20 @@ struct TinyModel {
     pool = std::move(PagePool::create(backend, po)).value();
   }
 };
+
+// The block-quantized files of the test data, relative to data_dir/models: the two mixes that
+// llama.cpp's llama-quantize made (every block type, in per-tensor mixes as real files have), then
+// its 20 presets (data_dir/models/presets: one type a file mostly, Q4_K_M .. Q2_K of llama and
+// qwen2, and a shape whose rows fall back to Q5_0 / Q8_0 / IQ4_NL / Q4_0), sorted. README there.
+inline std::vector<std::string> quantized_test_models(const std::string& data_dir) {
+  std::vector<std::string> files = {"tiny-mix-a.gguf", "qwen2-tiny-mix-b.gguf"};
+  std::vector<std::string> presets;
+  for (const auto& e : std::filesystem::directory_iterator(data_dir + "/models/presets"))
+    if (e.path().extension() == ".gguf") presets.push_back("presets/" + e.path().filename().string());
+  std::sort(presets.begin(), presets.end());
+  CHECK(presets.size() == 20);
+  files.insert(files.end(), presets.begin(), presets.end());
+  return files;
+}
 
 }  // namespace combs::testing
