@@ -105,7 +105,7 @@ TEST_CASE("the cuda runner follows the cpu on block-quantized files under teache
   // be closer than the rounding). Both are fed the CPU's tokens. The files: the two custom mixes
   // (every block type) and llama.cpp's 20 presets (tests/data/models/presets: Q4_K_M .. Q2_K of
   // llama and qwen2, and a shape whose rows fall back to Q5_0 / Q8_0 / IQ4_NL / Q4_0).
-  const std::vector<std::string> files = quantized_test_models(COMBS_TEST_DATA_DIR);
+  const std::vector<std::string> files = combs::testing::quantized_test_models(COMBS_TEST_DATA_DIR);
   constexpr double kTolerance = 5e-2;
   std::vector<float> lc, lg;
   for (const std::string& file : files) {

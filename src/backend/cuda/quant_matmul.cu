@@ -276,9 +276,10 @@ __device__ __forceinline__ float q4k_unit_dot(const Q4kUnit& U, const int (&xv)[
   return U.d * static_cast<float>(s >> U.shift) - U.m * static_cast<float>(xsum);
 }
 
-// Unit u's sum of x's levels from quantize_activations' unit sums (groups of 256; g: the group).
-__device__ __forceinline__ int unit_xsum(const int8_t* __restrict__ xs, int64_t row_groups_at, int u) {
-  return static_cast<int>(__ldg(xs + row_groups_at * 16 + u)) + 128 * static_cast<int>(__ldg(xs + row_groups_at * 16 + 8 + u));
+// Unit u's sum of x's levels from quantize_activations' unit sums, in the group of 256 (8 units)
+// at index group of xs (x's row times its groups, plus the group within the row).
+__device__ __forceinline__ int unit_xsum(const int8_t* __restrict__ xs, int64_t group, int u) {
+  return static_cast<int>(__ldg(xs + group * 16 + u)) + 128 * static_cast<int>(__ldg(xs + group * 16 + 8 + u));
 }
 
 // Unit gu (32 elements) of row xr of quantize_activations' x: its int8 levels, four to an int,
