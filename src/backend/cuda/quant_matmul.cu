@@ -1874,6 +1874,19 @@ Status for_mma_variant(DType t, int n, F&& f) {
   });
 }
 
+// go(GemvVariant<T, N, pairs, W>{}) for the fewest rows N of 1, 2, 4, 8 that hold n.
+template <DType T, bool W, typename Go>
+Status gemv_by_rows(bool pairs, int n, const Go& go) {
+  auto by_n = [&](auto p) -> Status {
+    constexpr bool P = decltype(p)::value;
+    if (n <= 1) return go(GemvVariant<T, 1, P, W>{});
+    if (n <= 2) return go(GemvVariant<T, 2, P, W>{});
+    if (n <= 4) return go(GemvVariant<T, 4, P, W>{});
+    return go(GemvVariant<T, 8, P, W>{});
+  };
+  return pairs ? by_n(std::true_type{}) : by_n(std::false_type{});
+}
+
 }  // namespace
 
 Status quantize_activations(cudaStream_t st, const float* x, int64_t n, int64_t in, const float* norm_w, float eps,
@@ -1912,35 +1925,13 @@ Status quant_gemv(cudaStream_t st, const Tensor& w, const void* xq, int n, const
     return pairs ? launch_quant_mma_gemv<q6k_mma_gemv_kernel<true>>(st, outs, "q6k_mma_gemv_kernel", wp, q, d, outs, n, in)
                  : launch_quant_mma_gemv<q6k_mma_gemv_kernel<false>>(st, outs, "q6k_mma_gemv_kernel", wp, q, d, outs, n, in);
   }
-  if (w.dtype() == DType::kQ4_K && q4k_unit_words() && gshift == 3) {
-    const int8_t* xs = q + activation_sums_offset(n, in);
-    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, xs, outs, n, in, gshift, rows, 0); };
-    constexpr DType T = DType::kQ4_K;
-    if (pairs) {
-      if (n <= 1) return go(GemvVariant<T, 1, true, true>{});
-      if (n <= 2) return go(GemvVariant<T, 2, true, true>{});
-      if (n <= 4) return go(GemvVariant<T, 4, true, true>{});
-      return go(GemvVariant<T, 8, true, true>{});
-    }
-    if (n <= 1) return go(GemvVariant<T, 1, false, true>{});
-    if (n <= 2) return go(GemvVariant<T, 2, false, true>{});
-    if (n <= 4) return go(GemvVariant<T, 4, false, true>{});
-    return go(GemvVariant<T, 8, false, true>{});
-  }
-  return for_block_type(w.dtype(), [&](auto tag) -> Status {
-    constexpr DType T = decltype(tag)::value;
-    auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, nullptr, outs, n, in, gshift, rows, 0); };
-    if (pairs) {
-      if (n <= 1) return go(GemvVariant<T, 1, true>{});
-      if (n <= 2) return go(GemvVariant<T, 2, true>{});
-      if (n <= 4) return go(GemvVariant<T, 4, true>{});
-      return go(GemvVariant<T, 8, true>{});
-    }
-    if (n <= 1) return go(GemvVariant<T, 1, false>{});
-    if (n <= 2) return go(GemvVariant<T, 2, false>{});
-    if (n <= 4) return go(GemvVariant<T, 4, false>{});
-    return go(GemvVariant<T, 8, false>{});
-  });
+  // The unit loop (quant_gemv_kernel): Q4_K reads words where q4k_unit_words() (x's unit sums
+  // from the rounding, so groups of 256).
+  const bool words = w.dtype() == DType::kQ4_K && q4k_unit_words() && gshift == 3;
+  const int8_t* xs = words ? q + activation_sums_offset(n, in) : nullptr;
+  auto go = [&](auto variant) { return decltype(variant)::launch(st, wp, q, d, xs, outs, n, in, gshift, rows, 0); };
+  if (words) return gemv_by_rows<DType::kQ4_K, true>(pairs, n, go);
+  return for_block_type(w.dtype(), [&](auto tag) -> Status { return gemv_by_rows<decltype(tag)::value, false>(pairs, n, go); });
 }
 
 namespace {
