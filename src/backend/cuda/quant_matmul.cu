@@ -1701,12 +1701,13 @@ Status launch_quant_mma_gemv(cudaStream_t st, const GemvOut& outs, const char* n
 
 // Whether Q4_K's unit loop reads a unit as q4k_unit does (scales as words, x's unit sums from the
 // rounding: about half the instructions a unit of decode<kQ4_K>'s bytes and x's sums by dp4a,
-// where ncu found the one-session GEMVs issue-bound). COMBS_Q4K_UNIT_LOOP=words takes it; off by
-// default until it has run on a GPU (written in session 14, whose device calls found no machine).
+// where ncu found the one-session GEMVs issue-bound) — the default; COMBS_Q4K_UNIT_LOOP=bytes
+// takes the bytes. H100, llama-8b Q4_K_M, tok/s words vs bytes (session 15, alternated in one
+// call): one session 337 / 338 vs 332 / 332; 2 sessions 524 vs 520; 3: 614 vs 611; 8: 1,384 vs 1,381.
 bool q4k_unit_words() {
   static const bool words = [] {
     const char* v = std::getenv("COMBS_Q4K_UNIT_LOOP");
-    return v && std::string_view(v) == "words";
+    return !(v && std::string_view(v) == "bytes");
   }();
   return words;
 }
@@ -1714,10 +1715,10 @@ bool q4k_unit_words() {
 // The fewest rows of x that take q6k_mma_gemv_kernel (where a row is an even number of blocks);
 // fewer take the unit loop. H100, llama-8b Q4_K_M (its output, and V and down of half the layers,
 // are Q6_K), tok/s unit loop vs this kernel: 8 sessions 1,166 / 1,169 vs 1,384 / 1,382; 4: 726 vs
-// 772; one session 333 / 335 vs 315 (2 and 3 not measured: Q4_K's threshold). COMBS_Q6K_MMA_ROWS
-// (1-9) overrides it (9: never).
+// 772; 3: 611 vs 648; 2: 520 vs 518; one session 333 / 335 vs 315. COMBS_Q6K_MMA_ROWS (1-9)
+// overrides it (9: never).
 int q6k_mma_rows() {
-  static const int rows = rows_from_env("COMBS_Q6K_MMA_ROWS", 4);
+  static const int rows = rows_from_env("COMBS_Q6K_MMA_ROWS", 3);
   return rows;
 }
 

@@ -7,9 +7,8 @@
 // as the CPU's int8 kernels round it (combs/backend/cpu/kernels/quant_dot.h: d = max|x| / 127 per
 // group of 256, or of 32 where the row is not whole groups of 256), then each warp reads one weight
 // row's blocks once and sums int8 products (dp4a) per 16 weights, scaled by the blocks' scales:
-// the bandwidth of the quantized bytes, and the CPU's rounding of x. Q4_K (and Q6_K, with
-// COMBS_Q6K_MMA_ROWS: off until measured) from quant_gemv_mma_min_rows rows: int8 tensor cores
-// with the rows of x as the mma's n side.
+// the bandwidth of the quantized bytes, and the CPU's rounding of x. Q4_K (from 4 rows) and Q6_K
+// (from 3) on int8 tensor cores with the rows of x as the mma's n side.
 // Batches up to kQuantMmaMaxRows: for the super-block formats (Q2_K-Q6_K, IQ4_XS: quant_imma) x
 // rounded to 8 bits as decode rounds it and int8 tensor cores on the blocks' integer levels and
 // scales (exact integer sums, one float step a block); for the others (quant_mma) x rounded to
