@@ -51,14 +51,19 @@ def cpu_main(out, labels, rounds):
     print("| model | weights | workload | combs tok/s | peer tok/s | combs / peer | combs / bound | peer / bound |\n"
           "|---|---|---|---|---|---|---|---|")
     for d in labels:
-        prompt, decode, ratio, shape = ([], []), ([], []), [], "?"
+        prompt, decode, ratio, shape, dtype = ([], []), ([], []), [], "?", "?"
         for r in range(1, rounds + 1):
             try:
-                row = None
+                # The row of combs-bench model's table, by its header's names (columns come and go).
+                header, row = None, None
                 for line in open(f"{out}/combs-{d}-{r}.md"):
+                    if not line.startswith("|"):
+                        continue
                     cells = [c.strip() for c in line.strip().strip("|").split("|")]
-                    if len(cells) >= 9 and cells[0] not in ("model", "---") and not cells[0].startswith("-"):
-                        row = cells
+                    if cells[0] == "model":
+                        header = cells
+                    elif header and len(cells) == len(header) and not cells[0].startswith("-"):
+                        row = dict(zip(header, cells))
                 if row is None:
                     raise ValueError(f"combs-{d}-{r}.md: no row")
                 pp = bench_json(f"{out}/peer-prompt-{d}-{r}.json")
@@ -66,20 +71,20 @@ def cpu_main(out, labels, rounds):
             except (OSError, ValueError, KeyError) as e:
                 print(f"<!-- round {r} {d}: {e} -->")
                 continue
-            bound = float(row[7])  # decode bound tok/s, from the read bandwidth measured in the same run
-            shape = row[0]
-            prompt[0].append(float(row[4]))
+            bound = float(row["decode bound tok/s"])  # from the read bandwidth measured in the same run
+            shape, dtype = row["model"], row["dtype"]
+            prompt[0].append(float(row["prompt tok/s"]))
             prompt[1].append(max(v for (n, g, _), v in pp.items() if n == 512 and g == 0))
-            decode[0].append(float(row[5]))
+            decode[0].append(float(row["decode tok/s"]))
             decode[1].append(max(v for (n, g, _), v in tg.items() if g == 128))
-            ratio.append((float(row[5]) / bound, decode[1][-1] / bound))
+            ratio.append((decode[0][-1] / bound, decode[1][-1] / bound))
         if not ratio:
             continue
         med = statistics.median
         for name, (cv, pv), br in (("prompt 512", prompt, None), ("decode 128 after 512", decode, ratio)):
             cm, pm = med(cv), med(pv)
             tail = f"{med(b[0] for b in br):.2f} | {med(b[1] for b in br):.2f} |" if br else "- | - |"
-            print(f"| {shape} | {row[1]} | {name} | {cm:,.2f} | {pm:,.2f} | {cm / pm:.2f} | {tail}")
+            print(f"| {shape} | {dtype} | {name} | {cm:,.2f} | {pm:,.2f} | {cm / pm:.2f} | {tail}")
     print(f"\n(medians over {rounds} interleaved rounds; each round: per weight type combs, then the peer, same file)")
 
 
